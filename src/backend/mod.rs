@@ -1,0 +1,140 @@
+//! Where column bytes live: the [`Backend`] trait and the choice between its implementations.
+//!
+//! The store above never touches memory directly. It hands the backend host record batches
+//! (decoded from `DoPut`) and gets back [`Partition`]s, opaque handles to data held wherever the
+//! backend keeps it: host memory for [`host::HostBackend`], GPU memory for the CUDA backend. Reading
+//! a partition back is asynchronous because for a device it means a device-to-host copy; uploading
+//! is asynchronous for the same reason in the other direction. Both return `'static` futures that
+//! own what they need, so the caller can keep several in flight and overlap copies with network
+//! I/O.
+
+pub mod host;
+
+use std::fmt;
+use std::sync::Arc;
+
+use arrow::record_batch::RecordBatch;
+use futures::future::BoxFuture;
+
+pub use host::HostBackend;
+
+/// What can go wrong below the store. Each variant says which gRPC code it becomes in
+/// `crate::error`.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The device has no room for an allocation of this size.
+    #[error("device {device} is out of memory: could not allocate {requested} bytes")]
+    OutOfMemory { device: u32, requested: u64 },
+    /// The data uses a type this backend cannot hold.
+    #[error("column type {data_type} cannot be stored by the {backend} backend")]
+    UnsupportedType {
+        backend: &'static str,
+        data_type: String,
+    },
+    /// A row range outside the partition: a bug in the caller, never client input.
+    #[error("rows {offset}..{end} are outside a partition of {rows} rows", end = offset + len)]
+    RowsOutOfRange {
+        offset: usize,
+        len: usize,
+        rows: usize,
+    },
+    /// The device or its driver failed.
+    #[error("device failure: {0}")]
+    Device(String),
+}
+
+/// One memory space the backend can place data in, as reported by `status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: u32,
+    pub name: String,
+    /// Capacity of the memory space, if known.
+    pub total_bytes: Option<u64>,
+}
+
+/// A place to keep datasets: host memory or a GPU.
+pub trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// Short name shown in logs and `status`: `host` or `cuda`.
+    fn name(&self) -> &'static str;
+
+    /// The memory spaces this backend can place data in. Never empty.
+    fn devices(&self) -> Vec<DeviceInfo>;
+
+    /// How many bytes `upload` of this batch will take on the device. The store reserves this
+    /// much against its memory budget before uploading, so a put that does not fit fails before
+    /// anything is allocated.
+    fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError>;
+
+    /// Copies a host batch into backend memory on `device`. The returned future owns the batch
+    /// and may run the copy on another task; dropping it releases whatever it allocated.
+    fn upload(
+        &self,
+        device: u32,
+        batch: RecordBatch,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
+
+    /// Backend-specific counters for `status` (e.g. stream synchronizations), as JSON.
+    fn counters(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
+}
+
+/// One uploaded record batch, held in backend memory until the last reference is dropped.
+pub trait Partition: Send + Sync + fmt::Debug {
+    fn num_rows(&self) -> usize;
+
+    /// Bytes of backend memory this partition holds.
+    fn bytes(&self) -> u64;
+
+    /// Copies rows `offset..offset + len` back into a host record batch.
+    fn read(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
+}
+
+/// The `--backend` choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// CUDA where a driver and a device exist, otherwise host memory.
+    Auto,
+    /// Host memory.
+    Host,
+    /// GPU memory through the CUDA driver.
+    Cuda,
+}
+
+/// Why the requested backend could not be started.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SelectError(String);
+
+/// Starts the backend `choice` asks for. `auto` never fails: it falls back to host memory and
+/// says why in the log.
+pub fn select(choice: BackendChoice) -> Result<Arc<dyn Backend>, SelectError> {
+    match choice {
+        BackendChoice::Host => Ok(Arc::new(HostBackend::new())),
+        BackendChoice::Cuda => Err(SelectError(
+            "the cuda backend is not available in this build of gpu-flight; \
+             run with --backend host (or auto)"
+                .to_owned(),
+        )),
+        BackendChoice::Auto => {
+            tracing::info!(
+                backend = "host",
+                reason = "this build has no CUDA backend",
+                "backend selected"
+            );
+            Ok(Arc::new(HostBackend::new()))
+        }
+    }
+}
+
+/// Checks a row range against a partition's length.
+pub(crate) fn check_rows(offset: usize, len: usize, rows: usize) -> Result<(), BackendError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= rows => Ok(()),
+        _ => Err(BackendError::RowsOutOfRange { offset, len, rows }),
+    }
+}

@@ -1,0 +1,107 @@
+//! How many bytes of Arrow buffers a record batch really references.
+//!
+//! Arrow's own measures answer other questions: `get_buffer_memory_size` counts whole shared
+//! buffers (a slice of a 1 GiB batch reports 1 GiB), and `get_slice_memory_size` counts the whole
+//! child of a sliced list. Splitting `DoGet` replies to a message size and accounting memory both
+//! need the bytes a slice would occupy if written out, which is what this module computes.
+
+use arrow::array::ArrayData;
+use arrow::datatypes::DataType;
+use arrow::record_batch::RecordBatch;
+
+/// Bytes the batch's columns occupy when written compactly (validity, offsets, values, children),
+/// without alignment padding.
+pub fn batch_bytes(batch: &RecordBatch) -> u64 {
+    batch
+        .columns()
+        .iter()
+        .map(|column| array_bytes(&column.to_data()))
+        .sum()
+}
+
+/// Bytes one array occupies when written compactly; see [`batch_bytes`].
+pub fn array_bytes(data: &ArrayData) -> u64 {
+    let len = data.len();
+    let validity = if data.nulls().is_some() {
+        len.div_ceil(8) as u64
+    } else {
+        0
+    };
+    let nested = match data.data_type() {
+        DataType::List(_) | DataType::Map(_, _) => Some(list_bytes::<i32>(data)),
+        DataType::LargeList(_) => Some(list_bytes::<i64>(data)),
+        DataType::FixedSizeList(_, size) => {
+            let size = usize::try_from(*size).unwrap_or(0);
+            let child = &data.child_data()[0];
+            Some(array_bytes(&child.slice(data.offset() * size, len * size)))
+        }
+        DataType::Struct(_) => Some(
+            data.child_data()
+                .iter()
+                .map(|child| array_bytes(&child.slice(data.offset(), len)))
+                .sum(),
+        ),
+        DataType::Dictionary(key_type, _) => {
+            let keys = (len * key_type.primitive_width().unwrap_or(8)) as u64;
+            let values: u64 = data.child_data().iter().map(array_bytes).sum();
+            Some(keys + values)
+        }
+        _ => None,
+    };
+    match nested {
+        Some(bytes) => validity + bytes,
+        // Leaf layouts (and the rare nested ones handled above only approximately, such as
+        // unions) are measured by Arrow itself, which is exact for them.
+        None => data
+            .get_slice_memory_size()
+            .map(|b| b as u64)
+            .unwrap_or_else(|_| data.get_buffer_memory_size() as u64),
+    }
+}
+
+fn list_bytes<O: arrow::array::OffsetSizeTrait>(data: &ArrayData) -> u64 {
+    let len = data.len();
+    let offsets = data.buffer::<O>(0);
+    let offsets = &offsets[data.offset()..=data.offset() + len];
+    let start = offsets[0].as_usize();
+    let end = offsets[len].as_usize();
+    let own = ((len + 1) * std::mem::size_of::<O>()) as u64;
+    own + array_bytes(&data.child_data()[0].slice(start, end - start))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{Array, Int64Array, ListArray, StringArray};
+    use arrow::datatypes::Int64Type;
+
+    use super::*;
+
+    #[test]
+    fn sliced_primitive_counts_only_the_slice() {
+        let array = Int64Array::from_iter_values(0..1000);
+        assert_eq!(array_bytes(&array.to_data()), 8000);
+        assert_eq!(array_bytes(&array.slice(10, 20).to_data()), 160);
+    }
+
+    #[test]
+    fn sliced_strings_count_their_own_characters() {
+        let array = StringArray::from(vec![Some("a"), None, Some("bbbb"), Some("cc")]);
+        // 5 offsets of 4 bytes, 7 characters, 1 validity byte.
+        assert_eq!(array_bytes(&array.to_data()), 20 + 7 + 1);
+        let slice = array.slice(1, 2);
+        assert_eq!(array_bytes(&slice.to_data()), 12 + 4 + 1);
+    }
+
+    #[test]
+    fn sliced_list_counts_only_its_child_range() {
+        let list = ListArray::from_iter_primitive::<Int64Type, _, _>(
+            (0..100).map(|i| Some(vec![Some(i); 10])),
+        );
+        let whole = array_bytes(&list.to_data());
+        assert_eq!(whole, 101 * 4 + 1000 * 8);
+        let slice: Arc<dyn Array> = Arc::new(list.slice(50, 2));
+        assert_eq!(array_bytes(&slice.to_data()), 3 * 4 + 20 * 8);
+    }
+}

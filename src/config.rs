@@ -1,0 +1,125 @@
+//! Command-line flags, each also readable from a `GPU_FLIGHT_*` environment variable.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use clap::{Args, Parser, Subcommand};
+
+use crate::backend::BackendChoice;
+use crate::flight::FlightOptions;
+use crate::store::StoreOptions;
+
+/// gpu-flight: an Arrow Flight server that keeps datasets in GPU memory (or host memory where
+/// there is no GPU).
+#[derive(Debug, Parser)]
+#[command(name = "gpu-flight", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Flags for `serve`, which is also what a bare `gpu-flight` does.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve Arrow Flight (the default).
+    Serve(ServeArgs),
+}
+
+impl Cli {
+    /// The serve flags, whichever way they were given.
+    pub fn into_serve_args(self) -> ServeArgs {
+        match self.command {
+            Some(Command::Serve(args)) => args,
+            None => self.serve,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on; port 0 picks a free port (the chosen address is printed).
+    #[arg(long, env = "GPU_FLIGHT_LISTEN", default_value = "127.0.0.1:8815")]
+    pub listen: SocketAddr,
+
+    /// Where datasets live: `auto` picks cuda where a driver and a device exist, else host.
+    #[arg(long, env = "GPU_FLIGHT_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+
+    /// Most bytes of datasets each device may hold, e.g. `8GiB` or `1000000`; default: the
+    /// device's capacity. A put beyond it fails with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT")]
+    pub memory_limit: Option<ByteSize>,
+
+    /// Rows per endpoint in GetFlightInfo; clients read endpoints in parallel.
+    #[arg(long, env = "GPU_FLIGHT_ROWS_PER_ENDPOINT", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub rows_per_endpoint: u64,
+
+    /// Largest FlightData message DoGet sends (keep it under clients' 4 MiB gRPC default).
+    #[arg(long, env = "GPU_FLIGHT_MAX_MESSAGE_BYTES", default_value = "2MiB")]
+    pub max_message_bytes: ByteSize,
+
+    /// Seconds running streams get to finish after SIGINT/SIGTERM before the server exits.
+    #[arg(long, env = "GPU_FLIGHT_SHUTDOWN_GRACE", default_value_t = 30)]
+    pub shutdown_grace_seconds: u64,
+}
+
+impl ServeArgs {
+    pub fn store_options(&self) -> StoreOptions {
+        StoreOptions {
+            memory_limit: self.memory_limit.map(|b| b.as_u64()),
+        }
+    }
+
+    pub fn flight_options(&self) -> FlightOptions {
+        FlightOptions {
+            rows_per_endpoint: self.rows_per_endpoint,
+            max_message_bytes: usize::try_from(self.max_message_bytes.as_u64())
+                .unwrap_or(usize::MAX),
+            ..FlightOptions::default()
+        }
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace_seconds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_invocation_serves_with_defaults() {
+        let args = Cli::parse_from(["gpu-flight"]).into_serve_args();
+        assert_eq!(args.listen.port(), 8815);
+        assert_eq!(args.backend, BackendChoice::Auto);
+        assert_eq!(args.flight_options().max_message_bytes, 2 << 20);
+    }
+
+    #[test]
+    fn serve_subcommand_and_sizes_parse() {
+        let args = Cli::parse_from([
+            "gpu-flight",
+            "serve",
+            "--memory-limit",
+            "1GiB",
+            "--backend",
+            "host",
+            "--max-message-bytes",
+            "1048576",
+        ])
+        .into_serve_args();
+        assert_eq!(args.store_options().memory_limit, Some(1 << 30));
+        assert_eq!(args.backend, BackendChoice::Host);
+        assert_eq!(args.flight_options().max_message_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn zero_rows_per_endpoint_is_refused() {
+        assert!(Cli::try_parse_from(["gpu-flight", "--rows-per-endpoint", "0"]).is_err());
+    }
+}

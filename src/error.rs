@@ -1,0 +1,105 @@
+//! The protocol-level error and the one place that decides which gRPC code a client sees.
+//!
+//! Each layer has its own error type (`BackendError`, `StoreError`, and this [`Error`] for the
+//! protocol); they nest by `#[from]`. [`From<Error> for Status`] matches every variant of all
+//! three without a catch-all arm, so adding a variant anywhere forces a decision about its code.
+//! Client mistakes are logged at `info`, server faults at `warn`.
+
+use tonic::{Code, Status};
+
+use crate::backend::BackendError;
+use crate::store::StoreError;
+
+/// Longest message sent in a Status; schemas in mismatch errors can be long.
+const MAX_MESSAGE_BYTES: usize = 4096;
+
+/// Everything a Flight request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid descriptor: {0}")]
+    InvalidDescriptor(String),
+    #[error("invalid ticket: {0}")]
+    InvalidTicket(String),
+    #[error("invalid request body: {0}")]
+    InvalidCommand(String),
+    #[error("invalid Arrow IPC data: {0}")]
+    InvalidIpc(String),
+    #[error("unknown action '{0}'; ListActions lists the actions this server offers")]
+    UnknownAction(String),
+    #[error("{0} is not supported by gpu-flight")]
+    Unsupported(&'static str),
+    #[error("the client stream broke off: {0}")]
+    ClientGone(String),
+    #[error("the server is shutting down; retry against another server or after it restarts")]
+    ShuttingDown,
+    #[error("internal error (a bug in gpu-flight, please report it): {0}")]
+    Internal(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<BackendError> for Error {
+    fn from(error: BackendError) -> Self {
+        Self::Store(StoreError::Backend(error))
+    }
+}
+
+impl Error {
+    fn code(&self) -> Code {
+        match self {
+            Self::InvalidDescriptor(_)
+            | Self::InvalidTicket(_)
+            | Self::InvalidCommand(_)
+            | Self::InvalidIpc(_) => Code::InvalidArgument,
+            Self::UnknownAction(_) | Self::Unsupported(_) => Code::Unimplemented,
+            Self::ClientGone(_) => Code::Cancelled,
+            Self::ShuttingDown => Code::Unavailable,
+            Self::Internal(_) => Code::Internal,
+            Self::Store(error) => store_code(error),
+        }
+    }
+}
+
+fn store_code(error: &StoreError) -> Code {
+    match error {
+        StoreError::NotFound { .. } | StoreError::StaleVersion { .. } => Code::NotFound,
+        StoreError::AlreadyExists { .. } => Code::AlreadyExists,
+        StoreError::SchemaMismatch { .. }
+        | StoreError::SchemaChanged { .. }
+        | StoreError::MissingSchema
+        | StoreError::RowsOutOfRange { .. } => Code::InvalidArgument,
+        StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,
+        StoreError::NoSuchDevice { .. } => Code::Internal,
+        StoreError::Backend(error) => backend_code(error),
+    }
+}
+
+fn backend_code(error: &BackendError) -> Code {
+    match error {
+        BackendError::OutOfMemory { .. } => Code::ResourceExhausted,
+        BackendError::UnsupportedType { .. } => Code::InvalidArgument,
+        BackendError::RowsOutOfRange { .. } | BackendError::Device(_) => Code::Internal,
+    }
+}
+
+impl From<Error> for Status {
+    fn from(error: Error) -> Self {
+        let code = error.code();
+        let mut message = error.to_string();
+        if message.len() > MAX_MESSAGE_BYTES {
+            let mut end = MAX_MESSAGE_BYTES;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+            message.push_str("...");
+        }
+        match code {
+            Code::Internal | Code::Unknown | Code::DataLoss => {
+                tracing::warn!(%message, ?code, "request failed")
+            }
+            _ => tracing::info!(%message, ?code, "request refused"),
+        }
+        Status::new(code, message)
+    }
+}

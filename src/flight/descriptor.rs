@@ -1,0 +1,134 @@
+//! Dataset names and the descriptors that carry them.
+//!
+//! A dataset is named by a PATH descriptor of exactly one element. `DoPut` also takes a CMD
+//! descriptor holding JSON `{"name": "...", "mode": "create" | "replace" | "append"}` so a client
+//! can choose what happens to an existing dataset.
+
+use arrow_flight::FlightDescriptor;
+use arrow_flight::flight_descriptor::DescriptorType;
+
+use crate::error::Error;
+use crate::store::PutMode;
+
+/// Longest dataset name, in bytes of UTF-8.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// Checks that `raw` is a valid dataset name: non-empty UTF-8 of at most [`MAX_NAME_BYTES`]
+/// bytes without control characters.
+pub fn parse_name(raw: &[u8]) -> Result<String, Error> {
+    let name = std::str::from_utf8(raw)
+        .map_err(|_| Error::InvalidDescriptor("dataset names must be UTF-8".to_owned()))?;
+    if name.is_empty() {
+        return Err(Error::InvalidDescriptor(
+            "dataset names must not be empty".to_owned(),
+        ));
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(Error::InvalidDescriptor(format!(
+            "dataset names are at most {MAX_NAME_BYTES} bytes; this one has {}",
+            name.len()
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::InvalidDescriptor(
+            "dataset names must not contain control characters".to_owned(),
+        ));
+    }
+    Ok(name.to_owned())
+}
+
+/// The dataset a PATH descriptor names (GetFlightInfo, GetSchema).
+pub fn dataset_name(descriptor: &FlightDescriptor) -> Result<String, Error> {
+    match DescriptorType::try_from(descriptor.r#type) {
+        Ok(DescriptorType::Path) => match descriptor.path.as_slice() {
+            [name] => parse_name(name.as_bytes()),
+            path => Err(Error::InvalidDescriptor(format!(
+                "a dataset is named by a PATH descriptor of exactly one element; this one has {}",
+                path.len()
+            ))),
+        },
+        _ => Err(Error::InvalidDescriptor(
+            "name the dataset with a PATH descriptor, e.g. FlightDescriptor.for_path(\"name\")"
+                .to_owned(),
+        )),
+    }
+}
+
+/// The dataset and mode a `DoPut` descriptor asks for. PATH means `create`.
+pub fn put_target(descriptor: Option<&FlightDescriptor>) -> Result<(String, PutMode), Error> {
+    let Some(descriptor) = descriptor else {
+        return Err(Error::InvalidDescriptor(
+            "the first DoPut message must carry a flight descriptor naming the dataset".to_owned(),
+        ));
+    };
+    match DescriptorType::try_from(descriptor.r#type) {
+        Ok(DescriptorType::Cmd) => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct PutCommand {
+                name: String,
+                #[serde(default = "create")]
+                mode: PutMode,
+            }
+            fn create() -> PutMode {
+                PutMode::Create
+            }
+            let command: PutCommand = serde_json::from_slice(&descriptor.cmd).map_err(|e| {
+                Error::InvalidCommand(format!(
+                    "DoPut CMD must be JSON {{\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\"}}: {e}"
+                ))
+            })?;
+            Ok((parse_name(command.name.as_bytes())?, command.mode))
+        }
+        _ => Ok((dataset_name(descriptor)?, PutMode::Create)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert_eq!(parse_name(b"trips").expect("valid"), "trips");
+        assert_eq!(
+            parse_name("données/2024".as_bytes()).expect("valid"),
+            "données/2024"
+        );
+        for bad in [&b""[..], b"a\nb", b"\xff", &[b'x'; 257][..]] {
+            assert!(matches!(parse_name(bad), Err(Error::InvalidDescriptor(_))));
+        }
+        assert!(parse_name(&[b'x'; 256]).is_ok());
+    }
+
+    #[test]
+    fn put_commands_choose_a_mode() {
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "mode": "append"}"#);
+        assert_eq!(
+            put_target(Some(&cmd)).expect("valid"),
+            ("t".to_owned(), PutMode::Append)
+        );
+        let path = FlightDescriptor::new_path(vec!["t".to_owned()]);
+        assert_eq!(
+            put_target(Some(&path)).expect("valid"),
+            ("t".to_owned(), PutMode::Create)
+        );
+        for bad in [
+            r#"{"name": "t", "mode": "upsert"}"#,
+            "not json",
+            r#"{"mode": "create"}"#,
+        ] {
+            let cmd = FlightDescriptor::new_cmd(bad.to_owned());
+            assert!(matches!(
+                put_target(Some(&cmd)),
+                Err(Error::InvalidCommand(_))
+            ));
+        }
+        let two = FlightDescriptor::new_path(vec!["a".to_owned(), "b".to_owned()]);
+        assert!(matches!(
+            put_target(Some(&two)),
+            Err(Error::InvalidDescriptor(_))
+        ));
+        assert!(matches!(put_target(None), Err(Error::InvalidDescriptor(_))));
+    }
+}

@@ -1,0 +1,316 @@
+//! The Arrow Flight protocol: the `FlightService` implementation and the pieces it parses.
+//!
+//! Handlers are thin: parse the request (descriptor, ticket or action), call the store, encode
+//! the answer. Each returns `Result<_, Error>` internally and converts once, in
+//! `crate::error`, to the gRPC status a client sees.
+//!
+//! - [`descriptor`]: dataset names and `DoPut` commands.
+//! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
+//! - [`action`]: the custom actions (`drop`, `status`).
+//! - `put` and `get`: the `DoPut` ingest loop and `DoGet` message encoding.
+
+pub mod action;
+pub mod descriptor;
+mod get;
+mod put;
+pub mod ticket;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightEndpoint, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaAsIpc, SchemaResult, Ticket,
+};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::Error;
+use crate::store::{Dataset, Store};
+use action::ActionRequest;
+use ticket::TicketRequest;
+
+/// Protocol settings.
+#[derive(Debug, Clone)]
+pub struct FlightOptions {
+    /// Rows per endpoint in `GetFlightInfo`, so clients can read partitions in parallel.
+    pub rows_per_endpoint: u64,
+    /// Largest FlightData message `DoGet` sends.
+    pub max_message_bytes: usize,
+    /// Bytes a `DoGet` reads from the backend at a time (one device-to-host copy).
+    pub read_chunk_bytes: u64,
+    /// Chunk reads kept in flight ahead of the encoder.
+    pub read_prefetch: usize,
+    /// `DoPut` batches being uploaded while more are received.
+    pub put_pipeline_depth: usize,
+}
+
+impl Default for FlightOptions {
+    fn default() -> Self {
+        Self {
+            rows_per_endpoint: 1 << 20,
+            max_message_bytes: 2 << 20,
+            read_chunk_bytes: 16 << 20,
+            read_prefetch: 2,
+            put_pipeline_depth: 4,
+        }
+    }
+}
+
+/// Set once the server starts shutting down; new requests are then refused with UNAVAILABLE
+/// while streams already running finish.
+#[derive(Debug, Clone, Default)]
+pub struct Lifecycle(Arc<AtomicBool>);
+
+impl Lifecycle {
+    pub fn begin_shutdown(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Builds the gRPC service over `store`. Client messages of any size are accepted (pyarrow
+/// sends each record batch as one message); replies are bounded by `max_message_bytes`.
+pub fn make_server(
+    store: Store,
+    options: FlightOptions,
+    lifecycle: Lifecycle,
+) -> FlightServiceServer<impl FlightService> {
+    FlightServiceServer::new(Service {
+        store,
+        options,
+        lifecycle,
+    })
+    .max_decoding_message_size(usize::MAX)
+    .max_encoding_message_size(usize::MAX)
+}
+
+#[derive(Debug)]
+struct Service {
+    store: Store,
+    options: FlightOptions,
+    lifecycle: Lifecycle,
+}
+
+type Stream<T> = BoxStream<'static, Result<T, Status>>;
+
+impl Service {
+    fn ensure_serving(&self) -> Result<(), Error> {
+        if self.lifecycle.is_shutting_down() {
+            Err(Error::ShuttingDown)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn flight_info(&self, dataset: &Dataset) -> Result<FlightInfo, Error> {
+        let rows = dataset.num_rows();
+        let step = self.options.rows_per_endpoint.max(1);
+        let mut info = FlightInfo::new()
+            .try_with_schema(&dataset.schema())
+            .map_err(|e| Error::Internal(format!("encoding schema: {e}")))?
+            .with_descriptor(FlightDescriptor::new_path(vec![dataset.name().to_owned()]))
+            .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
+            .with_total_bytes(i64::try_from(dataset.bytes()).unwrap_or(i64::MAX))
+            .with_ordered(true);
+        let mut start = 0;
+        loop {
+            let end = rows.min(start + step);
+            let ticket = ticket::encode(dataset.name(), dataset.version(), start..end);
+            info = info.with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)));
+            start = end;
+            if start >= rows {
+                break;
+            }
+        }
+        Ok(info)
+    }
+
+    fn do_get_stream(&self, ticket: &Ticket) -> Result<Stream<FlightData>, Error> {
+        let (dataset, rows) = match ticket::decode(&ticket.ticket)? {
+            TicketRequest::Whole { name } => {
+                let dataset = self.store.get(&name)?;
+                let rows = 0..dataset.num_rows();
+                (dataset, rows)
+            }
+            TicketRequest::Rows {
+                name,
+                version,
+                rows,
+            } => {
+                let dataset = self.store.get(&name)?;
+                if dataset.version() != version {
+                    return Err(crate::store::StoreError::StaleVersion {
+                        name,
+                        ticket: version,
+                        current: dataset.version(),
+                    }
+                    .into());
+                }
+                (dataset, rows)
+            }
+        };
+        tracing::debug!(dataset = dataset.name(), ?rows, "DoGet");
+        let batches = dataset.read(
+            rows,
+            self.options.read_chunk_bytes,
+            self.options.read_prefetch,
+        )?;
+        Ok(get::encode(
+            batches,
+            dataset.schema(),
+            self.options.max_message_bytes,
+        ))
+    }
+
+    fn run_action(&self, action: &Action) -> Result<serde_json::Value, Error> {
+        match action::parse(action)? {
+            ActionRequest::Drop { name } => {
+                let dataset = self.store.remove(&name)?;
+                tracing::info!(dataset = %name, bytes = dataset.bytes(), "dataset dropped");
+                Ok(serde_json::json!({
+                    "name": name,
+                    "rows": dataset.num_rows(),
+                    "bytes": dataset.bytes(),
+                }))
+            }
+            ActionRequest::Status => Ok(action::status_json(&self.store.status())),
+        }
+    }
+}
+
+fn one<T: Send + 'static>(item: T) -> Stream<T> {
+    futures::stream::once(futures::future::ready(Ok(item))).boxed()
+}
+
+#[tonic::async_trait]
+impl FlightService for Service {
+    type HandshakeStream = Stream<HandshakeResponse>;
+    type ListFlightsStream = Stream<FlightInfo>;
+    type DoGetStream = Stream<FlightData>;
+    type DoPutStream = Stream<PutResult>;
+    type DoExchangeStream = Stream<FlightData>;
+    type DoActionStream = Stream<arrow_flight::Result>;
+    type ListActionsStream = Stream<ActionType>;
+
+    async fn handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        Err(Error::Unsupported("Handshake (this server has no authentication)").into())
+    }
+
+    async fn list_flights(
+        &self,
+        request: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        self.ensure_serving()?;
+        let expression = request.into_inner().expression;
+        let prefix = std::str::from_utf8(&expression).map_err(|_| {
+            Error::InvalidCommand("ListFlights criteria is a UTF-8 dataset name prefix".to_owned())
+        })?;
+        let infos: Vec<_> = self
+            .store
+            .list(prefix)
+            .iter()
+            .map(|dataset| self.flight_info(dataset).map_err(Status::from))
+            .collect();
+        Ok(Response::new(futures::stream::iter(infos).boxed()))
+    }
+
+    async fn get_flight_info(
+        &self,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        self.ensure_serving()?;
+        let name = descriptor::dataset_name(request.get_ref())?;
+        let dataset = self.store.get(&name).map_err(Error::from)?;
+        Ok(Response::new(self.flight_info(&dataset)?))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        Err(
+            Error::Unsupported("PollFlightInfo (datasets are always complete; use GetFlightInfo)")
+                .into(),
+        )
+    }
+
+    async fn get_schema(
+        &self,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        self.ensure_serving()?;
+        let name = descriptor::dataset_name(request.get_ref())?;
+        let dataset = self.store.get(&name).map_err(Error::from)?;
+        let options = IpcWriteOptions::default();
+        let result = SchemaAsIpc::new(&dataset.schema(), &options)
+            .try_into()
+            .map_err(|e: arrow::error::ArrowError| {
+                Error::Internal(format!("encoding schema: {e}"))
+            })?;
+        Ok(Response::new(result))
+    }
+
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
+        self.ensure_serving()?;
+        Ok(Response::new(self.do_get_stream(request.get_ref())?))
+    }
+
+    async fn do_put(
+        &self,
+        request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        self.ensure_serving()?;
+        let summary = put::receive(
+            &self.store,
+            request.into_inner(),
+            self.options.put_pipeline_depth,
+        )
+        .await?;
+        let metadata = serde_json::to_vec(&summary)
+            .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?;
+        Ok(Response::new(one(PutResult {
+            app_metadata: metadata.into(),
+        })))
+    }
+
+    async fn do_exchange(
+        &self,
+        _request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        Err(Error::Unsupported("DoExchange").into())
+    }
+
+    async fn do_action(
+        &self,
+        request: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        self.ensure_serving()?;
+        let result = self.run_action(request.get_ref())?;
+        let body = serde_json::to_vec(&result)
+            .map_err(|e| Error::Internal(format!("encoding action result: {e}")))?;
+        Ok(Response::new(one(arrow_flight::Result {
+            body: body.into(),
+        })))
+    }
+
+    async fn list_actions(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        let actions = action::action_types().into_iter().map(Ok);
+        Ok(Response::new(futures::stream::iter(actions).boxed()))
+    }
+}

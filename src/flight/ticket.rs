@@ -1,0 +1,138 @@
+//! Tickets: what `DoGet` reads.
+//!
+//! The server issues opaque tickets in `GetFlightInfo`, one per endpoint. Each names a dataset,
+//! the version it was issued for, and a row range; a reader of several endpoints therefore never
+//! mixes rows of two versions (a stale ticket is refused, the client asks again). The encoding
+//! starts with a NUL byte and a format version: NUL can never begin a dataset name, so `DoGet`
+//! also accepts a bare dataset name as a ticket (what pyarrow users type, `Ticket(b"name")`)
+//! without ambiguity.
+
+use std::ops::Range;
+
+use bytes::Bytes;
+
+use super::descriptor::parse_name;
+use crate::error::Error;
+
+const MAGIC: &[u8] = b"\0gpu-flight-ticket/";
+const FORMAT_VERSION: u32 = 1;
+
+/// What a ticket asks `DoGet` for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TicketRequest {
+    /// The whole current version of a dataset (a bare name).
+    Whole { name: String },
+    /// Rows of one version of a dataset (a server-issued ticket).
+    Rows {
+        name: String,
+        version: u64,
+        rows: Range<u64>,
+    },
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TicketBody {
+    name: String,
+    version: u64,
+    start: u64,
+    end: u64,
+}
+
+/// Encodes a server-issued ticket.
+pub fn encode(name: &str, version: u64, rows: Range<u64>) -> Bytes {
+    let body = TicketBody {
+        name: name.to_owned(),
+        version,
+        start: rows.start,
+        end: rows.end,
+    };
+    let mut ticket = format!("{}{FORMAT_VERSION}\n", String::from_utf8_lossy(MAGIC)).into_bytes();
+    // Serializing a struct of strings and integers cannot fail.
+    ticket.extend(serde_json::to_vec(&body).unwrap_or_default());
+    Bytes::from(ticket)
+}
+
+/// Decodes a ticket: a server-issued one, or a bare dataset name.
+pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
+    let Some(rest) = ticket.strip_prefix(MAGIC) else {
+        return parse_name(ticket)
+            .map(|name| TicketRequest::Whole { name })
+            .map_err(|e| {
+                Error::InvalidTicket(format!(
+                    "a ticket is either one issued by GetFlightInfo or a dataset name ({e})"
+                ))
+            });
+    };
+    let newline = rest.iter().position(|&b| b == b'\n');
+    let (version, body) = match newline {
+        Some(at) => (&rest[..at], &rest[at + 1..]),
+        None => return Err(Error::InvalidTicket("truncated ticket".to_owned())),
+    };
+    if version != FORMAT_VERSION.to_string().as_bytes() {
+        return Err(Error::InvalidTicket(format!(
+            "ticket format {} is not supported by this server (it issues format {FORMAT_VERSION}); \
+             call GetFlightInfo for a fresh ticket",
+            String::from_utf8_lossy(version)
+        )));
+    }
+    let body: TicketBody = serde_json::from_slice(body)
+        .map_err(|e| Error::InvalidTicket(format!("corrupt ticket: {e}")))?;
+    if body.start > body.end {
+        return Err(Error::InvalidTicket(format!(
+            "corrupt ticket: row range {}..{} is reversed",
+            body.start, body.end
+        )));
+    }
+    Ok(TicketRequest::Rows {
+        name: parse_name(body.name.as_bytes())?,
+        version: body.version,
+        rows: body.start..body.end,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn issued_tickets_round_trip() {
+        let ticket = encode("trips", 7, 10..20);
+        assert_eq!(
+            decode(&ticket).expect("valid"),
+            TicketRequest::Rows {
+                name: "trips".to_owned(),
+                version: 7,
+                rows: 10..20
+            }
+        );
+    }
+
+    #[test]
+    fn bare_names_are_whole_datasets() {
+        assert_eq!(
+            decode(b"trips").expect("valid"),
+            TicketRequest::Whole {
+                name: "trips".to_owned()
+            }
+        );
+    }
+
+    #[test]
+    fn corrupt_tickets_are_rejected() {
+        let mut ticket = encode("trips", 7, 10..20).to_vec();
+        ticket.truncate(ticket.len() - 3);
+        for bad in [
+            ticket,
+            b"\0gpu-flight-ticket/9\n{}".to_vec(),
+            b"\0gpu-flight-ticket/1".to_vec(),
+            b"".to_vec(),
+            b"\x01x".to_vec(),
+        ] {
+            assert!(
+                matches!(decode(&bad), Err(Error::InvalidTicket(_))),
+                "{bad:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,7 @@
+pub mod backend;
+pub mod batch_size;
+pub mod config;
+pub mod error;
+pub mod flight;
+pub mod server;
+pub mod store;

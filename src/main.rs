@@ -1,0 +1,86 @@
+//! The `gpu-flight` binary: flags → tracing → backend → store → server.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::Parser;
+use gpu_flight::config::Cli;
+use gpu_flight::server::{self, ServeOptions};
+use gpu_flight::store::Store;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Cli::parse().into_serve_args();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let backend = match gpu_flight::backend::select(args.backend) {
+        Ok(backend) => backend,
+        Err(error) => {
+            eprintln!(
+                "gpu-flight: cannot start the {:?} backend: {error}",
+                args.backend
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            eprintln!("gpu-flight: cannot listen on {}: {error}", args.listen);
+            return ExitCode::from(2);
+        }
+    };
+    let address = listener
+        .local_addr()
+        .map_or_else(|_| args.listen.to_string(), |a| a.to_string());
+    let backend_name = backend.name();
+    let store = Store::new(backend, args.store_options());
+    // Scripts and tests read this line to learn the port when listening on port 0.
+    println!("gpu-flight serving on grpc://{address} (backend: {backend_name})");
+    let _ = std::io::stdout().flush();
+    tracing::info!(%address, backend = backend_name, "serving");
+
+    let options = ServeOptions {
+        flight: args.flight_options(),
+        grace: args.shutdown_grace(),
+    };
+    match server::run(listener, store, options, shutdown_signal()).await {
+        Ok(()) => {
+            tracing::info!("stopped");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("gpu-flight: server failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}

@@ -1,0 +1,173 @@
+//! A committed dataset: a schema plus partitions held by the backend, immutable once built.
+//!
+//! Datasets are shared as `Arc<Dataset>`. A reader clones the `Arc` and keeps it for the life of
+//! its stream, so a `drop` or `replace` removes the name from the catalog at once while every
+//! stream already reading finishes with the data it started on; the memory is returned when the
+//! last reader is done. `append` builds a new `Dataset` that shares the old partitions.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use arrow::datatypes::SchemaRef;
+use arrow::record_batch::RecordBatch;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryFutureExt};
+
+use super::StoreError;
+use super::memory::Reservation;
+use crate::backend::Partition;
+
+/// A partition together with the memory reservation that pays for it.
+#[derive(Clone)]
+pub(crate) struct StoredPartition {
+    pub(crate) data: Arc<dyn Partition>,
+    pub(crate) reservation: Arc<Reservation>,
+}
+
+impl fmt::Debug for StoredPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoredPartition")
+            .field("rows", &self.data.num_rows())
+            .field("bytes", &self.reservation.bytes())
+            .finish()
+    }
+}
+
+/// An immutable, committed dataset.
+#[derive(Debug)]
+pub struct Dataset {
+    name: String,
+    schema: SchemaRef,
+    version: u64,
+    partitions: Vec<StoredPartition>,
+    /// `row_starts[i]` is the first row of partition i; the last entry is the row count.
+    row_starts: Vec<u64>,
+    bytes: u64,
+}
+
+impl Dataset {
+    pub(crate) fn new(
+        name: String,
+        schema: SchemaRef,
+        version: u64,
+        partitions: Vec<StoredPartition>,
+    ) -> Self {
+        let mut row_starts = Vec::with_capacity(partitions.len() + 1);
+        let mut rows = 0u64;
+        row_starts.push(0);
+        for partition in &partitions {
+            rows += partition.data.num_rows() as u64;
+            row_starts.push(rows);
+        }
+        let bytes = partitions.iter().map(|p| p.reservation.bytes()).sum();
+        Self {
+            name,
+            schema,
+            version,
+            partitions,
+            row_starts,
+            bytes,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+
+    /// Changes with every commit to this name; tickets carry it so that a reader never mixes
+    /// rows of two versions.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn num_rows(&self) -> u64 {
+        self.row_starts.last().copied().unwrap_or(0)
+    }
+
+    pub fn num_partitions(&self) -> usize {
+        self.partitions.len()
+    }
+
+    /// Bytes of backend memory the dataset holds.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub(crate) fn partitions(&self) -> &[StoredPartition] {
+        &self.partitions
+    }
+
+    /// Streams rows `rows` as host record batches of roughly `chunk_bytes` each, keeping up to
+    /// `prefetch` chunk reads in flight so that device-to-host copies overlap with whatever the
+    /// consumer does with the previous chunk. The stream holds the dataset alive.
+    pub fn read(
+        self: &Arc<Self>,
+        rows: Range<u64>,
+        chunk_bytes: u64,
+        prefetch: usize,
+    ) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+        if rows.start > rows.end || rows.end > self.num_rows() {
+            return Err(StoreError::RowsOutOfRange {
+                name: self.name.clone(),
+                start: rows.start,
+                end: rows.end,
+                rows: self.num_rows(),
+            });
+        }
+        let chunks = self.plan_chunks(rows, chunk_bytes.max(1));
+        let dataset = Arc::clone(self);
+        let stream = futures::stream::iter(chunks)
+            .map(move |chunk| {
+                dataset.partitions[chunk.partition]
+                    .data
+                    .read(chunk.offset, chunk.len)
+                    .map_err(StoreError::from)
+            })
+            .buffered(prefetch.max(1));
+        Ok(stream.boxed())
+    }
+
+    /// Splits a row range into per-partition chunks of about `chunk_bytes`.
+    fn plan_chunks(&self, rows: Range<u64>, chunk_bytes: u64) -> Vec<Chunk> {
+        let mut chunks = Vec::new();
+        for (index, partition) in self.partitions.iter().enumerate() {
+            let first = self.row_starts[index];
+            let end = self.row_starts[index + 1];
+            let start = rows.start.max(first);
+            let stop = rows.end.min(end);
+            if start >= stop {
+                continue;
+            }
+            let partition_rows = (end - first).max(1);
+            let bytes_per_row = partition
+                .reservation
+                .bytes()
+                .div_ceil(partition_rows)
+                .max(1);
+            let rows_per_chunk = (chunk_bytes / bytes_per_row).max(1);
+            let mut offset = start;
+            while offset < stop {
+                let len = rows_per_chunk.min(stop - offset);
+                chunks.push(Chunk {
+                    partition: index,
+                    offset: (offset - first) as usize,
+                    len: len as usize,
+                });
+                offset += len;
+            }
+        }
+        chunks
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    partition: usize,
+    offset: usize,
+    len: usize,
+}

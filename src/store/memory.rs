@@ -1,0 +1,148 @@
+//! Memory accounting: a byte budget per device, and RAII reservations against it.
+//!
+//! Every byte a dataset (or a put still in flight) holds is covered by a [`Reservation`]. The
+//! reservation is released when it is dropped, so a put that fails or a client that vanishes
+//! returns its memory by construction, with no cleanup path to forget. Counters are atomics:
+//! reservations are taken per incoming batch on many tasks and must never block.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::StoreError;
+
+/// Byte budgets for each device of the backend.
+#[derive(Debug)]
+pub struct MemoryBudget {
+    devices: Vec<DeviceBudget>,
+}
+
+#[derive(Debug)]
+struct DeviceBudget {
+    limit: Option<u64>,
+    used: AtomicU64,
+}
+
+impl MemoryBudget {
+    /// One budget per device; `limits[i]` is device i's limit (`None`: unlimited).
+    pub fn new(limits: Vec<Option<u64>>) -> Arc<Self> {
+        Arc::new(Self {
+            devices: limits
+                .into_iter()
+                .map(|limit| DeviceBudget {
+                    limit,
+                    used: AtomicU64::new(0),
+                })
+                .collect(),
+        })
+    }
+
+    /// Reserves `bytes` on `device`, or fails without reserving anything.
+    pub fn try_reserve(
+        self: &Arc<Self>,
+        device: u32,
+        bytes: u64,
+    ) -> Result<Reservation, StoreError> {
+        let budget = self.device(device)?;
+        let mut used = budget.used.load(Ordering::Relaxed);
+        loop {
+            let wanted = used.saturating_add(bytes);
+            if let Some(limit) = budget.limit
+                && wanted > limit
+            {
+                return Err(StoreError::MemoryExhausted {
+                    device,
+                    requested: bytes,
+                    used,
+                    limit,
+                });
+            }
+            match budget.used.compare_exchange_weak(
+                used,
+                wanted,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    return Ok(Reservation {
+                        budget: Arc::clone(self),
+                        device,
+                        bytes,
+                    });
+                }
+                Err(actual) => used = actual,
+            }
+        }
+    }
+
+    /// Bytes reserved on `device` now: committed datasets plus puts in flight.
+    pub fn used(&self, device: u32) -> u64 {
+        self.devices
+            .get(device as usize)
+            .map_or(0, |d| d.used.load(Ordering::Acquire))
+    }
+
+    /// The limit of `device`, if any.
+    pub fn limit(&self, device: u32) -> Option<u64> {
+        self.devices.get(device as usize).and_then(|d| d.limit)
+    }
+
+    fn device(&self, device: u32) -> Result<&DeviceBudget, StoreError> {
+        self.devices
+            .get(device as usize)
+            .ok_or(StoreError::NoSuchDevice { device })
+    }
+}
+
+/// Bytes held against a device budget until dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<MemoryBudget>,
+    device: u32,
+    bytes: u64,
+}
+
+impl Reservation {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(budget) = self.budget.devices.get(self.device as usize) {
+            budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_respect_the_limit_and_return_on_drop() {
+        let budget = MemoryBudget::new(vec![Some(100)]);
+        let a = budget.try_reserve(0, 60).expect("fits");
+        assert!(matches!(
+            budget.try_reserve(0, 50),
+            Err(StoreError::MemoryExhausted {
+                used: 60,
+                limit: 100,
+                ..
+            })
+        ));
+        assert_eq!(budget.used(0), 60);
+        drop(a);
+        assert_eq!(budget.used(0), 0);
+        let _b = budget.try_reserve(0, 100).expect("fits after release");
+    }
+
+    #[test]
+    fn unknown_device_is_an_error() {
+        let budget = MemoryBudget::new(vec![None]);
+        assert!(matches!(
+            budget.try_reserve(3, 1),
+            Err(StoreError::NoSuchDevice { device: 3 })
+        ));
+    }
+}

@@ -1,0 +1,406 @@
+//! The catalog of datasets, the put lifecycle and memory accounting.
+//!
+//! The store knows nothing of gRPC: it takes names, schemas and host record batches, and hands
+//! out [`Dataset`]s. It owns three rules the protocol relies on:
+//!
+//! - **Atomic puts.** A [`PendingPut`] collects uploaded partitions privately. Only
+//!   [`PendingPut::commit`] makes them visible, in one catalog operation; dropping a pending put
+//!   (bad input, a vanished client, shutdown) frees everything it uploaded.
+//! - **Budgets.** Every partition is paid for by a [`memory::Reservation`] taken *before* the
+//!   upload, so a put beyond the memory limit fails without disturbing other datasets.
+//! - **Snapshot reads.** Datasets are immutable; readers hold an `Arc`, so `drop`, `replace` and
+//!   `append` never cut a running stream short.
+//!
+//! The catalog is a `DashMap`: lookups from many concurrent `DoGet`s never contend on one lock,
+//! and no shard lock is ever held across an `.await`.
+
+mod dataset;
+pub mod memory;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use arrow::datatypes::SchemaRef;
+use arrow::record_batch::RecordBatch;
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
+use futures::future::BoxFuture;
+use futures::{FutureExt, TryFutureExt};
+
+pub use dataset::Dataset;
+use dataset::StoredPartition;
+use memory::MemoryBudget;
+
+use crate::backend::{Backend, BackendError, DeviceInfo};
+
+/// What can go wrong in the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("dataset '{name}' does not exist")]
+    NotFound { name: String },
+    #[error(
+        "dataset '{name}' already exists; put with mode \"replace\" or \"append\", or drop it first"
+    )]
+    AlreadyExists { name: String },
+    #[error(
+        "cannot append to dataset '{name}': its schema is {existing} but the put sends {incoming}; \
+         append needs identical fields"
+    )]
+    SchemaMismatch {
+        name: String,
+        existing: String,
+        incoming: String,
+    },
+    #[error("the put changed its schema mid-stream from {first} to {second}")]
+    SchemaChanged { first: String, second: String },
+    #[error("the put sent record batches before a schema")]
+    MissingSchema,
+    #[error(
+        "memory limit reached on device {device}: the put needs {requested} more bytes, \
+         {used} of {limit} are in use; drop datasets or raise --memory-limit"
+    )]
+    MemoryExhausted {
+        device: u32,
+        requested: u64,
+        used: u64,
+        limit: u64,
+    },
+    #[error("no device {device} in this backend")]
+    NoSuchDevice { device: u32 },
+    #[error(
+        "dataset '{name}' changed since this ticket was issued (ticket version {ticket}, now {current}); \
+         call GetFlightInfo again for fresh tickets"
+    )]
+    StaleVersion {
+        name: String,
+        ticket: u64,
+        current: u64,
+    },
+    #[error("rows {start}..{end} are outside dataset '{name}', which has {rows} rows")]
+    RowsOutOfRange {
+        name: String,
+        start: u64,
+        end: u64,
+        rows: u64,
+    },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// How a put treats an existing dataset of the same name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PutMode {
+    /// Fail with ALREADY_EXISTS if the name is taken.
+    Create,
+    /// Swap the dataset atomically; readers of the old one finish undisturbed.
+    Replace,
+    /// Add rows to the dataset (creating it if absent); the fields must be identical.
+    Append,
+}
+
+/// Settings the store needs from the configuration.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    /// Bytes each device may hold; `None` leaves only the device's own capacity.
+    pub memory_limit: Option<u64>,
+}
+
+/// The catalog of datasets over one backend. Cheap to clone: all clones share the catalog.
+#[derive(Debug, Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    backend: Arc<dyn Backend>,
+    budget: Arc<MemoryBudget>,
+    catalog: DashMap<String, Arc<Dataset>>,
+    next_version: AtomicU64,
+}
+
+/// A snapshot of what the store holds, for the `status` action.
+#[derive(Debug, Clone)]
+pub struct StoreStatus {
+    pub backend: &'static str,
+    pub devices: Vec<DeviceStatus>,
+    pub datasets: usize,
+    pub bytes: u64,
+    pub counters: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One device's memory as the store accounts it.
+#[derive(Debug, Clone)]
+pub struct DeviceStatus {
+    pub info: DeviceInfo,
+    /// The budget: `--memory-limit`, else the device's capacity.
+    pub limit_bytes: Option<u64>,
+    /// Bytes reserved: committed datasets and puts in flight.
+    pub used_bytes: u64,
+}
+
+/// What a committed put reports back to the client.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PutSummary {
+    pub name: String,
+    pub mode: PutMode,
+    /// Rows and bytes this put added.
+    pub rows: u64,
+    pub bytes: u64,
+    /// The dataset's size after the commit.
+    pub total_rows: u64,
+    pub total_bytes: u64,
+}
+
+impl Store {
+    pub fn new(backend: Arc<dyn Backend>, options: StoreOptions) -> Self {
+        let limits = backend
+            .devices()
+            .iter()
+            .map(|device| match (options.memory_limit, device.total_bytes) {
+                (Some(limit), Some(total)) => Some(limit.min(total)),
+                (limit, total) => limit.or(total),
+            })
+            .collect();
+        Self {
+            inner: Arc::new(Inner {
+                budget: MemoryBudget::new(limits),
+                backend,
+                catalog: DashMap::new(),
+                next_version: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// The dataset named `name`.
+    pub fn get(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+        self.inner
+            .catalog
+            .get(name)
+            .map(|entry| Arc::clone(entry.value()))
+            .ok_or_else(|| StoreError::NotFound {
+                name: name.to_owned(),
+            })
+    }
+
+    /// Datasets whose names start with `prefix`, sorted by name.
+    pub fn list(&self, prefix: &str) -> Vec<Arc<Dataset>> {
+        let mut datasets: Vec<_> = self
+            .inner
+            .catalog
+            .iter()
+            .filter(|entry| entry.key().starts_with(prefix))
+            .map(|entry| Arc::clone(entry.value()))
+            .collect();
+        datasets.sort_by(|a, b| a.name().cmp(b.name()));
+        datasets
+    }
+
+    /// Removes `name` from the catalog. Its memory returns once running reads finish.
+    pub fn remove(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+        self.inner
+            .catalog
+            .remove(name)
+            .map(|(_, dataset)| dataset)
+            .ok_or_else(|| StoreError::NotFound {
+                name: name.to_owned(),
+            })
+    }
+
+    /// Starts a put. `create` fails here already if the name is taken, so a client learns it
+    /// before sending any data; the check is repeated atomically at commit.
+    pub fn begin_put(&self, name: String, mode: PutMode) -> Result<PendingPut, StoreError> {
+        if mode == PutMode::Create && self.inner.catalog.contains_key(&name) {
+            return Err(StoreError::AlreadyExists { name });
+        }
+        Ok(PendingPut {
+            store: self.clone(),
+            name,
+            mode,
+            device: 0,
+            schema: None,
+            partitions: Vec::new(),
+            rows: 0,
+        })
+    }
+
+    pub fn status(&self) -> StoreStatus {
+        let inner = &self.inner;
+        let devices = inner
+            .backend
+            .devices()
+            .into_iter()
+            .enumerate()
+            .map(|(index, info)| DeviceStatus {
+                info,
+                limit_bytes: inner.budget.limit(index as u32),
+                used_bytes: inner.budget.used(index as u32),
+            })
+            .collect();
+        let (datasets, bytes) = inner
+            .catalog
+            .iter()
+            .fold((0, 0), |(n, b), e| (n + 1, b + e.value().bytes()));
+        StoreStatus {
+            backend: inner.backend.name(),
+            devices,
+            datasets,
+            bytes,
+            counters: inner.backend.counters(),
+        }
+    }
+
+    fn next_version(&self) -> u64 {
+        self.inner.next_version.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A put in progress: uploaded partitions that nobody else can see yet.
+#[derive(Debug)]
+pub struct PendingPut {
+    store: Store,
+    name: String,
+    mode: PutMode,
+    device: u32,
+    schema: Option<SchemaRef>,
+    partitions: Vec<StoredPartition>,
+    rows: u64,
+}
+
+/// An upload running in the backend; resolve it and pass the result to [`PendingPut::add`].
+pub type Upload = BoxFuture<'static, Result<UploadedPartition, StoreError>>;
+
+/// A partition uploaded for a pending put.
+#[derive(Debug)]
+pub struct UploadedPartition(StoredPartition);
+
+impl PendingPut {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Records the schema the client declared. A repeated identical schema is accepted; a
+    /// different one fails the put. For `append` the fields must match the existing dataset.
+    pub fn declare_schema(&mut self, schema: SchemaRef) -> Result<(), StoreError> {
+        if let Some(first) = &self.schema {
+            if first.as_ref() != schema.as_ref() {
+                return Err(StoreError::SchemaChanged {
+                    first: first.to_string(),
+                    second: schema.to_string(),
+                });
+            }
+            return Ok(());
+        }
+        if self.mode == PutMode::Append
+            && let Ok(existing) = self.store.get(&self.name)
+        {
+            check_append_schema(&existing, &schema)?;
+        }
+        self.schema = Some(schema);
+        Ok(())
+    }
+
+    /// Reserves memory for `batch` and starts uploading it. Returns `None` for an empty batch,
+    /// which holds nothing. The reservation is made before the upload starts, so a batch that
+    /// does not fit fails here with nothing allocated.
+    pub fn upload(&mut self, batch: RecordBatch) -> Result<Option<Upload>, StoreError> {
+        if self.schema.is_none() {
+            return Err(StoreError::MissingSchema);
+        }
+        if batch.num_rows() == 0 {
+            return Ok(None);
+        }
+        let backend = Arc::clone(&self.store.inner.backend);
+        let bytes = backend.stored_size(&batch)?;
+        let reservation = Arc::new(self.store.inner.budget.try_reserve(self.device, bytes)?);
+        self.rows += batch.num_rows() as u64;
+        let upload = backend
+            .upload(self.device, batch)
+            .map_err(StoreError::from)
+            .map_ok(move |data| UploadedPartition(StoredPartition { data, reservation }))
+            .boxed();
+        Ok(Some(upload))
+    }
+
+    /// Adds a finished upload to the put.
+    pub fn add(&mut self, uploaded: UploadedPartition) {
+        self.partitions.push(uploaded.0);
+    }
+
+    /// Makes the put visible in one catalog operation, or fails leaving the catalog untouched.
+    pub fn commit(self) -> Result<PutSummary, StoreError> {
+        let Some(schema) = self.schema else {
+            return Err(StoreError::MissingSchema);
+        };
+        let store = self.store;
+        let version = store.next_version();
+        let bytes: u64 = self.partitions.iter().map(|p| p.reservation.bytes()).sum();
+        let summary = |dataset: &Dataset| PutSummary {
+            name: dataset.name().to_owned(),
+            mode: self.mode,
+            rows: self.rows,
+            bytes,
+            total_rows: dataset.num_rows(),
+            total_bytes: dataset.bytes(),
+        };
+        let fresh = |partitions| {
+            Arc::new(Dataset::new(
+                self.name.clone(),
+                schema.clone(),
+                version,
+                partitions,
+            ))
+        };
+        let catalog = &store.inner.catalog;
+        let committed = match (self.mode, catalog.entry(self.name.clone())) {
+            (PutMode::Create, Entry::Occupied(_)) => {
+                return Err(StoreError::AlreadyExists { name: self.name });
+            }
+            (PutMode::Append, Entry::Occupied(mut entry)) => {
+                let existing = entry.get();
+                check_append_schema(existing, &schema)?;
+                let mut partitions = existing.partitions().to_vec();
+                partitions.extend(self.partitions);
+                let dataset = Arc::new(Dataset::new(
+                    self.name.clone(),
+                    existing.schema(),
+                    version,
+                    partitions,
+                ));
+                entry.insert(Arc::clone(&dataset));
+                dataset
+            }
+            (PutMode::Replace, Entry::Occupied(mut entry)) => {
+                let dataset = fresh(self.partitions);
+                entry.insert(Arc::clone(&dataset));
+                dataset
+            }
+            (_, Entry::Vacant(entry)) => {
+                let dataset = fresh(self.partitions);
+                entry.insert(Arc::clone(&dataset));
+                dataset
+            }
+        };
+        Ok(summary(&committed))
+    }
+}
+
+/// `append` needs the same fields (names, types, nullability, field metadata). Schema-level
+/// metadata may differ: pandas, for one, writes each frame's index range there.
+fn check_append_schema(existing: &Dataset, incoming: &SchemaRef) -> Result<(), StoreError> {
+    let existing_schema = existing.schema();
+    if existing_schema.fields() == incoming.fields() {
+        Ok(())
+    } else {
+        Err(StoreError::SchemaMismatch {
+            name: existing.name().to_owned(),
+            existing: existing_schema.to_string(),
+            incoming: incoming.to_string(),
+        })
+    }
+}

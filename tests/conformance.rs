@@ -1,0 +1,759 @@
+//! The conformance suite: the whole Flight protocol, written once and run against every backend.
+//!
+//! Each scenario is an async function taking a backend; `conformance!` instantiates all of them
+//! for one backend. The host backend runs everywhere; the CUDA backend's instantiation is
+//! `#[ignore = "needs a CUDA device"]` and runs on the GPU machine with `--include-ignored`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{Array, ArrayRef, DictionaryArray, Int64Array};
+use arrow::datatypes::{DataType, Field, Int32Type, Schema};
+use arrow::record_batch::RecordBatch;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::{FlightData, Ticket};
+use common::*;
+use futures::{StreamExt, TryStreamExt};
+use gpu_flight::backend::Backend;
+use gpu_flight::flight::FlightOptions;
+use gpu_flight::server::ServeOptions;
+use gpu_flight::store::StoreOptions;
+use prost::Message;
+use tonic::Code;
+
+type MakeBackend = fn() -> Arc<dyn Backend>;
+
+macro_rules! conformance {
+    ($module:ident, $make:expr $(, #[$attr:meta])*) => {
+        mod $module {
+            use super::*;
+            conformance!(@tests $make, [$(#[$attr])*];
+                every_type_round_trips,
+                put_modes_create_replace_append,
+                append_with_other_fields_leaves_dataset_untouched,
+                invalid_descriptors_are_invalid_argument,
+                unknown_names_are_not_found,
+                tickets_are_checked,
+                endpoints_split_rows_and_sizes_are_real,
+                memory_limit_is_resource_exhausted_and_others_survive,
+                vanished_client_leaves_no_trace,
+                malformed_ipc_mid_stream_leaves_no_trace,
+                schema_change_mid_stream_is_refused,
+                small_receive_limit_reads_100_mb,
+                messages_stay_under_the_limit,
+                parallel_clients,
+                drop_and_replace_during_a_read_let_it_finish,
+                list_flights_and_actions,
+                dictionaries_keep_their_encoding,
+                empty_tables_and_zero_row_batches,
+                sliced_batches_round_trip,
+                shutdown_lets_running_streams_finish,
+            );
+        }
+    };
+    (@tests $make:expr, [$($attr:tt)*]; $test:ident, $($rest:ident,)*) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        $($attr)*
+        async fn $test() {
+            super::$test($make).await;
+        }
+        conformance!(@tests $make, [$($attr)*]; $($rest,)*);
+    };
+    (@tests $make:expr, [$($attr:tt)*];) => {};
+}
+
+conformance!(host, || Arc::new(gpu_flight::backend::HostBackend::new()));
+
+async fn every_type_round_trips(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batches = vec![all_types_batch(100), all_types_batch(37)];
+    let summary = put(&mut client, path("types"), batches.clone())
+        .await
+        .expect("put");
+    assert_eq!(summary["name"], "types");
+    assert_eq!(summary["rows"], 137);
+    assert!(summary["bytes"].as_u64().expect("bytes") > 0);
+    assert_same_data(&batches, &get_all(&mut client, "types").await.expect("get"));
+    assert_same_data(
+        &batches,
+        &get_by_name(&mut client, "types")
+            .await
+            .expect("get by name"),
+    );
+    let schema = client.get_schema(path("types")).await.expect("schema");
+    assert_eq!(&schema, batches[0].schema().as_ref());
+    server.shutdown_and_wait().await;
+}
+
+async fn put_modes_create_replace_append(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let first = int64_batch(100, 3, 0);
+    put(&mut client, path("t"), vec![first.clone()])
+        .await
+        .expect("create");
+    let again = put(&mut client, path("t"), vec![first.clone()])
+        .await
+        .expect_err("taken");
+    assert_eq!(code_of(&again), Code::AlreadyExists);
+    let again = put(&mut client, cmd("t", "create"), vec![first.clone()])
+        .await
+        .expect_err("taken");
+    assert_eq!(code_of(&again), Code::AlreadyExists);
+
+    let second = int64_batch(50, 3, 1000);
+    let summary = put(&mut client, cmd("t", "append"), vec![second.clone()])
+        .await
+        .expect("append");
+    assert_eq!(summary["rows"], 50);
+    assert_eq!(summary["total_rows"], 150);
+    assert_same_data(
+        &[first.clone(), second.clone()],
+        &get_all(&mut client, "t").await.expect("get"),
+    );
+
+    let replacement = int64_batch(10, 2, 7);
+    put(&mut client, cmd("t", "replace"), vec![replacement.clone()])
+        .await
+        .expect("replace");
+    assert_same_data(
+        &[replacement],
+        &get_all(&mut client, "t").await.expect("get"),
+    );
+
+    put(&mut client, cmd("fresh", "append"), vec![first.clone()])
+        .await
+        .expect("append creates");
+    put(&mut client, cmd("fresh2", "replace"), vec![first.clone()])
+        .await
+        .expect("replace creates");
+    assert_eq!(status(&mut client).await["datasets"], 3);
+    server.shutdown_and_wait().await;
+}
+
+async fn append_with_other_fields_leaves_dataset_untouched(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let original = int64_batch(100, 3, 0);
+    put(&mut client, path("t"), vec![original.clone()])
+        .await
+        .expect("create");
+    let used = used_bytes(&mut client).await;
+    let error = put(&mut client, cmd("t", "append"), vec![int64_batch(10, 4, 0)])
+        .await
+        .expect_err("other fields");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+    assert!(
+        error.to_string().contains("append needs identical fields"),
+        "{error}"
+    );
+    assert_same_data(&[original], &get_all(&mut client, "t").await.expect("get"));
+    assert_eq!(used_bytes(&mut client).await, used);
+    server.shutdown_and_wait().await;
+}
+
+async fn invalid_descriptors_are_invalid_argument(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batch = int64_batch(10, 1, 0);
+    let two = arrow_flight::FlightDescriptor::new_path(vec!["a".into(), "b".into()]);
+    let long = "x".repeat(257);
+    for descriptor in [
+        two.clone(),
+        path(""),
+        path("bad\nname"),
+        path(&long),
+        arrow_flight::FlightDescriptor::new_cmd("{not json"),
+        arrow_flight::FlightDescriptor::new_cmd(r#"{"name": "t", "mode": "upsert"}"#),
+    ] {
+        let error = put(&mut client, descriptor.clone(), vec![batch.clone()])
+            .await
+            .expect_err("invalid");
+        assert_eq!(
+            code_of(&error),
+            Code::InvalidArgument,
+            "{descriptor:?}: {error}"
+        );
+    }
+    let error = client
+        .get_flight_info(two.clone())
+        .await
+        .expect_err("two elements");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+    let error = client
+        .get_schema(arrow_flight::FlightDescriptor::new_cmd("x"))
+        .await
+        .expect_err("cmd");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+    assert_eq!(status(&mut client).await["datasets"], 0);
+    server.shutdown_and_wait().await;
+}
+
+async fn unknown_names_are_not_found(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let error = client
+        .get_flight_info(path("nope"))
+        .await
+        .expect_err("absent");
+    assert_eq!(code_of(&error), Code::NotFound);
+    assert!(
+        error.to_string().contains("'nope' does not exist"),
+        "{error}"
+    );
+    assert_eq!(
+        code_of(&client.get_schema(path("nope")).await.expect_err("absent")),
+        Code::NotFound
+    );
+    assert_eq!(
+        code_of(&get_by_name(&mut client, "nope").await.expect_err("absent")),
+        Code::NotFound
+    );
+    let error = action(&mut client, "drop", serde_json::json!({"name": "nope"}))
+        .await
+        .expect_err("absent");
+    assert_eq!(code_of(&error), Code::NotFound);
+    server.shutdown_and_wait().await;
+}
+
+async fn tickets_are_checked(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(10, 1, 0)])
+        .await
+        .expect("put");
+    let info = client.get_flight_info(path("t")).await.expect("info");
+    let ticket = info.endpoint[0].ticket.clone().expect("ticket");
+
+    for garbage in [
+        &b"\0gpu-flight-ticket/1\n{broken"[..],
+        b"\0gpu-flight-ticket/2\n{}",
+        b"",
+        b"\x07",
+    ] {
+        let error = client.do_get(Ticket::new(garbage.to_vec())).await;
+        let error = match error {
+            Err(e) => e,
+            Ok(stream) => stream
+                .try_collect::<Vec<_>>()
+                .await
+                .expect_err("garbage ticket"),
+        };
+        assert_eq!(code_of(&error), Code::InvalidArgument, "{garbage:?}");
+    }
+    // A ticket issued before a replace must not mix versions.
+    put(&mut client, cmd("t", "replace"), vec![int64_batch(5, 1, 0)])
+        .await
+        .expect("replace");
+    let error = match client.do_get(ticket).await {
+        Err(e) => e,
+        Ok(stream) => stream.try_collect::<Vec<_>>().await.expect_err("stale"),
+    };
+    assert_eq!(code_of(&error), Code::NotFound);
+    assert!(error.to_string().contains("GetFlightInfo again"), "{error}");
+    server.shutdown_and_wait().await;
+}
+
+async fn endpoints_split_rows_and_sizes_are_real(make: MakeBackend) {
+    let options = ServeOptions {
+        flight: FlightOptions {
+            rows_per_endpoint: 1000,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let batches = vec![int64_batch(1200, 2, 0), int64_batch(1300, 2, 5)];
+    put(&mut client, path("t"), batches.clone())
+        .await
+        .expect("put");
+    let info = client.get_flight_info(path("t")).await.expect("info");
+    assert_eq!(info.total_records, 2500);
+    // 2 int64 columns, one with a validity bitmap.
+    let expected_bytes = 2500 * 16 + 1200_usize.div_ceil(8) + 1300_usize.div_ceil(8);
+    assert_eq!(info.total_bytes, expected_bytes as i64);
+    assert!(info.ordered);
+    assert_eq!(info.endpoint.len(), 3);
+    let mut received = Vec::new();
+    let mut counts = Vec::new();
+    for endpoint in &info.endpoint {
+        let part: Vec<RecordBatch> = client
+            .do_get(endpoint.ticket.clone().expect("ticket"))
+            .await
+            .expect("do_get")
+            .try_collect()
+            .await
+            .expect("read");
+        counts.push(part.iter().map(|b| b.num_rows()).sum::<usize>());
+        received.extend(part);
+    }
+    assert_eq!(counts, vec![1000, 1000, 500]);
+    assert_same_data(&batches, &received);
+    server.shutdown_and_wait().await;
+}
+
+async fn memory_limit_is_resource_exhausted_and_others_survive(make: MakeBackend) {
+    let store_options = StoreOptions {
+        memory_limit: Some(1 << 20),
+    };
+    let server = TestServer::start_with(make(), store_options, ServeOptions::default()).await;
+    let mut client = server.client().await;
+    let small = int64_batch(10_000, 4, 0); // ~320 KB
+    put(&mut client, path("small"), vec![small.clone()])
+        .await
+        .expect("fits");
+    let used = used_bytes(&mut client).await;
+    let big: Vec<_> = (0..8).map(|i| int64_batch(10_000, 4, i)).collect();
+    let error = put(&mut client, path("big"), big)
+        .await
+        .expect_err("over the limit");
+    assert_eq!(code_of(&error), Code::ResourceExhausted);
+    assert!(error.to_string().contains("--memory-limit"), "{error}");
+    assert_eq!(used_bytes(&mut client).await, used);
+    assert_same_data(
+        &[small],
+        &get_all(&mut client, "small").await.expect("intact"),
+    );
+    let error = client
+        .get_flight_info(path("big"))
+        .await
+        .expect_err("no trace");
+    assert_eq!(code_of(&error), Code::NotFound);
+    assert_eq!(
+        status(&mut client).await["devices"][0]["limit_bytes"],
+        1 << 20
+    );
+    server.shutdown_and_wait().await;
+}
+
+async fn vanished_client_leaves_no_trace(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut observer = server.client().await;
+    let baseline = used_bytes(&mut observer).await;
+
+    // A client that sends a few batches, then stalls until its connection is cut.
+    let proxy = KillableProxy::start(server.addr).await;
+    let mut writer = proxy.client().await;
+    let batches: Vec<_> = (0..4).map(|i| int64_batch(50_000, 4, i)).collect();
+    let data = FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("partial")))
+        .build(futures::stream::iter(batches.into_iter().map(Ok)))
+        .chain(futures::stream::pending());
+    let task = tokio::spawn(async move { writer.do_put(data).await.map(|_| ()) });
+    wait_until(|| async { used_bytes(&mut server.client().await).await > baseline }).await;
+    proxy.kill().await;
+
+    wait_until(|| async { used_bytes(&mut server.client().await).await == baseline }).await;
+    task.abort();
+    let error = observer
+        .get_flight_info(path("partial"))
+        .await
+        .expect_err("nothing committed");
+    assert_eq!(code_of(&error), Code::NotFound);
+    assert_eq!(status(&mut observer).await["datasets"], 0);
+    server.shutdown_and_wait().await;
+}
+
+async fn malformed_ipc_mid_stream_leaves_no_trace(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let good: Vec<FlightData> = FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("bad")))
+        .build(futures::stream::iter(vec![Ok(int64_batch(1000, 2, 0))]))
+        .try_collect()
+        .await
+        .expect("encode");
+    let mut messages = good;
+    messages.push(FlightData {
+        data_header: vec![0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4].into(),
+        data_body: vec![0; 64].into(),
+        ..FlightData::default()
+    });
+    let result = client
+        .do_put(futures::stream::iter(messages.into_iter().map(Ok)))
+        .await;
+    let error = match result {
+        Err(e) => e,
+        Ok(stream) => stream.try_collect::<Vec<_>>().await.expect_err("malformed"),
+    };
+    assert_eq!(code_of(&error), Code::InvalidArgument, "{error}");
+    assert_eq!(used_bytes(&mut client).await, 0);
+    assert_eq!(
+        code_of(
+            &client
+                .get_flight_info(path("bad"))
+                .await
+                .expect_err("absent")
+        ),
+        Code::NotFound
+    );
+    server.shutdown_and_wait().await;
+}
+
+async fn schema_change_mid_stream_is_refused(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let first: Vec<FlightData> = FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("t")))
+        .build(futures::stream::iter(vec![Ok(int64_batch(100, 2, 0))]))
+        .try_collect()
+        .await
+        .expect("encode");
+    let second: Vec<FlightData> = FlightDataEncoderBuilder::new()
+        .build(futures::stream::iter(vec![Ok(string_batch(100, 0))]))
+        .try_collect()
+        .await
+        .expect("encode");
+    let messages = first.into_iter().chain(second).map(Ok);
+    let error = match client.do_put(futures::stream::iter(messages)).await {
+        Err(e) => e,
+        Ok(stream) => stream
+            .try_collect::<Vec<_>>()
+            .await
+            .expect_err("schema change"),
+    };
+    assert_eq!(code_of(&error), Code::InvalidArgument, "{error}");
+    assert!(error.to_string().contains("changed its schema"), "{error}");
+    assert_eq!(used_bytes(&mut client).await, 0);
+    assert_eq!(status(&mut client).await["datasets"], 0);
+    server.shutdown_and_wait().await;
+}
+
+async fn small_receive_limit_reads_100_mb(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    // One 100 MB batch: the server must split it for a client with a 4 MiB receive limit.
+    let batch = int64_batch(1_600_000, 8, 0);
+    put(&mut client, path("big"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let received = get_by_name(&mut client, "big")
+        .await
+        .expect("a 4 MiB client reads it");
+    assert!(
+        received.len() >= 50,
+        "split into many messages, got {}",
+        received.len()
+    );
+    assert_same_data(&[batch], &received);
+    server.shutdown_and_wait().await;
+}
+
+async fn messages_stay_under_the_limit(make: MakeBackend) {
+    let limit = 256 * 1024;
+    let options = ServeOptions {
+        flight: FlightOptions {
+            max_message_bytes: limit,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let batches = vec![all_types_batch(5000), string_batch(40_000, 3)];
+    put(&mut client, path("mixed"), vec![batches[0].clone()])
+        .await
+        .expect("put");
+    put(&mut client, path("strings"), vec![batches[1].clone()])
+        .await
+        .expect("put");
+    let mut raw = server.raw_client().await;
+    for name in ["mixed", "strings"] {
+        let messages: Vec<FlightData> = raw
+            .do_get(Ticket::new(name.to_owned()))
+            .await
+            .expect("do_get")
+            .into_inner()
+            .try_collect()
+            .await
+            .expect("read");
+        assert!(messages.len() > 3, "{name} was split");
+        for message in &messages {
+            assert!(
+                message.encoded_len() <= limit,
+                "{name}: a message of {} bytes",
+                message.encoded_len()
+            );
+        }
+    }
+    server.shutdown_and_wait().await;
+}
+
+async fn parallel_clients(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let addr = server.addr;
+            tokio::spawn(async move {
+                let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+                    .expect("uri")
+                    .connect()
+                    .await
+                    .expect("connect");
+                let mut client = arrow_flight::FlightClient::new(channel);
+                let name = format!("q{i}");
+                let batches: Vec<_> = (0..4)
+                    .map(|k| int64_batch(10_000, 4, i * 100 + k))
+                    .collect();
+                for batch in &batches {
+                    put(&mut client, cmd(&name, "append"), vec![batch.clone()])
+                        .await
+                        .expect("append");
+                }
+                for _ in 0..3 {
+                    assert_same_data(&batches, &get_all(&mut client, &name).await.expect("get"));
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("client task");
+    }
+    assert_eq!(status(&mut client).await["datasets"], 8);
+    server.shutdown_and_wait().await;
+}
+
+async fn drop_and_replace_during_a_read_let_it_finish(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batch = int64_batch(400_000, 4, 0);
+    for name in ["dropped", "replaced"] {
+        put(&mut client, path(name), vec![batch.clone()])
+            .await
+            .expect("put");
+    }
+    for (name, change) in [("dropped", "drop"), ("replaced", "replace")] {
+        let mut stream = client
+            .do_get(Ticket::new(name.to_owned()))
+            .await
+            .expect("do_get");
+        let first = stream.next().await.expect("a batch").expect("ok");
+        let mut other = server.client().await;
+        if change == "drop" {
+            action(&mut other, "drop", serde_json::json!({"name": name}))
+                .await
+                .expect("drop");
+        } else {
+            put(&mut other, cmd(name, "replace"), vec![int64_batch(5, 1, 0)])
+                .await
+                .expect("replace");
+        }
+        let mut received = vec![first];
+        received.extend(
+            stream
+                .try_collect::<Vec<_>>()
+                .await
+                .expect("stream finishes"),
+        );
+        assert_same_data(&[batch.clone()], &received);
+    }
+    // The dropped and replaced data is released once the readers are done.
+    wait_until(|| async {
+        let status = status(&mut server.client().await).await;
+        status["devices"][0]["used_bytes"] == status["bytes"]
+    })
+    .await;
+    server.shutdown_and_wait().await;
+}
+
+async fn list_flights_and_actions(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    for name in ["sales/2024", "sales/2025", "users"] {
+        put(&mut client, path(name), vec![int64_batch(100, 2, 0)])
+            .await
+            .expect("put");
+    }
+    let infos: Vec<_> = client
+        .list_flights("sales/")
+        .await
+        .expect("list")
+        .try_collect()
+        .await
+        .expect("list");
+    let names: Vec<_> = infos
+        .iter()
+        .map(|i| i.flight_descriptor.clone().expect("desc").path[0].clone())
+        .collect();
+    assert_eq!(names, ["sales/2024", "sales/2025"]);
+    assert!(
+        infos
+            .iter()
+            .all(|i| i.total_records == 100 && i.total_bytes > 0)
+    );
+    let all: Vec<_> = client
+        .list_flights("")
+        .await
+        .expect("list")
+        .try_collect()
+        .await
+        .expect("list");
+    assert_eq!(all.len(), 3);
+
+    let actions: Vec<_> = client
+        .list_actions()
+        .await
+        .expect("actions")
+        .try_collect()
+        .await
+        .expect("actions");
+    let action_names: Vec<_> = actions.iter().map(|a| a.r#type.as_str()).collect();
+    assert!(action_names.contains(&"drop") && action_names.contains(&"status"));
+    assert!(actions.iter().all(|a| !a.description.is_empty()));
+
+    let error = action(&mut client, "explode", serde_json::Value::Null)
+        .await
+        .expect_err("unknown");
+    assert_eq!(code_of(&error), Code::Unimplemented);
+    let error = action(&mut client, "drop", serde_json::json!({"nom": "x"}))
+        .await
+        .expect_err("bad body");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+
+    let status = status(&mut client).await;
+    assert_eq!(status["datasets"], 3);
+    assert_eq!(status["version"], env!("CARGO_PKG_VERSION"));
+    assert!(status["backend"].is_string());
+    let device = &status["devices"][0];
+    assert!(device["ordinal"].is_u64() && device["name"].is_string());
+    assert_eq!(device["used_bytes"], status["bytes"]);
+    let dropped = action(&mut client, "drop", serde_json::json!({"name": "users"}))
+        .await
+        .expect("drop");
+    assert_eq!(dropped["rows"], 100);
+    server.shutdown_and_wait().await;
+}
+
+async fn dictionaries_keep_their_encoding(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let make_batch = |words: &[&'static str]| {
+        let dictionary: DictionaryArray<Int32Type> = words.iter().copied().map(Some).collect();
+        RecordBatch::try_from_iter([("d", Arc::new(dictionary) as ArrayRef)]).expect("batch")
+    };
+    // Two batches with different dictionaries: the second replaces the first on the wire.
+    let batches = vec![
+        make_batch(&["a", "b", "a"]),
+        make_batch(&["x", "y", "z", "x"]),
+    ];
+    put(&mut client, path("dict"), batches.clone())
+        .await
+        .expect("put");
+    let received = get_all(&mut client, "dict").await.expect("get");
+    assert!(matches!(
+        received[0].schema().field(0).data_type(),
+        DataType::Dictionary(_, _)
+    ));
+    assert_same_data(&batches, &received);
+    server.shutdown_and_wait().await;
+}
+
+async fn empty_tables_and_zero_row_batches(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, true)]));
+    put_with_schema(&mut client, path("empty"), Arc::clone(&schema), vec![])
+        .await
+        .expect("empty put");
+    let info = client.get_flight_info(path("empty")).await.expect("info");
+    assert_eq!(info.total_records, 0);
+    assert_eq!(info.endpoint.len(), 1);
+    let stream = client.do_get(Ticket::new("empty")).await.expect("do_get");
+    let batches: Vec<_> = stream.try_collect().await.expect("read");
+    assert!(batches.is_empty());
+    assert_eq!(
+        client.get_schema(path("empty")).await.expect("schema"),
+        *schema
+    );
+
+    let zero = RecordBatch::new_empty(Arc::clone(&schema));
+    let one = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![Arc::new(Int64Array::from(vec![1]))],
+    )
+    .expect("batch");
+    put(
+        &mut client,
+        path("zeros"),
+        vec![zero.clone(), one.clone(), zero],
+    )
+    .await
+    .expect("put");
+    assert_same_data(&[one], &get_all(&mut client, "zeros").await.expect("get"));
+    server.shutdown_and_wait().await;
+}
+
+async fn sliced_batches_round_trip(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let whole = all_types_batch(300);
+    let slices = vec![
+        whole.slice(3, 101),
+        whole.slice(150, 1),
+        whole.slice(299, 1),
+    ];
+    put(&mut client, path("sliced"), slices.clone())
+        .await
+        .expect("put");
+    assert_same_data(&slices, &get_all(&mut client, "sliced").await.expect("get"));
+    server.shutdown_and_wait().await;
+}
+
+async fn shutdown_lets_running_streams_finish(make: MakeBackend) {
+    let mut server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batch = int64_batch(400_000, 4, 0);
+    put(&mut client, path("t"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let mut stream = client.do_get(Ticket::new("t")).await.expect("do_get");
+    let first = stream.next().await.expect("a batch").expect("ok");
+    server.begin_shutdown();
+    let mut received = vec![first];
+    received.extend(
+        stream
+            .try_collect::<Vec<_>>()
+            .await
+            .expect("the running stream finishes"),
+    );
+    assert_same_data(&[batch], &received);
+    server.shutdown_and_wait().await;
+}
+
+/// Polls `condition` until it holds, failing after ten seconds.
+async fn wait_until<F, Fut>(mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !condition().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not reached in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn the_host_instantiation_covers_every_scenario() {
+    // Guards against a scenario written but never instantiated: keep this list and the macro's
+    // in step by counting the functions in this file.
+    let source = include_str!("conformance.rs");
+    let defined = source.matches("\nasync fn ").count() - 1; // minus wait_until
+    let listed = source
+        .split("@tests $make, [$(#[$attr])*];")
+        .nth(1)
+        .and_then(|rest| rest.split(");").next())
+        .map(|list| list.split(',').filter(|s| !s.trim().is_empty()).count())
+        .expect("scenario list");
+    assert_eq!(defined, listed);
+    let _ = Field::new("unused", DataType::Null, true).is_nullable();
+    let _: Option<&dyn Array> = None;
+}
