@@ -454,7 +454,7 @@ async fn messages_stay_under_the_limit(make: MakeBackend) {
     };
     let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
     let mut client = server.client().await;
-    let batches = vec![all_types_batch(5000), string_batch(40_000, 3)];
+    let batches = [all_types_batch(5000), string_batch(40_000, 3)];
     put(&mut client, path("mixed"), vec![batches[0].clone()])
         .await
         .expect("put");
@@ -550,7 +550,7 @@ async fn drop_and_replace_during_a_read_let_it_finish(make: MakeBackend) {
                 .await
                 .expect("stream finishes"),
         );
-        assert_same_data(&[batch.clone()], &received);
+        assert_same_data(std::slice::from_ref(&batch), &received);
     }
     // The dropped and replaced data is released once the readers are done.
     wait_until(|| async {

@@ -351,7 +351,7 @@ impl PendingPut {
         let fresh = |partitions| {
             Arc::new(Dataset::new(
                 self.name.clone(),
-                schema.clone(),
+                Arc::clone(&schema),
                 version,
                 partitions,
             ))

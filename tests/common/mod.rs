@@ -229,7 +229,7 @@ pub fn int64_batch(rows: usize, columns: usize, seed: i64) -> RecordBatch {
 pub fn string_batch(rows: usize, seed: usize) -> RecordBatch {
     let strings: ArrayRef = Arc::new(StringArray::from_iter((0..rows).map(|r| {
         let n = (r + seed) % 97;
-        (n % 11 != 0).then(|| format!("{}-{}", "s".repeat(n), r + seed))
+        (!n.is_multiple_of(11)).then(|| format!("{}-{}", "s".repeat(n), r + seed))
     })));
     let ids: ArrayRef = Arc::new(UInt64Array::from_iter_values(
         (0..rows).map(|r| (r + seed) as u64),
@@ -343,7 +343,7 @@ pub fn all_types_batch(rows: usize) -> RecordBatch {
             "fixed_binary",
             Arc::new(
                 FixedSizeBinaryArray::try_from_sparse_iter_with_size(
-                    (0..rows).map(|r| valid(r).then(|| [r as u8; 4])),
+                    (0..rows).map(|r| valid(r).then_some([r as u8; 4])),
                     4,
                 )
                 .expect("fsb"),

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every check and test gpu-flight has, on any machine with a Rust toolchain and Python 3:
+# formatting, clippy (warnings are errors), the Rust unit and integration tests (host backend;
+# GPU tests are ignored without a device), and the pyarrow suite against the real binary, with
+# pyarrow bootstrapped into .venv from tests/python/requirements.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (warnings are errors)"
+cargo clippy --all-targets --locked -- -D warnings
+
+step "cargo test"
+cargo test --locked
+
+step "pyarrow suite"
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+cargo build --locked --bin gpu-flight
+.venv/bin/python -m pytest -q tests/python
