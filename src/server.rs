@@ -82,6 +82,10 @@ pub async fn run(
     health
         .set_not_serving::<arrow_flight::flight_service_server::FlightServiceServer<()>>()
         .await;
+    // The empty name is the whole server, which is what Kubernetes' gRPC probes ask about.
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
     let _ = stop_tx.send(());
     match tokio::time::timeout(options.grace, &mut server).await {
         Ok(result) => flatten(result),

@@ -1,52 +1,82 @@
 //! `DoGet` encoding: record batches to FlightData messages within the message-size limit.
 //!
-//! arrow-flight's encoder splits batches by `get_buffer_memory_size`, which counts whole shared
-//! buffers and so over-splits every slice, and cannot see skew in variable-length columns. We
-//! split first by the bytes a slice really writes ([`crate::batch_size`]), halving pieces until
-//! each fits, and hand the encoder batches that need no further splitting. Dictionaries are
-//! sent as dictionaries (`DictionaryHandling::Resend`), never hydrated.
+//! Batches are split by the bytes a slice really writes ([`crate::batch_size`]), halving pieces
+//! until each fits; arrow-flight's own splitting measures whole shared buffers instead, which
+//! over-splits every slice and cannot see skew in variable-length columns. Dictionaries are sent
+//! as dictionaries, never hydrated. Messages stay zero-copy [`IpcMessage`]s until the codec
+//! writes them into gRPC frames.
+//!
+//! Reading (device-to-host copies, for a device backend), splitting and encoding run on their
+//! own task a few messages ahead of the connection task that writes frames to the socket. When
+//! the client goes away the receiver is dropped and that task stops at its next send.
 
 use arrow::datatypes::{DataType, Field, SchemaRef};
 use arrow::record_batch::RecordBatch;
-use arrow_flight::FlightData;
-use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
-use arrow_flight::error::FlightError;
+use futures::StreamExt;
 use futures::stream::BoxStream;
-use futures::{StreamExt, TryStreamExt};
+use tokio::sync::mpsc::Sender;
 use tonic::Status;
+
+use super::ipc_message::{IpcMessage, IpcMessageEncoder};
 
 use crate::batch_size::batch_bytes;
 use crate::error::Error;
 use crate::store::StoreError;
 
+/// Messages encoded ahead of the connection task.
+const ENCODE_AHEAD: usize = 4;
+
 /// Smallest body budget: below this, headers dominate and splitting further helps nobody.
 const MIN_BODY_BYTES: usize = 16 * 1024;
 
-/// Encodes a stream of batches as FlightData, each message at most `max_message_bytes` unless a
+/// Encodes a stream of batches as IPC messages, each at most `max_message_bytes` unless a
 /// single row (or a dictionary) is larger than that on its own.
 pub(crate) fn encode(
     batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
     schema: SchemaRef,
     max_message_bytes: usize,
-) -> BoxStream<'static, Result<FlightData, Status>> {
+) -> BoxStream<'static, Result<IpcMessage, Status>> {
     let budget = body_budget(&schema, max_message_bytes);
-    let pieces = batches
-        .map_ok(move |batch| {
-            futures::stream::iter(
-                split_to_size(batch, budget)
-                    .into_iter()
-                    .map(Ok::<_, StoreError>),
-            )
-        })
-        .try_flatten()
-        .map_err(|error: StoreError| FlightError::ExternalError(Box::new(Error::from(error))));
-    FlightDataEncoderBuilder::new()
-        .with_schema(schema)
-        .with_max_flight_data_size(usize::MAX)
-        .with_dictionary_handling(DictionaryHandling::Resend)
-        .build(pieces)
-        .map_err(flight_error_to_status)
-        .boxed()
+    let (sender, receiver) = tokio::sync::mpsc::channel(ENCODE_AHEAD);
+    tokio::spawn(async move {
+        if let Err(status) = produce(batches, &schema, budget, &sender).await {
+            let _ = sender.send(Err(status)).await;
+        }
+    });
+    futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.recv().await.map(|message| (message, receiver))
+    })
+    .boxed()
+}
+
+/// Reads, splits and encodes until the batches end or the receiver is gone.
+async fn produce(
+    mut batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
+    schema: &SchemaRef,
+    budget: usize,
+    sender: &Sender<Result<IpcMessage, Status>>,
+) -> Result<(), Status> {
+    let mut encoder = IpcMessageEncoder::new(schema).map_err(encoding_error)?;
+    while let Some(batch) = batches.next().await {
+        let batch = batch.map_err(|e| Status::from(Error::from(e)))?;
+        for piece in split_to_size(batch, budget) {
+            for message in encoder.encode(&piece).map_err(encoding_error)? {
+                if sender.send(Ok(message)).await.is_err() {
+                    return Ok(()); // the client went away
+                }
+            }
+        }
+    }
+    for message in encoder.finish().map_err(encoding_error)? {
+        if sender.send(Ok(message)).await.is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn encoding_error(error: arrow::error::ArrowError) -> Status {
+    Status::from(Error::Internal(format!("encoding DoGet reply: {error}")))
 }
 
 /// The part of a message left for the body once the IPC header, flatbuffer field nodes and
@@ -98,19 +128,6 @@ fn split_into(batch: RecordBatch, budget: u64, out: &mut Vec<RecordBatch>) {
         let len = rows_per_part.min(rows - offset);
         split_into(batch.slice(offset, len), budget, out);
         offset += len;
-    }
-}
-
-/// Errors from our own stream reach the client with their own code; anything else the encoder
-/// reports is a bug.
-fn flight_error_to_status(error: FlightError) -> Status {
-    match error {
-        FlightError::ExternalError(inner) => match inner.downcast::<Error>() {
-            Ok(ours) => Status::from(*ours),
-            Err(other) => Status::from(Error::Internal(other.to_string())),
-        },
-        FlightError::Tonic(status) => *status,
-        other => Status::from(Error::Internal(format!("encoding DoGet reply: {other}"))),
     }
 }
 

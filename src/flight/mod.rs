@@ -8,29 +8,34 @@
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`).
 //! - `put` and `get`: the `DoPut` ingest loop and `DoGet` message encoding.
+//! - [`ipc_message`] and `router`: `DoGet` replies written into gRPC frames with one copy.
 
 pub mod action;
 pub mod descriptor;
 mod get;
+pub mod ipc_message;
 mod put;
+mod router;
 pub mod ticket;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use arrow::ipc::writer::IpcWriteOptions;
-use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::flight_service_server::FlightService;
 use arrow_flight::{
     Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightEndpoint, FlightInfo,
     HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaAsIpc, SchemaResult, Ticket,
 };
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::Error;
 use crate::store::{Dataset, Store};
 use action::ActionRequest;
+use ipc_message::IpcMessage;
+pub use router::FlightRouter;
 use ticket::TicketRequest;
 
 /// Protocol settings.
@@ -77,18 +82,12 @@ impl Lifecycle {
 
 /// Builds the gRPC service over `store`. Client messages of any size are accepted (pyarrow
 /// sends each record batch as one message); replies are bounded by `max_message_bytes`.
-pub fn make_server(
-    store: Store,
-    options: FlightOptions,
-    lifecycle: Lifecycle,
-) -> FlightServiceServer<impl FlightService> {
-    FlightServiceServer::new(Service {
+pub fn make_server(store: Store, options: FlightOptions, lifecycle: Lifecycle) -> FlightRouter {
+    FlightRouter::new(Service {
         store,
         options,
         lifecycle,
     })
-    .max_decoding_message_size(usize::MAX)
-    .max_encoding_message_size(usize::MAX)
 }
 
 #[derive(Debug)]
@@ -132,7 +131,8 @@ impl Service {
         Ok(info)
     }
 
-    fn do_get_stream(&self, ticket: &Ticket) -> Result<Stream<FlightData>, Error> {
+    fn do_get_stream(&self, ticket: &Ticket) -> Result<Stream<IpcMessage>, Error> {
+        self.ensure_serving()?;
         let (dataset, rows) = match ticket::decode(&ticket.ticket)? {
             TicketRequest::Whole { name } => {
                 let dataset = self.store.get(&name)?;
@@ -264,8 +264,12 @@ impl FlightService for Service {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
-        self.ensure_serving()?;
-        Ok(Response::new(self.do_get_stream(request.get_ref())?))
+        // The router serves DoGet with its own codec; this path gives the same stream to anyone
+        // using the generated service directly.
+        let messages = self.do_get_stream(request.get_ref())?;
+        Ok(Response::new(
+            messages.map_ok(IpcMessage::into_flight_data).boxed(),
+        ))
     }
 
     async fn do_put(

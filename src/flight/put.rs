@@ -5,6 +5,11 @@
 //! for the oldest before reading more, which is the backpressure that bounds memory: gRPC flow
 //! control then slows the client. The put commits only after every upload has completed; any
 //! error returns early and drops the pending put, which frees everything it had uploaded.
+//!
+//! Receiving runs on its own task a few messages ahead of decoding: gRPC's copy out of the
+//! HTTP/2 frames and Arrow's copy of each body into aligned memory then proceed on different
+//! cores. If the put fails the receiver is dropped, the receiving task stops, and its request
+//! stream is dropped with it.
 
 use arrow_flight::FlightData;
 use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
@@ -16,6 +21,9 @@ use tonic::Streaming;
 use super::descriptor;
 use crate::error::Error;
 use crate::store::{PutSummary, Store};
+
+/// Messages received ahead of the decoder.
+const RECEIVE_AHEAD: usize = 4;
 
 /// Receives a whole `DoPut` stream and commits it.
 pub(crate) async fn receive(
@@ -35,8 +43,20 @@ pub(crate) async fn receive(
     let (name, mode) = descriptor::put_target(first.flight_descriptor.as_ref())?;
     let mut pending = store.begin_put(name, mode)?;
 
+    let (sender, receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
+    tokio::spawn(async move {
+        while let Some(message) = input.next().await {
+            let failed = message.is_err();
+            if sender.send(message).await.is_err() || failed {
+                break;
+            }
+        }
+    });
+    let received = futures::stream::unfold(receiver, |mut receiver| async move {
+        receiver.recv().await.map(|message| (message, receiver))
+    });
     let messages = futures::stream::once(futures::future::ready(Ok(first)))
-        .chain(input.map_err(|status| FlightError::Tonic(Box::new(status))));
+        .chain(received.map_err(|status| FlightError::Tonic(Box::new(status))));
     let mut decoder = FlightDataDecoder::new(messages);
     let mut uploads = FuturesOrdered::new();
     while let Some(decoded) = decoder.next().await {
