@@ -48,6 +48,10 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
 
+    /// The GPU to keep datasets on (CUDA device ordinal).
+    #[arg(long, env = "GPU_FLIGHT_DEVICE", default_value_t = 0)]
+    pub device: u32,
+
     /// Most bytes of datasets each device may hold, e.g. `8GiB` or `1000000`; default: the
     /// device's capacity. A put beyond it fails with RESOURCE_EXHAUSTED.
     #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT")]

@@ -25,7 +25,7 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
 
-    let backend = match gpu_flight::backend::select(args.backend) {
+    let backend = match gpu_flight::backend::select(args.backend, args.device) {
         Ok(backend) => backend,
         Err(error) => {
             eprintln!(

@@ -65,6 +65,11 @@ macro_rules! conformance {
 }
 
 conformance!(host, || Arc::new(gpu_flight::backend::HostBackend::new()));
+conformance!(
+    cuda,
+    || Arc::new(gpu_flight::backend::CudaBackend::open(0).expect("CUDA device 0")),
+    #[ignore = "needs a CUDA device"]
+);
 
 async fn every_type_round_trips(make: MakeBackend) {
     let server = TestServer::start(make()).await;
@@ -297,17 +302,20 @@ async fn endpoints_split_rows_and_sizes_are_real(make: MakeBackend) {
 }
 
 async fn memory_limit_is_resource_exhausted_and_others_survive(make: MakeBackend) {
+    // 8 MiB: room for one small dataset on every backend (a device rounds allocations up to
+    // 2 MiB), not for 40 batches of 320 KB.
+    let limit = 8 << 20;
     let store_options = StoreOptions {
-        memory_limit: Some(1 << 20),
+        memory_limit: Some(limit),
     };
     let server = TestServer::start_with(make(), store_options, ServeOptions::default()).await;
     let mut client = server.client().await;
-    let small = int64_batch(10_000, 4, 0); // ~320 KB
+    let small = int64_batch(10_000, 4, 0);
     put(&mut client, path("small"), vec![small.clone()])
         .await
         .expect("fits");
     let used = used_bytes(&mut client).await;
-    let big: Vec<_> = (0..8).map(|i| int64_batch(10_000, 4, i)).collect();
+    let big: Vec<_> = (0..40).map(|i| int64_batch(10_000, 4, i)).collect();
     let error = put(&mut client, path("big"), big)
         .await
         .expect_err("over the limit");
@@ -325,7 +333,7 @@ async fn memory_limit_is_resource_exhausted_and_others_survive(make: MakeBackend
     assert_eq!(code_of(&error), Code::NotFound);
     assert_eq!(
         status(&mut client).await["devices"][0]["limit_bytes"],
-        1 << 20
+        limit
     );
     server.shutdown_and_wait().await;
 }
@@ -617,6 +625,7 @@ async fn list_flights_and_actions(make: MakeBackend) {
 
     let status = status(&mut client).await;
     assert_eq!(status["datasets"], 3);
+    assert_eq!(status["data_bytes"], 3 * (100 * 16 + 13));
     assert_eq!(status["version"], env!("CARGO_PKG_VERSION"));
     assert!(status["backend"].is_string());
     let device = &status["devices"][0];

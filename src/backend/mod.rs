@@ -8,6 +8,7 @@
 //! own what they need, so the caller can keep several in flight and overlap copies with network
 //! I/O.
 
+pub mod cuda;
 pub mod host;
 
 use std::fmt;
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
+pub use cuda::CudaBackend;
 pub use host::HostBackend;
 
 /// What can go wrong below the store. Each variant says which gRPC code it becomes in
@@ -110,24 +112,34 @@ pub enum BackendChoice {
 #[error("{0}")]
 pub struct SelectError(String);
 
-/// Starts the backend `choice` asks for. `auto` never fails: it falls back to host memory and
-/// says why in the log.
-pub fn select(choice: BackendChoice) -> Result<Arc<dyn Backend>, SelectError> {
+/// Starts the backend `choice` asks for, on GPU `device` where it is a GPU. `auto` never
+/// fails: without a usable GPU it falls back to host memory and says why in the log.
+pub fn select(choice: BackendChoice, device: u32) -> Result<Arc<dyn Backend>, SelectError> {
     match choice {
         BackendChoice::Host => Ok(Arc::new(HostBackend::new())),
-        BackendChoice::Cuda => Err(SelectError(
-            "the cuda backend is not available in this build of gpu-flight; \
-             run with --backend host (or auto)"
-                .to_owned(),
-        )),
-        BackendChoice::Auto => {
-            tracing::info!(
-                backend = "host",
-                reason = "this build has no CUDA backend",
-                "backend selected"
-            );
-            Ok(Arc::new(HostBackend::new()))
-        }
+        BackendChoice::Cuda => CudaBackend::open(device)
+            .map(|backend| Arc::new(backend) as Arc<dyn Backend>)
+            .map_err(|error| SelectError(format!("{error}; run with --backend host (or auto)"))),
+        BackendChoice::Auto => match cuda::unavailable_reason(device) {
+            None => match CudaBackend::open(device) {
+                Ok(backend) => {
+                    tracing::info!(
+                        backend = "cuda",
+                        device,
+                        "backend selected: a CUDA device is present"
+                    );
+                    Ok(Arc::new(backend))
+                }
+                Err(error) => {
+                    tracing::warn!(backend = "host", %error, "backend selected: the CUDA device failed to open");
+                    Ok(Arc::new(HostBackend::new()))
+                }
+            },
+            Some(reason) => {
+                tracing::info!(backend = "host", %reason, "backend selected");
+                Ok(Arc::new(HostBackend::new()))
+            }
+        },
     }
 }
 

@@ -18,7 +18,7 @@ pub const ACTIONS: &[(&str, &str)] = &[
         "status",
         "Describe the server. Body: empty. Result: JSON {\"version\", \"backend\", \"devices\": \
          [{\"ordinal\", \"name\", \"total_bytes\", \"limit_bytes\", \"used_bytes\"}], \"datasets\", \
-         \"bytes\", \"counters\"}.",
+         \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"counters\"}.",
     ),
 ];
 
@@ -82,6 +82,7 @@ pub fn status_json(status: &StoreStatus) -> Value {
         "devices": devices,
         "datasets": status.datasets,
         "bytes": status.bytes,
+        "data_bytes": status.data_bytes,
         "counters": status.counters,
     })
 }

@@ -116,7 +116,7 @@ impl Service {
             .map_err(|e| Error::Internal(format!("encoding schema: {e}")))?
             .with_descriptor(FlightDescriptor::new_path(vec![dataset.name().to_owned()]))
             .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
-            .with_total_bytes(i64::try_from(dataset.bytes()).unwrap_or(i64::MAX))
+            .with_total_bytes(i64::try_from(dataset.data_bytes()).unwrap_or(i64::MAX))
             .with_ordered(true);
         let mut start = 0;
         loop {
@@ -173,11 +173,11 @@ impl Service {
         match action::parse(action)? {
             ActionRequest::Drop { name } => {
                 let dataset = self.store.remove(&name)?;
-                tracing::info!(dataset = %name, bytes = dataset.bytes(), "dataset dropped");
+                tracing::info!(dataset = %name, bytes = dataset.memory_bytes(), "dataset dropped");
                 Ok(serde_json::json!({
                     "name": name,
                     "rows": dataset.num_rows(),
-                    "bytes": dataset.bytes(),
+                    "bytes": dataset.data_bytes(),
                 }))
             }
             ActionRequest::Status => Ok(action::status_json(&self.store.status())),

@@ -23,6 +23,9 @@ use crate::backend::Partition;
 pub(crate) struct StoredPartition {
     pub(crate) data: Arc<dyn Partition>,
     pub(crate) reservation: Arc<Reservation>,
+    /// Bytes of Arrow buffers the partition's rows hold (what clients transfer); the
+    /// reservation may be larger, by the backend's allocation granularity.
+    pub(crate) data_bytes: u64,
 }
 
 impl fmt::Debug for StoredPartition {
@@ -30,6 +33,7 @@ impl fmt::Debug for StoredPartition {
         f.debug_struct("StoredPartition")
             .field("rows", &self.data.num_rows())
             .field("bytes", &self.reservation.bytes())
+            .field("data_bytes", &self.data_bytes)
             .finish()
     }
 }
@@ -43,7 +47,8 @@ pub struct Dataset {
     partitions: Vec<StoredPartition>,
     /// `row_starts[i]` is the first row of partition i; the last entry is the row count.
     row_starts: Vec<u64>,
-    bytes: u64,
+    memory_bytes: u64,
+    data_bytes: u64,
 }
 
 impl Dataset {
@@ -60,14 +65,16 @@ impl Dataset {
             rows += partition.data.num_rows() as u64;
             row_starts.push(rows);
         }
-        let bytes = partitions.iter().map(|p| p.reservation.bytes()).sum();
+        let memory_bytes = partitions.iter().map(|p| p.reservation.bytes()).sum();
+        let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         Self {
             name,
             schema,
             version,
             partitions,
             row_starts,
-            bytes,
+            memory_bytes,
+            data_bytes,
         }
     }
 
@@ -94,8 +101,14 @@ impl Dataset {
     }
 
     /// Bytes of backend memory the dataset holds.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
+    pub fn memory_bytes(&self) -> u64 {
+        self.memory_bytes
+    }
+
+    /// Bytes of Arrow buffers in the dataset: what a client reading it receives, give or take
+    /// message framing. `GetFlightInfo` reports this as `total_bytes`.
+    pub fn data_bytes(&self) -> u64 {
+        self.data_bytes
     }
 
     pub(crate) fn partitions(&self) -> &[StoredPartition] {

@@ -32,6 +32,7 @@ use dataset::StoredPartition;
 use memory::MemoryBudget;
 
 use crate::backend::{Backend, BackendError, DeviceInfo};
+use crate::batch_size::batch_bytes;
 
 /// What can go wrong in the store.
 #[derive(Debug, thiserror::Error)]
@@ -126,7 +127,10 @@ pub struct StoreStatus {
     pub backend: &'static str,
     pub devices: Vec<DeviceStatus>,
     pub datasets: usize,
+    /// Backend memory held by committed datasets.
     pub bytes: u64,
+    /// Arrow bytes in committed datasets.
+    pub data_bytes: u64,
     pub counters: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -145,10 +149,10 @@ pub struct DeviceStatus {
 pub struct PutSummary {
     pub name: String,
     pub mode: PutMode,
-    /// Rows and bytes this put added.
+    /// Rows and Arrow bytes this put added.
     pub rows: u64,
     pub bytes: u64,
-    /// The dataset's size after the commit.
+    /// The dataset's rows and Arrow bytes after the commit.
     pub total_rows: u64,
     pub total_bytes: u64,
 }
@@ -226,6 +230,7 @@ impl Store {
             schema: None,
             partitions: Vec::new(),
             rows: 0,
+            data_bytes: 0,
         })
     }
 
@@ -242,15 +247,19 @@ impl Store {
                 used_bytes: inner.budget.used(index as u32),
             })
             .collect();
-        let (datasets, bytes) = inner
-            .catalog
-            .iter()
-            .fold((0, 0), |(n, b), e| (n + 1, b + e.value().bytes()));
+        let (datasets, bytes, data_bytes) = inner.catalog.iter().fold((0, 0, 0), |(n, b, d), e| {
+            (
+                n + 1,
+                b + e.value().memory_bytes(),
+                d + e.value().data_bytes(),
+            )
+        });
         StoreStatus {
             backend: inner.backend.name(),
             devices,
             datasets,
             bytes,
+            data_bytes,
             counters: inner.backend.counters(),
         }
     }
@@ -270,6 +279,7 @@ pub struct PendingPut {
     schema: Option<SchemaRef>,
     partitions: Vec<StoredPartition>,
     rows: u64,
+    data_bytes: u64,
 }
 
 /// An upload running in the backend; resolve it and pass the result to [`PendingPut::add`].
@@ -318,11 +328,19 @@ impl PendingPut {
         let backend = Arc::clone(&self.store.inner.backend);
         let bytes = backend.stored_size(&batch)?;
         let reservation = Arc::new(self.store.inner.budget.try_reserve(self.device, bytes)?);
+        let data_bytes = batch_bytes(&batch);
         self.rows += batch.num_rows() as u64;
+        self.data_bytes += data_bytes;
         let upload = backend
             .upload(self.device, batch)
             .map_err(StoreError::from)
-            .map_ok(move |data| UploadedPartition(StoredPartition { data, reservation }))
+            .map_ok(move |data| {
+                UploadedPartition(StoredPartition {
+                    data,
+                    reservation,
+                    data_bytes,
+                })
+            })
             .boxed();
         Ok(Some(upload))
     }
@@ -339,14 +357,13 @@ impl PendingPut {
         };
         let store = self.store;
         let version = store.next_version();
-        let bytes: u64 = self.partitions.iter().map(|p| p.reservation.bytes()).sum();
         let summary = |dataset: &Dataset| PutSummary {
             name: dataset.name().to_owned(),
             mode: self.mode,
             rows: self.rows,
-            bytes,
+            bytes: self.data_bytes,
             total_rows: dataset.num_rows(),
-            total_bytes: dataset.bytes(),
+            total_bytes: dataset.data_bytes(),
         };
         let fresh = |partitions| {
             Arc::new(Dataset::new(

@@ -1,0 +1,126 @@
+//! Host↔device transfer rates of a backend with no network in the way: how fast `DoPut` can
+//! place data and `DoGet` can stage it into pinned host memory.
+//!
+//! ```text
+//! cargo run --release --example staging_bench -- [--backend cuda] [--gib 1] [--chunk-mib 16]
+//! ```
+//!
+//! Uploads a table of 8 int64 columns and one of strings through the store, then reads each
+//! back as `DoGet` does (chunks of `--chunk-mib`, two in flight) and prints GB/s.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow::array::{ArrayRef, Int64Array, StringArray};
+use arrow::record_batch::RecordBatch;
+use clap::Parser;
+use futures::TryStreamExt;
+use gpu_flight::backend::{BackendChoice, select};
+use gpu_flight::batch_size::batch_bytes;
+use gpu_flight::store::{PutMode, Store, StoreOptions};
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[arg(long, value_enum, default_value_t = BackendChoice::Cuda)]
+    backend: BackendChoice,
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    #[arg(long, default_value_t = 1.0)]
+    gib: f64,
+    #[arg(long, default_value_t = 16)]
+    chunk_mib: u64,
+    #[arg(long, default_value_t = 131_072)]
+    batch_rows: usize,
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+}
+
+fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> {
+    let int_rows = (gib * (1u64 << 30) as f64 / 64.0) as usize;
+    let str_rows = (gib * (1u64 << 30) as f64 / 44.0) as usize;
+    let ints = (0..int_rows)
+        .step_by(batch_rows)
+        .map(|start| {
+            let len = batch_rows.min(int_rows - start);
+            let columns: Vec<(String, ArrayRef)> = (0..8)
+                .map(|c| {
+                    let a: ArrayRef = Arc::new(Int64Array::from_iter_values(
+                        (start..start + len).map(|r| (r * 8 + c) as i64),
+                    ));
+                    (format!("c{c}"), a)
+                })
+                .collect();
+            RecordBatch::try_from_iter(columns).expect("batch")
+        })
+        .collect();
+    let strings = (0..str_rows)
+        .step_by(batch_rows)
+        .map(|start| {
+            let len = batch_rows.min(str_rows - start);
+            let s: ArrayRef = Arc::new(StringArray::from_iter_values(
+                (start..start + len).map(|r| format!("{:0width$}", r, width = 16 + r % 33)),
+            ));
+            let id: ArrayRef = Arc::new(Int64Array::from_iter_values(
+                (start..start + len).map(|r| r as i64),
+            ));
+            RecordBatch::try_from_iter([("s", s), ("id", id)]).expect("batch")
+        })
+        .collect();
+    vec![("int64", ints), ("strings", strings)]
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let backend = select(args.backend, args.device).expect("backend");
+    let store = Store::new(backend, StoreOptions::default());
+    println!(
+        "{:<8} {:>8} {:>16} {:>16}",
+        "table", "MB", "upload GB/s", "stage GB/s"
+    );
+    for (name, batches) in tables(args.gib, args.batch_rows) {
+        let bytes: u64 = batches.iter().map(batch_bytes).sum();
+        let (mut best_put, mut best_read) = (f64::MAX, f64::MAX);
+        for _ in 0..args.repeat.max(1) {
+            let start = Instant::now();
+            let mut put = store
+                .begin_put(name.to_owned(), PutMode::Replace)
+                .expect("begin");
+            put.declare_schema(batches[0].schema()).expect("schema");
+            let uploads: Vec<_> = batches
+                .iter()
+                .filter_map(|b| put.upload(b.clone()).expect("reserve"))
+                .collect();
+            for uploaded in futures::future::try_join_all(uploads)
+                .await
+                .expect("upload")
+            {
+                put.add(uploaded);
+            }
+            put.commit().expect("commit");
+            best_put = best_put.min(start.elapsed().as_secs_f64());
+
+            let dataset = store.get(name).expect("dataset");
+            let start = Instant::now();
+            let rows: usize = dataset
+                .read(0..dataset.num_rows(), args.chunk_mib << 20, 2)
+                .expect("read")
+                .try_fold(0, |n, b| async move { Ok(n + b.num_rows()) })
+                .await
+                .expect("read");
+            best_read = best_read.min(start.elapsed().as_secs_f64());
+            assert_eq!(rows as u64, dataset.num_rows());
+        }
+        println!(
+            "{:<8} {:>8.0} {:>16.2} {:>16.2}",
+            name,
+            bytes as f64 / 1e6,
+            bytes as f64 / best_put / 1e9,
+            bytes as f64 / best_read / 1e9
+        );
+    }
+    println!(
+        "backend: {:?}; best of {}; GB = 1e9 bytes of Arrow buffers",
+        args.backend, args.repeat
+    );
+}

@@ -1,0 +1,120 @@
+//! A pool of pinned host buffers for device transfers.
+//!
+//! Pinning memory costs milliseconds per megabyte, far more than a copy, so buffers are reused:
+//! a [`PinnedLease`] returns its buffer to the pool when dropped. Reads hand leases to Arrow as
+//! the backing memory of the record batches they return, so a buffer comes back only once the
+//! `DoGet` encoder has written those batches out. Sizes are rounded to powers of two so that
+//! returned buffers fit later requests.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::ffi::{Context, PinnedBuffer};
+use crate::backend::BackendError;
+
+/// Smallest pinned buffer handed out.
+const MIN_BUFFER_BYTES: usize = 1 << 20;
+
+#[derive(Debug)]
+pub(super) struct PinnedPool {
+    context: Arc<Context>,
+    free: Mutex<Vec<PinnedBuffer>>,
+    max_cached_bytes: u64,
+    cached_bytes: AtomicU64,
+    leased_bytes: AtomicU64,
+}
+
+impl PinnedPool {
+    pub(super) fn new(context: Arc<Context>, max_cached_bytes: u64) -> Arc<Self> {
+        Arc::new(Self {
+            context,
+            free: Mutex::new(Vec::new()),
+            max_cached_bytes,
+            cached_bytes: AtomicU64::new(0),
+            leased_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// A buffer of at least `bytes` bytes, reused when one is free.
+    pub(super) fn lease(self: &Arc<Self>, bytes: usize) -> Result<PinnedLease, BackendError> {
+        let class = bytes.max(MIN_BUFFER_BYTES).next_power_of_two();
+        let reused = {
+            let mut free = self
+                .free
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            free.iter()
+                .position(|b| b.len() == class)
+                .map(|i| free.swap_remove(i))
+        };
+        let buffer = match reused {
+            Some(buffer) => {
+                self.cached_bytes
+                    .fetch_sub(buffer.len() as u64, Ordering::AcqRel);
+                buffer
+            }
+            None => PinnedBuffer::new(&self.context, class)?,
+        };
+        self.leased_bytes
+            .fetch_add(buffer.len() as u64, Ordering::AcqRel);
+        Ok(PinnedLease {
+            buffer: Some(buffer),
+            pool: Arc::clone(self),
+        })
+    }
+
+    /// Pinned bytes held by leases now.
+    pub(super) fn leased_bytes(&self) -> u64 {
+        self.leased_bytes.load(Ordering::Acquire)
+    }
+
+    /// Pinned bytes kept for reuse.
+    pub(super) fn cached_bytes(&self) -> u64 {
+        self.cached_bytes.load(Ordering::Acquire)
+    }
+
+    fn give_back(&self, buffer: PinnedBuffer) {
+        let bytes = buffer.len() as u64;
+        self.leased_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        if self.cached_bytes.load(Ordering::Acquire) + bytes <= self.max_cached_bytes {
+            self.cached_bytes.fetch_add(bytes, Ordering::AcqRel);
+            self.free
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(buffer);
+        }
+    }
+}
+
+/// A pinned buffer on loan from the pool.
+#[derive(Debug)]
+pub(super) struct PinnedLease {
+    buffer: Option<PinnedBuffer>,
+    pool: Arc<PinnedPool>,
+}
+
+impl PinnedLease {
+    pub(super) fn buffer_mut(&mut self) -> &mut PinnedBuffer {
+        self.buffer
+            .as_mut()
+            .expect("a lease holds its buffer until dropped")
+    }
+}
+
+impl AsRef<PinnedBuffer> for PinnedLease {
+    fn as_ref(&self) -> &PinnedBuffer {
+        self.buffer
+            .as_ref()
+            .expect("a lease holds its buffer until dropped")
+    }
+}
+
+impl std::panic::RefUnwindSafe for PinnedLease {}
+
+impl Drop for PinnedLease {
+    fn drop(&mut self) {
+        if let Some(buffer) = self.buffer.take() {
+            self.pool.give_back(buffer);
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! CUDA-only behaviour: transfer synchronization counts and leak checks. Run on a GPU machine
+//! with `--include-ignored`; the protocol itself is covered by the conformance suite.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::record_batch::RecordBatch;
+use common::*;
+use gpu_flight::backend::{Backend, CudaBackend};
+use gpu_flight::flight::FlightOptions;
+use gpu_flight::server::ServeOptions;
+use gpu_flight::store::StoreOptions;
+use serde_json::Value;
+use tonic::Code;
+
+fn cuda() -> Arc<dyn Backend> {
+    Arc::new(CudaBackend::open(0).expect("CUDA device 0"))
+}
+
+fn counter(status: &Value, name: &str) -> u64 {
+    status["counters"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("counter {name} in {status}"))
+}
+
+/// Reads `name` whole and returns how many chunks and stream synchronizations it took.
+async fn read_counting(server: &TestServer, name: &str, expected: &[RecordBatch]) -> (u64, u64) {
+    let mut client = server.client().await;
+    let before = status(&mut client).await;
+    assert_same_data(
+        expected,
+        &get_by_name(&mut client, name).await.expect("get"),
+    );
+    let after = status(&mut client).await;
+    (
+        counter(&after, "read_chunks") - counter(&before, "read_chunks"),
+        counter(&after, "read_syncs") - counter(&before, "read_syncs"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn one_sync_per_chunk_for_fixed_width_two_with_strings() {
+    let options = ServeOptions {
+        flight: FlightOptions {
+            read_chunk_bytes: 1 << 20,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(cuda(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let fixed = vec![int64_batch(200_000, 4, 0)];
+    let strings = vec![string_batch(200_000, 0)];
+    put(&mut client, path("fixed"), fixed.clone())
+        .await
+        .expect("put");
+    put(&mut client, path("strings"), strings.clone())
+        .await
+        .expect("put");
+
+    let (chunks, syncs) = read_counting(&server, "fixed", &fixed).await;
+    assert!(chunks > 1, "the read was chunked ({chunks})");
+    assert_eq!(syncs, chunks, "one synchronization per fixed-width chunk");
+    let (chunks, syncs) = read_counting(&server, "strings", &strings).await;
+    assert!(chunks > 1, "the read was chunked ({chunks})");
+    assert_eq!(
+        syncs,
+        2 * chunks,
+        "two synchronizations per chunk with strings"
+    );
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn device_and_pinned_memory_return_after_puts_gets_failures_and_drops() {
+    let store_options = StoreOptions {
+        memory_limit: Some(64 << 20),
+    };
+    let server = TestServer::start_with(cuda(), store_options, ServeOptions::default()).await;
+    let mut client = server.client().await;
+    let baseline = status(&mut client).await;
+    assert_eq!(counter(&baseline, "device_allocated_bytes"), 0);
+
+    for round in 0..3 {
+        let batches = vec![all_types_batch(3000), all_types_batch(10).slice(3, 5)];
+        put(&mut client, path("a"), batches.clone())
+            .await
+            .expect("put");
+        put(&mut client, path("b"), vec![string_batch(50_000, round)])
+            .await
+            .expect("put");
+        assert_same_data(&batches, &get_all(&mut client, "a").await.expect("get"));
+        // Over the 64 MiB limit: refused, nothing kept.
+        let big: Vec<_> = (0..40).map(|i| int64_batch(100_000, 2, i)).collect();
+        let error = put(&mut client, path("too-big"), big)
+            .await
+            .expect_err("over the limit");
+        assert_eq!(code_of(&error), Code::ResourceExhausted);
+        // A malformed append: refused, nothing kept.
+        let error = put(&mut client, cmd("a", "append"), vec![int64_batch(10, 1, 0)])
+            .await
+            .expect_err("schema");
+        assert_eq!(code_of(&error), Code::InvalidArgument);
+        for name in ["a", "b"] {
+            action(&mut client, "drop", serde_json::json!({ "name": name }))
+                .await
+                .expect("drop");
+        }
+    }
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = status(&mut client).await;
+        let device = counter(&now, "device_allocated_bytes");
+        let pinned = counter(&now, "pinned_leased_bytes");
+        let used = now["devices"][0]["used_bytes"].as_u64().expect("used");
+        if device == 0 && pinned == 0 && used == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "memory still held: device {device}, pinned {pinned}, budget {used}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn status_reports_the_gpu() {
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    let status = status(&mut client).await;
+    assert_eq!(status["backend"], "cuda");
+    let device = &status["devices"][0];
+    assert!(device["name"].as_str().is_some_and(|n| !n.is_empty()));
+    assert!(device["total_bytes"].as_u64().is_some_and(|t| t > 1 << 30));
+    assert!(counter(&status, "device_free_bytes") > 0);
+    server.shutdown_and_wait().await;
+}
