@@ -8,7 +8,9 @@
 //!
 //! Both servers run as separate processes on loopback. The client pre-encodes the tables once
 //! (so the figures measure the servers, not the client's encoder), then times DoPut and DoGet
-//! of each table on each server, best of `--repeat` runs, and prints GB/s and the ratio.
+//! of each table on each server, best of `--repeat` runs, and prints GB/s and the ratio. With
+//! `--streams N`, N clients do the same at once, each with its own copy, and the figures are
+//! the aggregate rate.
 //! Tables: `int64`, 8 int64 columns of `--gib` GiB; `strings`, a utf8 column of 16-48
 //! character strings plus an int64 id, of about `--gib` GiB.
 
@@ -44,6 +46,10 @@ struct Args {
     /// Rows per record batch the client sends.
     #[arg(long, default_value_t = 131_072)]
     batch_rows: usize,
+    /// Concurrent clients, each on its own connection putting and getting its own copy of
+    /// the table, as Spark or Dask tasks do with partitions; figures are aggregate.
+    #[arg(long, default_value_t = 1)]
+    streams: usize,
 }
 
 struct Server {
@@ -213,20 +219,40 @@ async fn measure(
     ours: bool,
     name: &str,
     batches: &[RecordBatch],
-    repeat: usize,
+    args: &Args,
 ) -> Figures {
-    let bytes = table_bytes(batches) as f64;
+    let bytes = (table_bytes(batches) * args.streams as u64) as f64;
     let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
-    let messages = encode(name, batches).await;
-    let mut client = server.client().await;
+    let mut clients = Vec::new();
+    for stream in 0..args.streams {
+        let copy = format!("{name}-{stream}");
+        clients.push((
+            server.client().await,
+            Arc::new(encode(&copy, batches).await),
+            copy,
+        ));
+    }
     let mut best_put = f64::MAX;
     let mut best_get = f64::MAX;
-    for _ in 0..repeat.max(1) {
-        best_put = best_put.min(time_put(&mut client, &messages).await);
-        let (seconds, got) = time_get(&mut client, name).await;
-        assert_eq!(got, rows, "every row comes back");
-        best_get = best_get.min(seconds);
-        drop_dataset(&mut client, name, ours).await;
+    for _ in 0..args.repeat.max(1) {
+        let start = Instant::now();
+        let puts = clients
+            .iter_mut()
+            .map(|(client, messages, _)| time_put(client, messages));
+        futures::future::join_all(puts).await;
+        best_put = best_put.min(start.elapsed().as_secs_f64());
+
+        let start = Instant::now();
+        let gets = clients
+            .iter_mut()
+            .map(|(client, _, copy)| time_get(client, copy));
+        for (_, got) in futures::future::join_all(gets).await {
+            assert_eq!(got, rows, "every row comes back");
+        }
+        best_get = best_get.min(start.elapsed().as_secs_f64());
+        for (client, _, copy) in &mut clients {
+            drop_dataset(client, copy, ours).await;
+        }
     }
     Figures {
         put_gbps: bytes / best_put / 1e9,
@@ -272,8 +298,8 @@ async fn main() {
     );
     for (name, batches) in &tables {
         let mb = table_bytes(batches) as f64 / 1e6;
-        let a = measure(&ours, true, name, batches, args.repeat).await;
-        let b = measure(&pyarrow, false, name, batches, args.repeat).await;
+        let a = measure(&ours, true, name, batches, &args).await;
+        let b = measure(&pyarrow, false, name, batches, &args).await;
         println!(
             "{:<8} {:>9.0} {:>14.2} {:>14.2} {:>14.2} {:>14.2} {:>7.2}x {:>7.2}x",
             name,
@@ -287,7 +313,8 @@ async fn main() {
         );
     }
     println!(
-        "backend: {}; best of {} runs; GB = 1e9 bytes of Arrow buffers",
-        args.backend, args.repeat
+        "backend: {}; {} concurrent stream(s), MB per stream; best of {} runs; \
+         GB = 1e9 bytes of Arrow buffers",
+        args.backend, args.streams, args.repeat
     );
 }

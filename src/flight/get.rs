@@ -15,6 +15,7 @@ use arrow::record_batch::RecordBatch;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use tokio::sync::mpsc::Sender;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use super::ipc_message::{IpcMessage, IpcMessageEncoder};
@@ -43,10 +44,7 @@ pub(crate) fn encode(
             let _ = sender.send(Err(status)).await;
         }
     });
-    futures::stream::unfold(receiver, |mut receiver| async move {
-        receiver.recv().await.map(|message| (message, receiver))
-    })
-    .boxed()
+    ReceiverStream::new(receiver).boxed()
 }
 
 /// Reads, splits and encodes until the batches end or the receiver is gone.

@@ -16,6 +16,7 @@ use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
 use arrow_flight::error::FlightError;
 use futures::stream::FuturesOrdered;
 use futures::{StreamExt, TryStreamExt};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
 use super::descriptor;
@@ -52,9 +53,7 @@ pub(crate) async fn receive(
             }
         }
     });
-    let received = futures::stream::unfold(receiver, |mut receiver| async move {
-        receiver.recv().await.map(|message| (message, receiver))
-    });
+    let received = ReceiverStream::new(receiver);
     let messages = futures::stream::once(futures::future::ready(Ok(first)))
         .chain(received.map_err(|status| FlightError::Tonic(Box::new(status))));
     let mut decoder = FlightDataDecoder::new(messages);
