@@ -10,7 +10,7 @@ use arrow::record_batch::RecordBatch;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::{Backend, BackendError, DeviceInfo, Partition, check_rows};
+use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, downcast_all};
 use crate::batch_size::batch_bytes;
 
 /// Keeps datasets in host memory. Stateless: memory accounting is the store's job.
@@ -53,6 +53,25 @@ impl Backend for HostBackend {
         let partition: Arc<dyn Partition> = Arc::new(HostPartition { batch, bytes });
         futures::future::ready(Ok(partition)).boxed()
     }
+
+    /// Arrow's own concatenation: it is the host reference the CUDA kernel is checked against.
+    fn concatenate(
+        &self,
+        partitions: Vec<Arc<dyn Partition>>,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let concatenated =
+            downcast_all::<HostPartition>(&partitions, "the host backend").and_then(|parts| {
+                let schema = parts
+                    .first()
+                    .map(|p| p.batch.schema())
+                    .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
+                let batch = arrow::compute::concat_batches(&schema, parts.iter().map(|p| &p.batch))
+                    .map_err(|e| BackendError::Device(format!("concatenating batches: {e}")))?;
+                let bytes = batch_bytes(&batch);
+                Ok(Arc::new(HostPartition { batch, bytes }) as Arc<dyn Partition>)
+            });
+        futures::future::ready(concatenated).boxed()
+    }
 }
 
 #[derive(Debug)]
@@ -78,6 +97,10 @@ impl Partition for HostPartition {
         let result =
             check_rows(offset, len, self.batch.num_rows()).map(|()| self.batch.slice(offset, len));
         futures::future::ready(result).boxed()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

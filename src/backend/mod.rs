@@ -75,6 +75,14 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
+    /// Concatenates `partitions` (all of one schema, uploaded by this backend) into one
+    /// compact partition: each column's buffers contiguous, in one allocation per column. The
+    /// inputs are left as they are; the caller frees them by dropping them.
+    fn concatenate(
+        &self,
+        partitions: Vec<Arc<dyn Partition>>,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
+
     /// Backend-specific counters for `status` (e.g. stream synchronizations), as JSON.
     fn counters(&self) -> serde_json::Map<String, serde_json::Value> {
         serde_json::Map::new()
@@ -94,6 +102,26 @@ pub trait Partition: Send + Sync + fmt::Debug {
         offset: usize,
         len: usize,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
+
+    /// For a backend to recognise its own partitions.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// `partitions` as the backend's own partition type, or an error naming what was found.
+pub(crate) fn downcast_all<'a, P: 'static>(
+    partitions: &'a [Arc<dyn Partition>],
+    backend: &'static str,
+) -> Result<Vec<&'a P>, BackendError> {
+    partitions
+        .iter()
+        .map(|p| {
+            p.as_any().downcast_ref::<P>().ok_or_else(|| {
+                BackendError::Device(format!(
+                    "a partition from another backend was given to {backend}"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// The `--backend` choice.

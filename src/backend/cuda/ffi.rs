@@ -6,8 +6,9 @@
 //!   pool: pool memory cannot be exported with `cuIpcGetMemHandle`, which zero-copy export needs.
 //! - [`PinnedBuffer`]: page-locked host memory from `cuMemHostAlloc(…, 0)`: cacheable, so the CPU
 //!   reads it at full speed (cudarc's `alloc_pinned` is write-combined, slow for the CPU to read).
-//! - [`Stream`] and [`CopyBatch`]: asynchronous copies whose source and destination stay borrowed
-//!   until the stream has synchronized, so no buffer can be freed or reused under a running copy.
+//! - [`Stream`] and [`CopyBatch`]: asynchronous copies and kernel launches whose memory stays
+//!   borrowed until the stream has synchronized, so no buffer can be freed or reused under them.
+//! - [`Kernel`]: a function of a PTX module, loaded once.
 
 use std::marker::PhantomData;
 use std::panic::RefUnwindSafe;
@@ -18,6 +19,7 @@ use arrow::buffer::Buffer;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
+use super::concat::ConcatTask;
 use crate::backend::BackendError;
 
 /// Whether a CUDA driver library can be loaded. cudarc panics on first use without one, so
@@ -136,6 +138,23 @@ impl DeviceAllocation {
 
     pub(super) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The device address of the first byte, for kernel task tables.
+    pub(super) fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Sets every byte to `value` (tests poison outputs so unwritten bytes show).
+    pub(super) fn fill(&self, value: u8) -> Result<(), BackendError> {
+        self.context.bind()?;
+        // SAFETY: the whole range lies inside this allocation; `&self` keeps it alive.
+        unsafe { result::memset_d8_sync(self.ptr, value, self.bytes) }
+            .map_err(|e| device_error("cuMemsetD8", e))
+    }
+
+    fn contains(&self, address: u64, len: u64) -> bool {
+        address >= self.ptr && address.saturating_add(len) <= self.ptr + self.bytes as u64
     }
 }
 
@@ -311,6 +330,63 @@ impl<'a> CopyBatch<'a> {
             .map_err(|e| device_error("cuMemcpyDtoHAsync", e))
     }
 
+    /// Queues the concatenation kernel over `tasks`, after checking that every range a task
+    /// reads lies in one of `sources` and every range it writes lies in `destinations`: with
+    /// that, and the borrows held until the stream synchronized, the launch cannot touch
+    /// memory it does not own. `table` holds `tasks` followed by `unit_starts` on the device,
+    /// copied there earlier in this batch.
+    pub(super) fn launch_concat(
+        &mut self,
+        kernel: &'a Kernel,
+        table: &'a DeviceAllocation,
+        tasks: &[ConcatTask],
+        unit_starts: &[u64],
+        sources: &[&'a DeviceAllocation],
+        destinations: &[&'a DeviceAllocation],
+    ) -> Result<(), BackendError> {
+        let table_bytes = std::mem::size_of_val(tasks) + std::mem::size_of_val(unit_starts);
+        if table.bytes() < table_bytes || unit_starts.len() != tasks.len() + 1 {
+            return Err(BackendError::Device(
+                "malformed concatenation task table".to_owned(),
+            ));
+        }
+        for task in tasks {
+            check_task(task, sources, destinations)?;
+        }
+        let total_units = unit_starts.last().copied().unwrap_or(0);
+        if total_units == 0 {
+            return Ok(());
+        }
+        let block = 256u32;
+        let grid =
+            u32::try_from(total_units.div_ceil(u64::from(block)).min(1 << 16)).unwrap_or(1 << 16);
+        let mut tasks_address = table.ptr;
+        let mut starts_address = table.ptr + std::mem::size_of_val(tasks) as u64;
+        let mut task_count = u32::try_from(tasks.len())
+            .map_err(|_| BackendError::Device("too many concatenation tasks".to_owned()))?;
+        let mut units = total_units;
+        let mut params = [
+            (&raw mut tasks_address).cast::<std::ffi::c_void>(),
+            (&raw mut starts_address).cast(),
+            (&raw mut task_count).cast(),
+            (&raw mut units).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's signature (two device pointers, u32, u64);
+        // every address a task touches was checked above to lie in memory this batch borrows
+        // until the stream synchronizes; the table was copied in earlier on the same stream.
+        unsafe {
+            result::launch_kernel(
+                kernel.function,
+                (grid, 1, 1),
+                (block, 1, 1),
+                0,
+                self.stream.raw,
+                &mut params,
+            )
+        }
+        .map_err(|e| device_error("cuLaunchKernel", e))
+    }
+
     /// Waits until every queued copy has completed.
     pub(super) fn finish(mut self) -> Result<(), BackendError> {
         self.finished = true;
@@ -331,6 +407,106 @@ impl Drop for CopyBatch<'_> {
         {
             tracing::warn!(%error, "synchronizing an abandoned copy batch failed");
         }
+    }
+}
+
+/// A device kernel, loaded once from PTX and unloaded on drop.
+#[derive(Debug)]
+pub(super) struct Kernel {
+    module: sys::CUmodule,
+    function: sys::CUfunction,
+    context: Arc<Context>,
+}
+
+// SAFETY: module and function handles may be used from any thread of the context.
+unsafe impl Send for Kernel {}
+// SAFETY: as above; launching does not mutate the handles.
+unsafe impl Sync for Kernel {}
+
+impl Kernel {
+    /// JIT-compiles `ptx` for this device and looks up function `name`.
+    pub(super) fn load(
+        context: &Arc<Context>,
+        ptx: &str,
+        name: &str,
+    ) -> Result<Self, BackendError> {
+        context.bind()?;
+        let image = std::ffi::CString::new(ptx)
+            .map_err(|_| BackendError::Device("PTX contains a NUL byte".to_owned()))?;
+        // SAFETY: `image` is a NUL-terminated PTX string that outlives the call.
+        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| device_error("cuModuleLoadData", e))?;
+        let function_name = std::ffi::CString::new(name)
+            .map_err(|_| BackendError::Device("kernel name contains a NUL byte".to_owned()))?;
+        // SAFETY: `module` was just loaded in this context.
+        let function = match unsafe { result::module::get_function(module, function_name) } {
+            Ok(function) => function,
+            Err(error) => {
+                // SAFETY: unloads the module loaded above, which nothing else references.
+                let _ = unsafe { result::module::unload(module) };
+                return Err(device_error("cuModuleGetFunction", error));
+            }
+        };
+        Ok(Self {
+            module,
+            function,
+            context: Arc::clone(context),
+        })
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        let unloaded = self.context.bind().and_then(|()| {
+            // SAFETY: launches borrow the kernel until their stream synchronized.
+            unsafe { result::module::unload(self.module) }
+                .map_err(|e| device_error("cuModuleUnload", e))
+        });
+        if let Err(error) = unloaded {
+            tracing::warn!(%error, "unloading a kernel module failed");
+        }
+    }
+}
+
+/// Checks that a task reads only from `sources` and writes only into `destinations`.
+fn check_task(
+    task: &ConcatTask,
+    sources: &[&DeviceAllocation],
+    destinations: &[&DeviceAllocation],
+) -> Result<(), BackendError> {
+    let reads = |address: u64, len: u64| sources.iter().any(|a| a.contains(address, len));
+    let writes = |address: u64, len: u64| destinations.iter().any(|a| a.contains(address, len));
+    let ok = match task.kind {
+        ConcatTask::COPY_BYTES => reads(task.src, task.count) && writes(task.dst, task.count),
+        ConcatTask::COPY_BITS => {
+            let end_bit = task.dst_bit + task.count;
+            let first_word = (task.dst_bit / 32) * 4;
+            let words_end = end_bit.div_ceil(32) * 4;
+            let src_ok = task.src == 0 || {
+                let first = task.src_bit / 8;
+                reads(
+                    task.src + first,
+                    (task.src_bit + task.count).div_ceil(8) - first,
+                )
+            };
+            src_ok && writes(task.dst + first_word, words_end - first_word)
+        }
+        ConcatTask::REBASE_OFFSETS_32 | ConcatTask::REBASE_OFFSETS_64 => {
+            let width = if task.kind == ConcatTask::REBASE_OFFSETS_32 {
+                4
+            } else {
+                8
+            };
+            reads(task.src, task.count.max(1) * width) && writes(task.dst, task.count * width)
+        }
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(BackendError::Device(format!(
+            "concatenation task outside its buffers: {task:?}"
+        )))
     }
 }
 

@@ -30,7 +30,7 @@ use super::staging::{PinnedLease, PinnedPool};
 use crate::backend::BackendError;
 
 /// Alignment of every buffer in device and staging memory.
-const ALIGNMENT: usize = 64;
+pub(super) const ALIGNMENT: usize = 64;
 /// `cuMemAlloc`'s sub-allocation granularity; see the module docs.
 pub(super) const ALLOCATION_GRANULARITY: usize = 2 << 20;
 
@@ -43,7 +43,7 @@ pub(super) struct Region {
 
 /// How one array's bytes are addressed by row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Null,
     /// Values of this many bytes each.
     Fixed(usize),
@@ -88,12 +88,32 @@ fn kind(data_type: &DataType) -> Result<Kind, BackendError> {
 /// Where one array of an uploaded batch lives in the partition's allocation.
 #[derive(Debug, Clone)]
 pub(super) struct DeviceArray {
-    data_type: DataType,
-    kind: Kind,
-    len: usize,
-    validity: Option<Region>,
-    buffers: Vec<Region>,
-    children: Vec<DeviceArray>,
+    pub(super) data_type: DataType,
+    pub(super) kind: Kind,
+    pub(super) len: usize,
+    pub(super) validity: Option<Region>,
+    pub(super) buffers: Vec<Region>,
+    pub(super) children: Vec<DeviceArray>,
+}
+
+impl DeviceArray {
+    pub(super) fn new(
+        data_type: DataType,
+        kind: Kind,
+        len: usize,
+        validity: Option<Region>,
+        buffers: Vec<Region>,
+        children: Vec<DeviceArray>,
+    ) -> Self {
+        Self {
+            data_type,
+            kind,
+            len,
+            validity,
+            buffers,
+            children,
+        }
+    }
 }
 
 /// The layout of one batch, and the host bytes that fill it.
@@ -107,8 +127,9 @@ pub(super) struct UploadPlan {
 }
 
 impl UploadPlan {
-    /// Plans `batch`'s layout. Arrays with a non-zero offset (slices) are copied to fresh
-    /// buffers first, so every device array starts at its row 0.
+    /// Plans `batch`'s layout. Arrays that are not compact (slices; offsets not starting at 0;
+    /// children holding rows nobody references) are copied to fresh buffers first, so every
+    /// device array starts at its row 0 and concatenation can work on whole fragments.
     pub(super) fn new(batch: &RecordBatch) -> Result<Self, BackendError> {
         let mut plan = Self {
             columns: Vec::with_capacity(batch.num_columns()),
@@ -181,9 +202,9 @@ impl UploadPlan {
     }
 }
 
-/// The array itself if it and its children start at offset 0, else a fresh copy that does.
+/// The array itself if it is compact, else a fresh copy that is.
 fn compact(data: ArrayData) -> Result<ArrayData, BackendError> {
-    if starts_at_zero(&data) {
+    if is_compact(&data) {
         return Ok(data);
     }
     let len = data.len();
@@ -193,10 +214,22 @@ fn compact(data: ArrayData) -> Result<ArrayData, BackendError> {
     Ok(copy.freeze())
 }
 
-fn starts_at_zero(data: &ArrayData) -> bool {
-    data.offset() == 0
-        && data.nulls().is_none_or(|n| n.offset() == 0)
-        && data.child_data().iter().all(starts_at_zero)
+/// Starts at row 0 everywhere; offsets start at 0; children hold exactly the rows referenced.
+fn is_compact(data: &ArrayData) -> bool {
+    let len = data.len();
+    let own = data.offset() == 0 && data.nulls().is_none_or(|n| n.offset() == 0);
+    let layout = match kind(data.data_type()) {
+        Ok(Kind::VarLen(width)) => offset_at(data.buffers()[0].as_slice(), 0, width) == 0,
+        Ok(Kind::List(width)) => {
+            let offsets = data.buffers()[0].as_slice();
+            offset_at(offsets, 0, width) == 0
+                && data.child_data()[0].len() == offset_at(offsets, len, width)
+        }
+        Ok(Kind::FixedList(size)) => data.child_data()[0].len() == len * size,
+        Ok(Kind::Struct) => data.child_data().iter().all(|c| c.len() == len),
+        _ => true,
+    };
+    own && layout && data.child_data().iter().all(is_compact)
 }
 
 /// `offsets[index]` of an offsets buffer of `width`-byte integers, as usize.
@@ -258,14 +291,31 @@ struct OutArray {
     children: Vec<usize>,
 }
 
+/// A device array and the allocation it lives in.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stored<'a> {
+    pub(super) allocation: &'a DeviceAllocation,
+    pub(super) array: &'a DeviceArray,
+}
+
+impl<'a> Stored<'a> {
+    fn child(self, index: usize) -> Self {
+        Self {
+            allocation: self.allocation,
+            array: &self.array.children[index],
+        }
+    }
+}
+
 /// Work for a round: an array's rows, or bytes whose range an earlier round revealed.
 enum Work<'a> {
     Rows {
-        array: &'a DeviceArray,
+        stored: Stored<'a>,
         rows: Range<usize>,
         out: usize,
     },
     Bytes {
+        allocation: &'a DeviceAllocation,
         region: Region,
         out: usize,
         buffer: usize,
@@ -280,6 +330,7 @@ enum AfterRound<'a> {
         len: usize,
         width: usize,
         values: Region,
+        allocation: &'a DeviceAllocation,
         out: usize,
     },
     /// Rebase offsets; then read the child rows they address.
@@ -287,16 +338,15 @@ enum AfterRound<'a> {
         offsets: Slot,
         len: usize,
         width: usize,
-        child: &'a DeviceArray,
+        child: Stored<'a>,
         out: usize,
     },
 }
 
-/// Copies rows `rows` of a partition back into a host record batch. Returns the batch and the
-/// number of stream synchronizations it took.
+/// Copies rows `rows` of a partition's columns back into a host record batch. Returns the
+/// batch and the number of stream synchronizations it took.
 pub(super) fn read_rows(
-    allocation: &DeviceAllocation,
-    columns: &[DeviceArray],
+    columns: &[Stored<'_>],
     schema: &SchemaRef,
     rows: Range<usize>,
     stream: &mut Stream,
@@ -306,10 +356,10 @@ pub(super) fn read_rows(
     let mut roots = Vec::with_capacity(columns.len());
     let mut work = Vec::with_capacity(columns.len());
     for column in columns {
-        let out = new_out(&mut outputs, column);
+        let out = new_out(&mut outputs, column.array);
         roots.push(out);
         work.push(Work::Rows {
-            array: column,
+            stored: *column,
             rows: rows.clone(),
             out,
         });
@@ -319,10 +369,10 @@ pub(super) fn read_rows(
     let mut syncs = 0;
     while !work.is_empty() {
         let round = leases.len();
-        let mut copies: Vec<(Region, Slot)> = Vec::new();
+        let mut copies: Vec<(&DeviceAllocation, Region, Slot)> = Vec::new();
         let mut after = Vec::new();
         let mut staged = 0usize;
-        let mut stage = |region: Region| {
+        let mut stage = |allocation, region: Region| {
             let start = staged.next_multiple_of(ALIGNMENT);
             staged = start + region.len;
             let slot = Slot {
@@ -330,21 +380,22 @@ pub(super) fn read_rows(
                 start,
                 len: region.len,
             };
-            copies.push((region, slot));
+            copies.push((allocation, region, slot));
             slot
         };
         while let Some(item) = work.pop() {
             match item {
                 Work::Bytes {
+                    allocation,
                     region,
                     out,
                     buffer,
                 } => {
-                    outputs[out].buffers[buffer] = Some(stage(region));
+                    outputs[out].buffers[buffer] = Some(stage(allocation, region));
                 }
-                Work::Rows { array, rows, out } => {
+                Work::Rows { stored, rows, out } => {
                     schedule(
-                        array,
+                        stored,
                         rows,
                         out,
                         &mut outputs,
@@ -360,7 +411,10 @@ pub(super) fn read_rows(
             let mut batch = stream.copies()?;
             let mut rest = lease.buffer_mut().as_mut_slice();
             let mut consumed = 0;
-            for (region, slot) in &copies {
+            for (allocation, region, slot) in &copies {
+                if slot.len == 0 {
+                    continue;
+                }
                 let (_, tail) = rest.split_at_mut(slot.start - consumed);
                 let (target, tail) = tail.split_at_mut(slot.len);
                 batch.copy_to_host(target, allocation, region.offset)?;
@@ -378,15 +432,16 @@ pub(super) fn read_rows(
                     len,
                     width,
                     values,
+                    allocation,
                     out,
                 } => {
-                    let base = rebase(bytes, offsets, len, width);
-                    let end = base.1;
+                    let (start, end) = rebase(bytes, offsets, len, width);
                     let region = Region {
-                        offset: values.offset + base.0,
-                        len: end - base.0,
+                        offset: values.offset + start,
+                        len: end - start,
                     };
                     work.push(Work::Bytes {
+                        allocation,
                         region,
                         out,
                         buffer: 1,
@@ -402,7 +457,7 @@ pub(super) fn read_rows(
                     let (start, end) = rebase(bytes, offsets, len, width);
                     let child_out = outputs[out].children[0];
                     work.push(Work::Rows {
-                        array: child,
+                        stored: child,
                         rows: start..end,
                         out: child_out,
                     });
@@ -449,16 +504,18 @@ fn new_out(outputs: &mut Vec<OutArray>, array: &DeviceArray) -> usize {
     index
 }
 
-/// Queues the copies rows `rows` of `array` need this round, and what must follow them.
+/// Queues the copies rows `rows` of an array need this round, and what must follow them.
 fn schedule<'a>(
-    array: &'a DeviceArray,
+    stored: Stored<'a>,
     rows: Range<usize>,
     out: usize,
     outputs: &mut [OutArray],
-    stage: &mut impl FnMut(Region) -> Slot,
+    stage: &mut impl FnMut(&'a DeviceAllocation, Region) -> Slot,
     work: &mut Vec<Work<'a>>,
     after: &mut Vec<AfterRound<'a>>,
 ) {
+    let array = stored.array;
+    let allocation = stored.allocation;
     let (start, len) = (rows.start, rows.len());
     let bytes_of = |bits: Range<usize>| (bits.start / 8, bits.end.div_ceil(8));
     outputs[out].len = len;
@@ -466,10 +523,13 @@ fn schedule<'a>(
         && len > 0
     {
         let (first, end) = bytes_of(rows.clone());
-        let slot = stage(Region {
-            offset: validity.offset + first,
-            len: end - first,
-        });
+        let slot = stage(
+            allocation,
+            Region {
+                offset: validity.offset + first,
+                len: end - first,
+            },
+        );
         outputs[out].nulls = Some((slot, start % 8));
     }
     match array.kind {
@@ -479,7 +539,7 @@ fn schedule<'a>(
                 offset: array.buffers[0].offset + start * width,
                 len: len * width,
             };
-            outputs[out].buffers[0] = Some(stage(region));
+            outputs[out].buffers[0] = Some(stage(allocation, region));
         }
         Kind::Bits => {
             let (first, end) = bytes_of(rows.clone());
@@ -487,7 +547,7 @@ fn schedule<'a>(
                 offset: array.buffers[0].offset + first,
                 len: end - first,
             };
-            outputs[out].buffers[0] = Some(stage(region));
+            outputs[out].buffers[0] = Some(stage(allocation, region));
             outputs[out].offset = start % 8;
         }
         Kind::VarLen(width) | Kind::List(width) => {
@@ -495,7 +555,7 @@ fn schedule<'a>(
                 offset: array.buffers[0].offset + start * width,
                 len: (len + 1) * width,
             };
-            let offsets = stage(region);
+            let offsets = stage(allocation, region);
             outputs[out].buffers[0] = Some(offsets);
             after.push(match array.kind {
                 Kind::VarLen(_) => AfterRound::Strings {
@@ -503,13 +563,14 @@ fn schedule<'a>(
                     len,
                     width,
                     values: array.buffers[1],
+                    allocation,
                     out,
                 },
                 _ => AfterRound::ListChild {
                     offsets,
                     len,
                     width,
-                    child: &array.children[0],
+                    child: stored.child(0),
                     out,
                 },
             });
@@ -517,16 +578,16 @@ fn schedule<'a>(
         Kind::FixedList(size) => {
             let child = outputs[out].children[0];
             work.push(Work::Rows {
-                array: &array.children[0],
+                stored: stored.child(0),
                 rows: start * size..(start + len) * size,
                 out: child,
             });
         }
         Kind::Struct => {
-            for (index, child) in array.children.iter().enumerate() {
+            for index in 0..array.children.len() {
                 let child_out = outputs[out].children[index];
                 work.push(Work::Rows {
-                    array: child,
+                    stored: stored.child(index),
                     rows: rows.clone(),
                     out: child_out,
                 });
@@ -537,12 +598,12 @@ fn schedule<'a>(
                 offset: array.buffers[0].offset + start * width,
                 len: len * width,
             };
-            outputs[out].buffers[0] = Some(stage(region));
-            let values = &array.children[0];
+            outputs[out].buffers[0] = Some(stage(allocation, region));
+            let values = stored.child(0);
             let values_out = outputs[out].children[0];
             work.push(Work::Rows {
-                array: values,
-                rows: 0..values.len,
+                stored: values,
+                rows: 0..values.array.len,
                 out: values_out,
             });
         }

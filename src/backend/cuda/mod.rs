@@ -3,6 +3,8 @@
 //! - `ffi`: every `unsafe` line, the driver calls and the RAII types around them.
 //! - `staging`: the pool of pinned host buffers transfers go through.
 //! - `layout`: how a batch lies in device memory and how row ranges come back.
+//! - `concat`: one-launch concatenation of many batches into compact columns
+//!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //!
 //! An upload copies the batch's buffers into a pinned staging buffer laid out exactly as the
 //! device allocation, then issues one host-to-device copy and waits on its own stream, on a
@@ -16,6 +18,7 @@
 //! without CUDA; [`CudaBackend::open`] checks for the library before touching it, because
 //! cudarc panics on first use when it is missing.
 
+mod concat;
 mod ffi;
 mod layout;
 mod staging;
@@ -29,10 +32,14 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
-use super::{Backend, BackendError, DeviceInfo, Partition, check_rows};
-use ffi::{Context, DeviceAllocation, Stream};
-use layout::{DeviceArray, UploadPlan};
+use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, downcast_all};
+use concat::{ConcatTask, Fragment};
+use ffi::{Context, DeviceAllocation, Kernel, Stream};
+use layout::{DeviceArray, Stored, UploadPlan};
 use staging::PinnedPool;
+
+/// The concatenation kernel, compiled from `kernels/concat.cu` by `kernels/build_ptx.py`.
+const CONCAT_PTX: &str = include_str!("../../../kernels/concat.ptx");
 
 /// Pinned memory kept for reuse between transfers.
 const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
@@ -67,6 +74,10 @@ struct Shared {
     context: Arc<Context>,
     pool: Arc<PinnedPool>,
     streams: Mutex<Vec<Stream>>,
+    /// `None` where the driver could not load the PTX (it then says why in the log).
+    concat_kernel: Option<Kernel>,
+    /// Fill concatenation outputs with 0xAB first, so a test sees any byte left unwritten.
+    poison_outputs: bool,
     counters: Counters,
 }
 
@@ -77,6 +88,7 @@ struct Counters {
     upload_syncs: AtomicU64,
     read_chunks: AtomicU64,
     read_syncs: AtomicU64,
+    concat_launches: AtomicU64,
 }
 
 impl CudaBackend {
@@ -91,16 +103,36 @@ impl CudaBackend {
         let name = context.name()?;
         let total_bytes = context.total_bytes()?;
         let pool = PinnedPool::new(Arc::clone(&context), MAX_CACHED_PINNED_BYTES);
+        let concat_kernel = match Kernel::load(&context, CONCAT_PTX, "gpu_flight_concat") {
+            Ok(kernel) => Some(kernel),
+            Err(error) => {
+                tracing::warn!(%error, "the concatenation kernel did not load; datasets stay in their uploaded batches");
+                None
+            }
+        };
         Ok(Self {
             shared: Arc::new(Shared {
                 context,
                 pool,
                 streams: Mutex::new(Vec::new()),
+                concat_kernel,
+                poison_outputs: false,
                 counters: Counters::default(),
             }),
             name,
             total_bytes,
         })
+    }
+}
+
+impl CudaBackend {
+    /// Poisons every concatenation output before the kernel writes it. For tests: it costs a
+    /// device memset per output.
+    pub fn with_poisoned_outputs(mut self) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.poison_outputs = true;
+        }
+        self
     }
 }
 
@@ -138,12 +170,110 @@ impl Shared {
         self.counters.upload_syncs.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(CudaPartition {
             shared: Arc::clone(self),
-            allocation: Arc::new(allocation),
-            columns: Arc::new(plan.columns),
+            allocations: Arc::new(vec![allocation]),
+            columns: Arc::new(plan.columns.into_iter().map(|array| (0, array)).collect()),
             schema: batch.schema(),
             rows: batch.num_rows(),
         }))
     }
+
+    /// Concatenates partitions into one allocation per column with one kernel launch.
+    fn concatenate(
+        self: &Arc<Self>,
+        partitions: &[&CudaPartition],
+    ) -> Result<Arc<dyn Partition>, BackendError> {
+        let kernel = self.concat_kernel.as_ref().ok_or_else(|| {
+            BackendError::Device("the concatenation kernel is not loaded".to_owned())
+        })?;
+        let first = partitions
+            .first()
+            .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
+        let mut allocations = Vec::new();
+        let mut columns = Vec::new();
+        let mut tasks = Vec::new();
+        for column in 0..first.columns.len() {
+            let fragments: Vec<Fragment<'_>> = partitions
+                .iter()
+                .map(|p| {
+                    let (allocation, array) = &p.columns[column];
+                    Fragment {
+                        base: p.allocations[*allocation].inner.address(),
+                        array,
+                    }
+                })
+                .collect();
+            let mut used = 0;
+            let array = concat::plan_column(&fragments, &mut used)?;
+            let bytes = used.max(1).div_ceil(layout::ALLOCATION_GRANULARITY)
+                * layout::ALLOCATION_GRANULARITY;
+            let allocation = TrackedAllocation::new(self, bytes)?;
+            if self.poison_outputs {
+                allocation.inner.fill(0xAB)?;
+            }
+            concat::column_tasks(&fragments, &array, allocation.inner.address(), &mut tasks);
+            columns.push((allocations.len(), array));
+            allocations.push(allocation);
+        }
+        let starts = concat::unit_starts(&tasks);
+        let table_bytes =
+            std::mem::size_of_val(tasks.as_slice()) + std::mem::size_of_val(starts.as_slice());
+        let table = TrackedAllocation::new(self, table_bytes)?;
+        let mut staging = self.pool.lease(table_bytes)?;
+        {
+            let target = staging.buffer_mut().as_mut_slice();
+            let (task_bytes, rest) = target.split_at_mut(std::mem::size_of_val(tasks.as_slice()));
+            for (chunk, task) in task_bytes
+                .chunks_exact_mut(std::mem::size_of::<ConcatTask>())
+                .zip(&tasks)
+            {
+                chunk.copy_from_slice(task_bytes_of(task).as_slice());
+            }
+            for (chunk, start) in rest.chunks_exact_mut(8).zip(&starts) {
+                chunk.copy_from_slice(&start.to_le_bytes());
+            }
+        }
+        let sources: Vec<&DeviceAllocation> = partitions
+            .iter()
+            .flat_map(|p| p.allocations.iter().map(|a| &a.inner))
+            .collect();
+        let destinations: Vec<&DeviceAllocation> = allocations.iter().map(|a| &a.inner).collect();
+        self.with_stream(|stream| {
+            let mut batch = stream.copies()?;
+            batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
+            batch.launch_concat(
+                kernel,
+                &table.inner,
+                &tasks,
+                &starts,
+                &sources,
+                &destinations,
+            )?;
+            batch.finish()
+        })?;
+        self.counters
+            .concat_launches
+            .fetch_add(1, Ordering::Relaxed);
+        let rows = partitions.iter().map(|p| p.rows).sum();
+        Ok(Arc::new(CudaPartition {
+            shared: Arc::clone(self),
+            allocations: Arc::new(allocations),
+            columns: Arc::new(columns),
+            schema: Arc::clone(&first.schema),
+            rows,
+        }))
+    }
+}
+
+/// A task's bytes exactly as the kernel reads its `struct Task` (little-endian, no padding).
+fn task_bytes_of(task: &ConcatTask) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(std::mem::size_of::<ConcatTask>());
+    bytes.extend_from_slice(&task.kind.to_le_bytes());
+    bytes.extend_from_slice(&task.reserved.to_le_bytes());
+    for field in [task.src, task.dst, task.count, task.src_bit, task.dst_bit] {
+        bytes.extend_from_slice(&field.to_le_bytes());
+    }
+    bytes.extend_from_slice(&task.base.to_le_bytes());
+    bytes
 }
 
 impl Backend for CudaBackend {
@@ -173,6 +303,18 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
+    fn concatenate(
+        &self,
+        partitions: Vec<Arc<dyn Partition>>,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let shared = Arc::clone(&self.shared);
+        let task = tokio::task::spawn_blocking(move || {
+            let parts = downcast_all::<CudaPartition>(&partitions, "the cuda backend")?;
+            shared.concatenate(&parts)
+        });
+        task.map(flatten_join).boxed()
+    }
+
     fn counters(&self) -> Map<String, Value> {
         let c = &self.shared.counters;
         let free = self.shared.context.memory_info().map(|(free, _)| free).ok();
@@ -185,6 +327,8 @@ impl Backend for CudaBackend {
             "upload_syncs": c.upload_syncs.load(Ordering::Relaxed),
             "read_chunks": c.read_chunks.load(Ordering::Relaxed),
             "read_syncs": c.read_syncs.load(Ordering::Relaxed),
+            "concat_launches": c.concat_launches.load(Ordering::Relaxed),
+            "concat_kernel_loaded": self.shared.concat_kernel.is_some(),
         });
         match counters {
             Value::Object(map) => map,
@@ -229,12 +373,14 @@ impl Drop for TrackedAllocation {
     }
 }
 
-/// One uploaded batch in device memory.
+/// Rows in device memory: an uploaded batch (all columns in one allocation) or a concatenation
+/// (one allocation per column).
 #[derive(Debug)]
 struct CudaPartition {
     shared: Arc<Shared>,
-    allocation: Arc<TrackedAllocation>,
-    columns: Arc<Vec<DeviceArray>>,
+    allocations: Arc<Vec<TrackedAllocation>>,
+    /// Each column: the index of its allocation, and its layout there.
+    columns: Arc<Vec<(usize, DeviceArray)>>,
     schema: SchemaRef,
     rows: usize,
 }
@@ -245,7 +391,10 @@ impl Partition for CudaPartition {
     }
 
     fn bytes(&self) -> u64 {
-        self.allocation.inner.bytes() as u64
+        self.allocations
+            .iter()
+            .map(|a| a.inner.bytes() as u64)
+            .sum()
     }
 
     fn read(
@@ -257,19 +406,19 @@ impl Partition for CudaPartition {
             return futures::future::ready(Err(error)).boxed();
         }
         let shared = Arc::clone(&self.shared);
-        let allocation = Arc::clone(&self.allocation);
+        let allocations = Arc::clone(&self.allocations);
         let columns = Arc::clone(&self.columns);
         let schema = Arc::clone(&self.schema);
         let task = tokio::task::spawn_blocking(move || {
+            let stored: Vec<Stored<'_>> = columns
+                .iter()
+                .map(|(allocation, array)| Stored {
+                    allocation: &allocations[*allocation].inner,
+                    array,
+                })
+                .collect();
             let (batch, syncs) = shared.with_stream(|stream| {
-                layout::read_rows(
-                    &allocation.inner,
-                    &columns,
-                    &schema,
-                    offset..offset + len,
-                    stream,
-                    &shared.pool,
-                )
+                layout::read_rows(&stored, &schema, offset..offset + len, stream, &shared.pool)
             })?;
             shared.counters.read_chunks.fetch_add(1, Ordering::Relaxed);
             shared
@@ -279,5 +428,9 @@ impl Partition for CudaPartition {
             Ok(batch)
         });
         task.map(flatten_join).boxed()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
