@@ -39,6 +39,8 @@ const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
 /// Largest HTTP/2 frame clients may send us. The default, 16 KiB, splits an 8 MiB record
 /// batch into 512 frames, each parsed, queued and copied on its own.
 const MAX_FRAME_BYTES: u32 = 1 << 20;
+/// Time clients get to read the end of their replies before connections close at shutdown.
+const CLOSE_LINGER: Duration = Duration::from_millis(500);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -90,8 +92,24 @@ pub async fn run(
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
+    // Close connections only once our streams are done, and a moment later: hyper closes a
+    // connection as soon as its last reply is queued, and a socket closed with unread input
+    // (the client's window updates) is reset, which can destroy reply bytes the client has not
+    // read yet.
+    let deadline = tokio::time::Instant::now() + options.grace;
+    if tokio::time::timeout_at(deadline, lifecycle.drained())
+        .await
+        .is_ok()
+    {
+        tokio::time::sleep(CLOSE_LINGER).await;
+    }
     let _ = stop_tx.send(());
-    match tokio::time::timeout(options.grace, &mut server).await {
+    match tokio::time::timeout_at(
+        deadline.max(tokio::time::Instant::now() + CLOSE_LINGER),
+        &mut server,
+    )
+    .await
+    {
         Ok(result) => flatten(result),
         Err(_) => {
             tracing::warn!("streams still running after the grace period; closing them");

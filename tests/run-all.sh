@@ -23,5 +23,7 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-cargo build --locked --bin gpu-flight
+# `cargo test` built target/debug/gpu-flight already (a separate `cargo build` would rebuild
+# dependencies without the dev-dependencies' features).
+test -x target/debug/gpu-flight || { echo "target/debug/gpu-flight is missing" >&2; exit 1; }
 .venv/bin/python -m pytest -q tests/python

@@ -19,7 +19,7 @@ mod router;
 pub mod ticket;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::flight_service_server::FlightService;
@@ -65,18 +65,55 @@ impl Default for FlightOptions {
     }
 }
 
-/// Set once the server starts shutting down; new requests are then refused with UNAVAILABLE
-/// while streams already running finish.
+/// The server's shutdown state and its running streams. Once shutdown begins, new requests
+/// are refused with UNAVAILABLE; the server waits for [`Lifecycle::drained`] before closing
+/// connections, so streams already running finish.
 #[derive(Debug, Clone, Default)]
-pub struct Lifecycle(Arc<AtomicBool>);
+pub struct Lifecycle(Arc<LifecycleState>);
+
+#[derive(Debug, Default)]
+struct LifecycleState {
+    shutting_down: AtomicBool,
+    running: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
 
 impl Lifecycle {
     pub fn begin_shutdown(&self) {
-        self.0.store(true, Ordering::Release);
+        self.0.shutting_down.store(true, Ordering::Release);
     }
 
     pub fn is_shutting_down(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.shutting_down.load(Ordering::Acquire)
+    }
+
+    /// Counts a running `DoGet` or `DoPut` until the guard is dropped.
+    pub fn track(&self) -> StreamGuard {
+        self.0.running.fetch_add(1, Ordering::AcqRel);
+        StreamGuard(Arc::clone(&self.0))
+    }
+
+    /// Completes when no tracked stream is running.
+    pub async fn drained(&self) {
+        loop {
+            let idle = self.0.idle.notified();
+            if self.0.running.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+/// A running stream, counted by its [`Lifecycle`] until dropped.
+#[derive(Debug)]
+pub struct StreamGuard(Arc<LifecycleState>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
     }
 }
 
@@ -162,11 +199,14 @@ impl Service {
             self.options.read_chunk_bytes,
             self.options.read_prefetch,
         )?;
-        Ok(get::encode(
-            batches,
-            dataset.schema(),
-            self.options.max_message_bytes,
-        ))
+        let guard = self.lifecycle.track();
+        let messages = get::encode(batches, dataset.schema(), self.options.max_message_bytes);
+        // The guard lives as long as the reply stream: shutdown waits for it.
+        Ok(messages
+            .inspect(move |_| {
+                let _running = &guard;
+            })
+            .boxed())
     }
 
     fn run_action(&self, action: &Action) -> Result<serde_json::Value, Error> {
@@ -277,6 +317,7 @@ impl FlightService for Service {
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
         self.ensure_serving()?;
+        let _running = self.lifecycle.track();
         let summary = put::receive(
             &self.store,
             request.into_inner(),
