@@ -97,7 +97,7 @@ async fn main() {
             {
                 put.add(uploaded);
             }
-            put.commit().expect("commit");
+            put.commit().await.expect("commit");
             best_put = best_put.min(start.elapsed().as_secs_f64());
 
             let dataset = store.get(name).expect("dataset");

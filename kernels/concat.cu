@@ -8,8 +8,12 @@
 // per-fragment launch: P partitions x C columns cost one launch instead of P x C copies.
 //
 // Launch contract
-//   gpu_flight_concat<<<grid, block>>>(tasks, unit_starts, task_count, total_units)
-//   - any grid and block size; threads stride over [0, total_units).
+//   gpu_flight_concat<<<grid, 256>>>(tasks, unit_starts, task_count, total_units)
+//   - blockDim.x == BLOCK (256); any grid size. Each block takes tiles of TILE consecutive
+//     units (grid-stride over tiles). One thread finds the tasks of the tile's first and last
+//     unit by binary search over the whole scan; every thread then searches only between
+//     those two for its units, which is one or two steps when tasks are large, and copies
+//     UNITS_PER_THREAD units, strided by BLOCK so that a warp's accesses stay contiguous.
 //   - unit_starts has task_count + 1 entries: unit_starts[t] is the first unit of task t,
 //     unit_starts[task_count] == total_units. Tasks with zero units are allowed.
 //   - destinations of different tasks do not overlap, except that two bit-copy tasks may
@@ -112,27 +116,49 @@ __device__ __forceinline__ void rebase(const Task& t, u64 unit) {
     dst[unit] = static_cast<T>(static_cast<i64>(__ldg(src + unit)) - static_cast<i64>(__ldg(src)) + t.base);
 }
 
-extern "C" __global__ void gpu_flight_concat(
+constexpr u32 BLOCK = 256;
+constexpr u32 UNITS_PER_THREAD = 8;
+constexpr u64 TILE = static_cast<u64>(BLOCK) * UNITS_PER_THREAD;
+
+// The last task in [lo, hi] whose first unit is <= unit (skips tasks with no units).
+__device__ __forceinline__ u32 find_task(const u64* __restrict__ unit_starts, u32 lo, u32 hi, u64 unit) {
+    u32 end = hi + 1;
+    while (end - lo > 1) {
+        const u32 mid = (lo + end) >> 1;
+        if (__ldg(unit_starts + mid) <= unit) lo = mid; else end = mid;
+    }
+    return lo;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
     const Task* __restrict__ tasks,
     const u64* __restrict__ unit_starts,
     u32 task_count,
     u64 total_units) {
-    const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
-    for (u64 unit = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x; unit < total_units; unit += stride) {
-        // The last task whose first unit is <= unit (skips tasks with no units).
-        u32 lo = 0, hi = task_count;
-        while (hi - lo > 1) {
-            const u32 mid = (lo + hi) >> 1;
-            if (__ldg(unit_starts + mid) <= unit) lo = mid; else hi = mid;
+    __shared__ u32 tile_first, tile_last;
+    for (u64 tile = static_cast<u64>(blockIdx.x) * TILE; tile < total_units; tile += static_cast<u64>(gridDim.x) * TILE) {
+        const u64 tile_end = tile + TILE < total_units ? tile + TILE : total_units;
+        if (threadIdx.x == 0) {
+            tile_first = find_task(unit_starts, 0, task_count - 1, tile);
+            tile_last = find_task(unit_starts, tile_first, task_count - 1, tile_end - 1);
         }
-        const Task t = tasks[lo];
-        const u64 local = unit - __ldg(unit_starts + lo);
-        switch (t.kind) {
-            case COPY_BYTES: copy_bytes(t, local); break;
-            case COPY_BITS: copy_bits(t, local); break;
-            case REBASE_OFFS32: rebase<i32>(t, local); break;
-            case REBASE_OFFS64: rebase<i64>(t, local); break;
-            default: break;
+        __syncthreads();
+        const u32 first = tile_first, last = tile_last;
+        #pragma unroll
+        for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+            const u64 unit = tile + static_cast<u64>(k) * BLOCK + threadIdx.x;
+            if (unit >= tile_end) break;
+            const u32 index = first == last ? first : find_task(unit_starts, first, last, unit);
+            const Task t = tasks[index];
+            const u64 local = unit - __ldg(unit_starts + index);
+            switch (t.kind) {
+                case COPY_BYTES: copy_bytes(t, local); break;
+                case COPY_BITS: copy_bits(t, local); break;
+                case REBASE_OFFS32: rebase<i32>(t, local); break;
+                case REBASE_OFFS64: rebase<i64>(t, local); break;
+                default: break;
+            }
         }
+        __syncthreads();
     }
 }

@@ -50,6 +50,8 @@ macro_rules! conformance {
                 empty_tables_and_zero_row_batches,
                 sliced_batches_round_trip,
                 shutdown_lets_running_streams_finish,
+                puts_end_compacted,
+                compaction_beyond_the_limit_fails_cleanly,
             );
         }
     };
@@ -731,6 +733,56 @@ async fn shutdown_lets_running_streams_finish(make: MakeBackend) {
             .expect("the running stream finishes"),
     );
     assert_same_data(&[batch], &received);
+    server.shutdown_and_wait().await;
+}
+
+async fn puts_end_compacted(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batches: Vec<_> = (0..10)
+        .map(|i| int64_batch(1000 + i as usize, 3, i * 10_000))
+        .collect();
+    put(&mut client, path("t"), batches.clone())
+        .await
+        .expect("put");
+    assert_eq!(server.store.get("t").expect("dataset").num_partitions(), 1);
+    let more: Vec<_> = (0..5).map(|i| int64_batch(77, 3, -i)).collect();
+    put(&mut client, cmd("t", "append"), more.clone())
+        .await
+        .expect("append");
+    assert_eq!(server.store.get("t").expect("dataset").num_partitions(), 1);
+    let all: Vec<_> = batches.into_iter().chain(more).collect();
+    assert_same_data(&all, &get_all(&mut client, "t").await.expect("get"));
+    let status = status(&mut client).await;
+    assert_eq!(
+        status["devices"][0]["used_bytes"], status["bytes"],
+        "the fragments were freed"
+    );
+    server.shutdown_and_wait().await;
+}
+
+async fn compaction_beyond_the_limit_fails_cleanly(make: MakeBackend) {
+    let batches: Vec<_> = (0..10).map(|i| int64_batch(10_000, 4, i)).collect();
+    let backend = make();
+    let uploads: u64 = batches
+        .iter()
+        .map(|b| backend.stored_size(b).expect("size"))
+        .sum();
+    // Room for the uploaded batches but not for their compacted copy beside them.
+    let store_options = StoreOptions {
+        memory_limit: Some(uploads + 1024),
+    };
+    let server = TestServer::start_with(backend, store_options, ServeOptions::default()).await;
+    let mut client = server.client().await;
+    let error = put(&mut client, path("t"), batches)
+        .await
+        .expect_err("compaction does not fit");
+    assert_eq!(code_of(&error), Code::ResourceExhausted, "{error}");
+    assert_eq!(used_bytes(&mut client).await, 0);
+    assert_eq!(
+        code_of(&client.get_flight_info(path("t")).await.expect_err("absent")),
+        Code::NotFound
+    );
     server.shutdown_and_wait().await;
 }
 

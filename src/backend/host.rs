@@ -54,6 +54,10 @@ impl Backend for HostBackend {
         futures::future::ready(Ok(partition)).boxed()
     }
 
+    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        Ok(partitions.iter().map(|p| p.bytes()).sum())
+    }
+
     /// Arrow's own concatenation: it is the host reference the CUDA kernel is checked against.
     fn concatenate(
         &self,

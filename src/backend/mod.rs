@@ -75,6 +75,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
+    /// Bytes [`Backend::concatenate`] of these partitions will allocate, so the store can
+    /// reserve them first. `UnsupportedType` when this backend cannot concatenate them.
+    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError>;
+
     /// Concatenates `partitions` (all of one schema, uploaded by this backend) into one
     /// compact partition: each column's buffers contiguous, in one allocation per column. The
     /// inputs are left as they are; the caller frees them by dropping them.

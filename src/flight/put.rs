@@ -78,7 +78,7 @@ pub(crate) async fn receive(
     while let Some(uploaded) = uploads.next().await {
         pending.add(uploaded?);
     }
-    let summary = pending.commit()?;
+    let summary = pending.commit().await?;
     tracing::info!(
         dataset = %summary.name,
         mode = ?summary.mode,

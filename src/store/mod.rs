@@ -350,12 +350,27 @@ impl PendingPut {
         self.partitions.push(uploaded.0);
     }
 
-    /// Makes the put visible in one catalog operation, or fails leaving the catalog untouched.
-    pub fn commit(self) -> Result<PutSummary, StoreError> {
+    /// Compacts the put's partitions (with the dataset's, for `append`) and makes the result
+    /// visible in one catalog operation, or fails leaving the catalog untouched.
+    pub async fn commit(self) -> Result<PutSummary, StoreError> {
         let Some(schema) = self.schema else {
             return Err(StoreError::MissingSchema);
         };
         let store = self.store;
+        let base = match self.mode {
+            PutMode::Append => store.get(&self.name).ok(),
+            PutMode::Create | PutMode::Replace => None,
+        };
+        let mut combined = match &base {
+            Some(existing) => {
+                check_append_schema(existing, &schema)?;
+                existing.partitions().to_vec()
+            }
+            None => Vec::new(),
+        };
+        combined.extend(self.partitions.iter().cloned());
+        let compacted = store.compact(combined, self.device).await?;
+
         let version = store.next_version();
         let summary = |dataset: &Dataset| PutSummary {
             name: dataset.name().to_owned(),
@@ -365,45 +380,78 @@ impl PendingPut {
             total_rows: dataset.num_rows(),
             total_bytes: dataset.data_bytes(),
         };
-        let fresh = |partitions| {
-            Arc::new(Dataset::new(
-                self.name.clone(),
-                Arc::clone(&schema),
-                version,
-                partitions,
-            ))
-        };
         let catalog = &store.inner.catalog;
-        let committed = match (self.mode, catalog.entry(self.name.clone())) {
-            (PutMode::Create, Entry::Occupied(_)) => {
+        let committed = match catalog.entry(self.name.clone()) {
+            Entry::Occupied(_) if self.mode == PutMode::Create => {
                 return Err(StoreError::AlreadyExists { name: self.name });
             }
-            (PutMode::Append, Entry::Occupied(mut entry)) => {
-                let existing = entry.get();
-                check_append_schema(existing, &schema)?;
-                let mut partitions = existing.partitions().to_vec();
-                partitions.extend(self.partitions);
+            Entry::Occupied(mut entry) if self.mode == PutMode::Append => {
+                let current = entry.get();
+                check_append_schema(current, &schema)?;
+                let partitions = if base.as_ref().map(|b| b.version()) == Some(current.version()) {
+                    compacted
+                } else {
+                    // Another commit won the race since we compacted: append our own
+                    // partitions to what is there now, uncompacted, rather than lose rows.
+                    let mut partitions = current.partitions().to_vec();
+                    partitions.extend(self.partitions);
+                    partitions
+                };
                 let dataset = Arc::new(Dataset::new(
                     self.name.clone(),
-                    existing.schema(),
+                    current.schema(),
                     version,
                     partitions,
                 ));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
-            (PutMode::Replace, Entry::Occupied(mut entry)) => {
-                let dataset = fresh(self.partitions);
+            Entry::Occupied(mut entry) => {
+                let dataset = Arc::new(Dataset::new(self.name.clone(), schema, version, compacted));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
-            (_, Entry::Vacant(entry)) => {
-                let dataset = fresh(self.partitions);
+            Entry::Vacant(entry) => {
+                let dataset = Arc::new(Dataset::new(self.name.clone(), schema, version, compacted));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
         };
         Ok(summary(&committed))
+    }
+}
+
+impl Store {
+    /// Concatenates partitions into one compact partition, reserving its memory first: the
+    /// inputs stay reserved until they are dropped, so the budget covers the transient peak,
+    /// and a compaction that does not fit fails with `MemoryExhausted`. Partitions the backend
+    /// cannot concatenate (dictionary columns on a GPU, for now) are returned unchanged.
+    async fn compact(
+        &self,
+        partitions: Vec<StoredPartition>,
+        device: u32,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        if partitions.len() <= 1 {
+            return Ok(partitions);
+        }
+        let backend = &self.inner.backend;
+        let data: Vec<_> = partitions.iter().map(|p| Arc::clone(&p.data)).collect();
+        let size = match backend.concatenated_size(&data) {
+            Ok(size) => size,
+            Err(BackendError::UnsupportedType { data_type, .. }) => {
+                tracing::debug!(%data_type, "dataset kept in its uploaded batches");
+                return Ok(partitions);
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let reservation = self.inner.budget.try_reserve(device, size)?;
+        let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
+        let compacted = backend.concatenate(data).await?;
+        Ok(vec![StoredPartition {
+            data: compacted,
+            reservation: Arc::new(reservation),
+            data_bytes,
+        }])
     }
 }
 

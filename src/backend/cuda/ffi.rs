@@ -357,9 +357,10 @@ impl<'a> CopyBatch<'a> {
         if total_units == 0 {
             return Ok(());
         }
+        // Must match BLOCK and TILE (BLOCK x UNITS_PER_THREAD units) in kernels/concat.cu.
         let block = 256u32;
-        let grid =
-            u32::try_from(total_units.div_ceil(u64::from(block)).min(1 << 16)).unwrap_or(1 << 16);
+        let tile = u64::from(block) * 8;
+        let grid = u32::try_from(total_units.div_ceil(tile).min(1 << 16)).unwrap_or(1 << 16);
         let mut tasks_address = table.ptr;
         let mut starts_address = table.ptr + std::mem::size_of_val(tasks) as u64;
         let mut task_count = u32::try_from(tasks.len())

@@ -89,6 +89,9 @@ struct Counters {
     read_chunks: AtomicU64,
     read_syncs: AtomicU64,
     concat_launches: AtomicU64,
+    /// The last concatenation: all of it, and the task-table copy + launch + sync alone.
+    concat_last_total_ns: AtomicU64,
+    concat_last_kernel_ns: AtomicU64,
 }
 
 impl CudaBackend {
@@ -182,6 +185,7 @@ impl Shared {
         self: &Arc<Self>,
         partitions: &[&CudaPartition],
     ) -> Result<Arc<dyn Partition>, BackendError> {
+        let started = std::time::Instant::now();
         let kernel = self.concat_kernel.as_ref().ok_or_else(|| {
             BackendError::Device("the concatenation kernel is not loaded".to_owned())
         })?;
@@ -237,6 +241,7 @@ impl Shared {
             .flat_map(|p| p.allocations.iter().map(|a| &a.inner))
             .collect();
         let destinations: Vec<&DeviceAllocation> = allocations.iter().map(|a| &a.inner).collect();
+        let launched = std::time::Instant::now();
         self.with_stream(|stream| {
             let mut batch = stream.copies()?;
             batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
@@ -250,9 +255,17 @@ impl Shared {
             )?;
             batch.finish()
         })?;
-        self.counters
-            .concat_launches
-            .fetch_add(1, Ordering::Relaxed);
+        let counters = &self.counters;
+        counters.concat_launches.fetch_add(1, Ordering::Relaxed);
+        let nanos = |since: std::time::Instant| {
+            u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        };
+        counters
+            .concat_last_kernel_ns
+            .store(nanos(launched), Ordering::Relaxed);
+        counters
+            .concat_last_total_ns
+            .store(nanos(started), Ordering::Relaxed);
         let rows = partitions.iter().map(|p| p.rows).sum();
         Ok(Arc::new(CudaPartition {
             shared: Arc::clone(self),
@@ -262,6 +275,11 @@ impl Shared {
             rows,
         }))
     }
+}
+
+/// A compacted column's allocation: its buffers, rounded to the allocation granularity.
+fn column_allocation_bytes(used: usize) -> usize {
+    used.max(1).div_ceil(layout::ALLOCATION_GRANULARITY) * layout::ALLOCATION_GRANULARITY
 }
 
 /// A task's bytes exactly as the kernel reads its `struct Task` (little-endian, no padding).
@@ -303,6 +321,27 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
+    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        let parts = downcast_all::<CudaPartition>(partitions, "the cuda backend")?;
+        let Some(first) = parts.first() else {
+            return Ok(0);
+        };
+        let mut total = 0;
+        for column in 0..first.columns.len() {
+            let fragments: Vec<Fragment<'_>> = parts
+                .iter()
+                .map(|p| Fragment {
+                    base: 0,
+                    array: &p.columns[column].1,
+                })
+                .collect();
+            let mut used = 0;
+            concat::plan_column(&fragments, &mut used)?;
+            total += column_allocation_bytes(used) as u64;
+        }
+        Ok(total)
+    }
+
     fn concatenate(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
@@ -328,6 +367,8 @@ impl Backend for CudaBackend {
             "read_chunks": c.read_chunks.load(Ordering::Relaxed),
             "read_syncs": c.read_syncs.load(Ordering::Relaxed),
             "concat_launches": c.concat_launches.load(Ordering::Relaxed),
+            "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
+            "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
             "concat_kernel_loaded": self.shared.concat_kernel.is_some(),
         });
         match counters {
