@@ -140,14 +140,18 @@ fn plan_children(
     index: usize,
     used: &mut usize,
 ) -> Result<DeviceArray, BackendError> {
-    let children: Vec<Fragment<'_>> = fragments
+    plan_column(&children_of(fragments, index), used)
+}
+
+/// Child `index` of every fragment, in the fragments' allocations.
+fn children_of<'a>(fragments: &[Fragment<'a>], index: usize) -> Vec<Fragment<'a>> {
+    fragments
         .iter()
         .map(|f| Fragment {
             base: f.base,
             array: &f.array.children[index],
         })
-        .collect();
-    plan_column(&children, used)
+        .collect()
 }
 
 /// The kernel tasks that fill `out` (laid out by [`plan_column`] in the allocation at `out_base`)
@@ -226,13 +230,6 @@ pub(super) fn column_tasks(
         row += rows;
     }
     for (index, child) in out.children.iter().enumerate() {
-        let children: Vec<Fragment<'_>> = fragments
-            .iter()
-            .map(|f| Fragment {
-                base: f.base,
-                array: &f.array.children[index],
-            })
-            .collect();
-        column_tasks(&children, child, out_base, tasks);
+        column_tasks(&children_of(fragments, index), child, out_base, tasks);
     }
 }
