@@ -9,6 +9,12 @@ use gpu_flight::server::{self, ServeOptions};
 use gpu_flight::store::Store;
 use tracing_subscriber::EnvFilter;
 
+/// Flight streams allocate and free megabyte-sized message buffers continuously; mimalloc
+/// reuses them instead of returning them to the OS and faulting fresh pages in every time,
+/// which the system allocator does for allocations this large.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Cli::parse().into_serve_args();
