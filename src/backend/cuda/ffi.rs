@@ -152,10 +152,6 @@ impl DeviceAllocation {
         unsafe { result::memset_d8_sync(self.ptr, value, self.bytes) }
             .map_err(|e| device_error("cuMemsetD8", e))
     }
-
-    fn contains(&self, address: u64, len: u64) -> bool {
-        address >= self.ptr && address.saturating_add(len) <= self.ptr + self.bytes as u64
-    }
 }
 
 impl Drop for DeviceAllocation {
@@ -350,8 +346,10 @@ impl<'a> CopyBatch<'a> {
                 "malformed concatenation task table".to_owned(),
             ));
         }
+        let sources = AddressRanges::new(sources);
+        let destinations = AddressRanges::new(destinations);
         for task in tasks {
-            check_task(task, sources, destinations)?;
+            check_task(task, &sources, &destinations)?;
         }
         let total_units = unit_starts.last().copied().unwrap_or(0);
         if total_units == 0 {
@@ -469,14 +467,38 @@ impl Drop for Kernel {
     }
 }
 
+/// The address ranges of some allocations, sorted, for checking thousands of task ranges
+/// against hundreds of allocations by binary search.
+struct AddressRanges(Vec<(u64, u64)>);
+
+impl AddressRanges {
+    fn new(allocations: &[&DeviceAllocation]) -> Self {
+        let mut ranges: Vec<(u64, u64)> = allocations
+            .iter()
+            .map(|a| (a.ptr, a.ptr + a.bytes as u64))
+            .collect();
+        ranges.sort_unstable();
+        Self(ranges)
+    }
+
+    /// Whether `address..address + len` lies inside one allocation.
+    fn contains(&self, address: u64, len: u64) -> bool {
+        let after = self.0.partition_point(|&(start, _)| start <= address);
+        after > 0 && {
+            let (_, end) = self.0[after - 1];
+            address.saturating_add(len) <= end
+        }
+    }
+}
+
 /// Checks that a task reads only from `sources` and writes only into `destinations`.
 fn check_task(
     task: &ConcatTask,
-    sources: &[&DeviceAllocation],
-    destinations: &[&DeviceAllocation],
+    sources: &AddressRanges,
+    destinations: &AddressRanges,
 ) -> Result<(), BackendError> {
-    let reads = |address: u64, len: u64| sources.iter().any(|a| a.contains(address, len));
-    let writes = |address: u64, len: u64| destinations.iter().any(|a| a.contains(address, len));
+    let reads = |address: u64, len: u64| sources.contains(address, len);
+    let writes = |address: u64, len: u64| destinations.contains(address, len);
     let ok = match task.kind {
         ConcatTask::COPY_BYTES => reads(task.src, task.count) && writes(task.dst, task.count),
         ConcatTask::COPY_BITS => {
@@ -522,5 +544,24 @@ fn check_device_range(
             "copy of {len} bytes at {offset} exceeds a device allocation of {} bytes",
             allocation.bytes
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AddressRanges;
+
+    #[test]
+    fn ranges_contain_only_what_lies_inside_one_allocation() {
+        let mut ranges = AddressRanges(vec![(300, 400), (100, 200)]);
+        ranges.0.sort_unstable();
+        assert!(ranges.contains(100, 100));
+        assert!(ranges.contains(150, 50));
+        assert!(!ranges.contains(150, 51), "runs past the end");
+        assert!(!ranges.contains(250, 1), "between allocations");
+        assert!(ranges.contains(300, 100));
+        assert!(!ranges.contains(199, 102), "spans two allocations");
+        assert!(!ranges.contains(50, 1), "before the first");
+        assert!(!ranges.contains(u64::MAX, 2), "overflowing end");
     }
 }
