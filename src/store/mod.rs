@@ -412,7 +412,15 @@ impl PendingPut {
                 dataset
             }
             Entry::Vacant(entry) => {
-                let dataset = Arc::new(Dataset::new(self.name.clone(), schema, version, compacted));
+                // An append whose dataset was dropped meanwhile commits its own rows only: the
+                // compacted copy holds the dropped rows too.
+                let partitions = if base.is_some() {
+                    self.partitions
+                } else {
+                    compacted
+                };
+                let dataset =
+                    Arc::new(Dataset::new(self.name.clone(), schema, version, partitions));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
@@ -479,5 +487,104 @@ fn check_append_schema(existing: &Dataset, incoming: &SchemaRef) -> Result<(), S
             existing: existing_schema.to_string(),
             incoming: incoming.to_string(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::{ArrayRef, Int64Array};
+
+    use super::*;
+    use crate::backend::HostBackend;
+
+    fn batch(values: std::ops::Range<i64>) -> RecordBatch {
+        let column: ArrayRef = Arc::new(Int64Array::from_iter_values(values));
+        RecordBatch::try_from_iter([("x", column)]).expect("batch")
+    }
+
+    async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>) -> PendingPut {
+        let mut pending = store.begin_put("t".to_owned(), mode).expect("begin");
+        pending.declare_schema(batches[0].schema()).expect("schema");
+        for b in batches {
+            if let Some(upload) = pending.upload(b).expect("reserve") {
+                pending.add(upload.await.expect("upload"));
+            }
+        }
+        pending
+    }
+
+    /// The host backend, but concatenation waits for `release` (after saying it started), so
+    /// a test can act while a commit is compacting.
+    #[derive(Debug)]
+    struct GatedBackend {
+        host: HostBackend,
+        started: Arc<tokio::sync::Notify>,
+        release: Arc<tokio::sync::Notify>,
+    }
+
+    impl Backend for GatedBackend {
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+        fn devices(&self) -> Vec<DeviceInfo> {
+            self.host.devices()
+        }
+        fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
+            self.host.stored_size(batch)
+        }
+        fn upload(
+            &self,
+            device: u32,
+            batch: RecordBatch,
+        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
+            self.host.upload(device, batch)
+        }
+        fn concatenated_size(
+            &self,
+            partitions: &[Arc<dyn crate::backend::Partition>],
+        ) -> Result<u64, BackendError> {
+            self.host.concatenated_size(partitions)
+        }
+        fn concatenate(
+            &self,
+            partitions: Vec<Arc<dyn crate::backend::Partition>>,
+        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
+            let concatenated = self.host.concatenate(partitions);
+            let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
+            async move {
+                started.notify_one();
+                release.notified().await;
+                concatenated.await
+            }
+            .boxed()
+        }
+    }
+
+    #[tokio::test]
+    async fn an_append_to_a_dataset_dropped_while_compacting_does_not_bring_it_back() {
+        let started = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
+        let backend = GatedBackend {
+            host: HostBackend::new(),
+            started: Arc::clone(&started),
+            release: Arc::clone(&release),
+        };
+        let store = Store::new(Arc::new(backend), StoreOptions::default());
+        put(&store, PutMode::Create, vec![batch(0..10)])
+            .await
+            .commit()
+            .await
+            .expect("create");
+        let append = put(&store, PutMode::Append, vec![batch(10..15), batch(15..20)]).await;
+        let commit = tokio::spawn(append.commit());
+        started.notified().await;
+        store.remove("t").expect("drop while the append compacts");
+        release.notify_one();
+        let summary = commit.await.expect("task").expect("append");
+        assert_eq!(
+            summary.total_rows, 10,
+            "only the appended rows, not the dropped ones"
+        );
+        assert_eq!(store.get("t").expect("dataset").num_rows(), 10);
     }
 }
