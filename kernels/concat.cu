@@ -8,12 +8,14 @@
 // per-fragment launch: P partitions x C columns cost one launch instead of P x C copies.
 //
 // Launch contract
-//   gpu_flight_concat<<<grid, 256>>>(tasks, unit_starts, task_count, total_units)
+//   gpu_flight_concat<<<grid, 256>>>(tasks, unit_starts, maps, task_count, total_units)
 //   - blockDim.x == BLOCK (256); any grid size. Each block takes tiles of TILE consecutive
 //     units (grid-stride over tiles). One thread finds the tasks of the tile's first and last
 //     unit by binary search over the whole scan; every thread then searches only between
 //     those two for its units, which is one or two steps when tasks are large, and copies
 //     UNITS_PER_THREAD units, strided by BLOCK so that a warp's accesses stay contiguous.
+//   - A tile that lies inside one COPY_BYTES task (most of a large table) skips the search
+//     and copies with all of a thread's loads in flight at once (copy_tile).
 //   - unit_starts has task_count + 1 entries: unit_starts[t] is the first unit of task t,
 //     unit_starts[task_count] == total_units. Tasks with zero units are allowed.
 //   - destinations of different tasks do not overlap, except that two bit-copy tasks may
@@ -21,11 +23,14 @@
 //     touch only each task's own bits.
 //
 // Work units per task kind
-//   COPY_BYTES     16 destination bytes; the widest loads and stores both addresses allow.
+//   COPY_BYTES     one 16-byte aligned chunk of the destination: a 16-byte store (bytewise in
+//                  the task's first and last chunk), loaded at any source alignment.
 //   COPY_BITS      one 32-bit destination word; source bits at any bit offset, or all ones
 //                  when src is 0 (a fragment without a validity bitmap).
-//   REBASE_OFFS32/ one offset: dst[k] = src[k] - src[0] + base (a fragment's offsets moved
-//   REBASE_OFFS64  to start at the running total of the fragments before it).
+//   REBASE_OFFS32/ 16 source bytes of offsets (4 or 2): dst[k] = src[k] - src[0] + base (a
+//   REBASE_OFFS64  fragment's offsets moved to start at the running total of those before).
+//   REMAP_KEYS8..  one dictionary key of 1, 2, 4 or 8 bytes: dst[k] = maps[map + src[k]], or 0
+//   REMAP_KEYS64   when src[k] (read unsigned) is not below map_len (only ever under a null).
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -38,6 +43,10 @@ enum TaskKind : u32 {
     COPY_BITS = 1,
     REBASE_OFFS32 = 2,
     REBASE_OFFS64 = 3,
+    REMAP_KEYS8 = 4,
+    REMAP_KEYS16 = 5,
+    REMAP_KEYS32 = 6,
+    REMAP_KEYS64 = 7,
 };
 
 // Must match `ConcatTask` in src/backend/cuda/concat.rs.
@@ -50,28 +59,47 @@ struct Task {
     u64 src_bit;  // COPY_BITS: first source bit
     u64 dst_bit;  // COPY_BITS: first destination bit
     i64 base;     // REBASE: the value src[0] becomes
+    u64 map;      // REMAP_KEYS: first entry of the fragment's key map in `maps`
+    u64 map_len;  // REMAP_KEYS: entries in that map
 };
 
+// 16 bytes from `src`, which may have any alignment. Misaligned sources are read as aligned
+// 32-bit words and shifted into place (funnel shifts), never bytewise. The words read may
+// start up to 3 bytes before `src` and end up to 3 bytes after `src + 16`: still inside the
+// source allocation, whose start and size are multiples of 4.
+__device__ __forceinline__ uint4 load16(u64 src) {
+    if ((src & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(src));
+    if ((src & 7) == 0) {
+        const ulonglong2 v = make_ulonglong2(__ldg(reinterpret_cast<const u64*>(src)),
+                                             __ldg(reinterpret_cast<const u64*>(src) + 1));
+        return make_uint4(static_cast<u32>(v.x), static_cast<u32>(v.x >> 32),
+                          static_cast<u32>(v.y), static_cast<u32>(v.y >> 32));
+    }
+    const u32* w = reinterpret_cast<const u32*>(src & ~3ull);
+    const u32 w0 = __ldg(w), w1 = __ldg(w + 1), w2 = __ldg(w + 2), w3 = __ldg(w + 3);
+    const u32 shift = static_cast<u32>(src & 3) * 8;
+    if (shift == 0) return make_uint4(w0, w1, w2, w3);
+    const u32 w4 = __ldg(w + 4);
+    return make_uint4(__funnelshift_r(w0, w1, shift), __funnelshift_r(w1, w2, shift),
+                      __funnelshift_r(w2, w3, shift), __funnelshift_r(w3, w4, shift));
+}
+
+// Unit `unit` of a byte copy is the destination's 16-byte aligned chunk number `unit`,
+// counted from the chunk holding dst's first byte. A chunk the task covers whole gets one
+// 16-byte store; the first and last chunk, shared with neighbouring tasks, are written
+// bytewise, only the task's own bytes.
 __device__ __forceinline__ void copy_bytes(const Task& t, u64 unit) {
-    const u64 begin = unit * 16;
-    const u64 n = t.count - begin < 16 ? t.count - begin : 16;
-    const u8* src = reinterpret_cast<const u8*>(t.src) + begin;
-    u8* dst = reinterpret_cast<u8*>(t.dst) + begin;
-    const u64 both = reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst);
-    if (n == 16 && (both & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
-    } else if (n == 16 && (both & 7) == 0) {
-        const u64* s = reinterpret_cast<const u64*>(src);
-        u64* d = reinterpret_cast<u64*>(dst);
-        d[0] = __ldg(s);
-        d[1] = __ldg(s + 1);
-    } else if (n == 16 && (both & 3) == 0) {
-        const u32* s = reinterpret_cast<const u32*>(src);
-        u32* d = reinterpret_cast<u32*>(dst);
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) d[i] = __ldg(s + i);
+    const u64 chunk = (t.dst & ~15ull) + unit * 16;
+    const u64 end = t.dst + t.count;
+    const u64 lo = chunk > t.dst ? chunk : t.dst;
+    const u64 hi = chunk + 16 < end ? chunk + 16 : end;
+    const u64 from = t.src + (lo - t.dst);
+    if (lo == chunk && hi == chunk + 16) {
+        *reinterpret_cast<uint4*>(chunk) = load16(from);
     } else {
-        for (u64 i = 0; i < n; ++i) dst[i] = src[i];
+        for (u64 i = 0; i < hi - lo; ++i) {
+            reinterpret_cast<u8*>(lo)[i] = reinterpret_cast<const u8*>(from)[i];
+        }
     }
 }
 
@@ -109,16 +137,80 @@ __device__ __forceinline__ void copy_bits(const Task& t, u64 unit) {
     }
 }
 
+// Unit `unit` of a rebase is the 16 source bytes of offsets from offset 16 / sizeof(T) * unit
+// (fewer in the last unit). Sources start 64-byte aligned, so a whole unit is one load.
 template <typename T>
 __device__ __forceinline__ void rebase(const Task& t, u64 unit) {
+    constexpr u32 PER_UNIT = 16 / sizeof(T);
     const T* src = reinterpret_cast<const T*>(t.src);
     T* dst = reinterpret_cast<T*>(t.dst);
-    dst[unit] = static_cast<T>(static_cast<i64>(__ldg(src + unit)) - static_cast<i64>(__ldg(src)) + t.base);
+    const u64 first = unit * PER_UNIT;
+    const i64 shift = t.base - static_cast<i64>(__ldg(src));
+    if (first + PER_UNIT <= t.count && ((t.src + first * sizeof(T)) & 15) == 0) {
+        union { uint4 v; T items[PER_UNIT]; } in;
+        in.v = __ldg(reinterpret_cast<const uint4*>(src + first));
+        #pragma unroll
+        for (u32 i = 0; i < PER_UNIT; ++i) {
+            dst[first + i] = static_cast<T>(static_cast<i64>(in.items[i]) + shift);
+        }
+    } else {
+        for (u64 k = first; k < t.count && k < first + PER_UNIT; ++k) {
+            dst[k] = static_cast<T>(static_cast<i64>(__ldg(src + k)) + shift);
+        }
+    }
+}
+
+template <typename K>
+__device__ __forceinline__ void remap(const Task& t, u64 unit, const u64* __restrict__ maps) {
+    const u64 key = static_cast<u64>(__ldg(reinterpret_cast<const K*>(t.src) + unit));
+    reinterpret_cast<K*>(t.dst)[unit] = key < t.map_len ? static_cast<K>(__ldg(maps + t.map + key)) : K(0);
 }
 
 constexpr u32 BLOCK = 256;
 constexpr u32 UNITS_PER_THREAD = 8;
 constexpr u64 TILE = static_cast<u64>(BLOCK) * UNITS_PER_THREAD;
+
+// Copies `units` whole 16-byte chunks from `from` to the aligned `to`, all loads first. The
+// source alignment is a template parameter so that the loads of an aligned tile are plain
+// 16-byte loads the compiler can issue back to back.
+template <bool ALIGNED>
+__device__ __forceinline__ void copy_whole_tile(u64 from, u64 to, u64 units) {
+    uint4 values[UNITS_PER_THREAD];
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit < units) {
+            values[k] = ALIGNED ? __ldg(reinterpret_cast<const uint4*>(from) + unit)
+                                : load16(from + unit * 16);
+        }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(to);
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit < units) dst[unit] = values[k];
+    }
+}
+
+// A whole tile inside one byte copy (the bulk of any large table): every thread issues all
+// its loads before its first store, so each has UNITS_PER_THREAD 16-byte loads in flight
+// instead of one. `local` is the tile's first unit within the task; `units` how many.
+__device__ __forceinline__ void copy_tile(const Task& t, u64 local, u64 units) {
+    const u64 first_chunk = (t.dst & ~15ull) + local * 16;
+    if (first_chunk < t.dst || first_chunk + units * 16 > t.dst + t.count) {
+        for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+            const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+            if (unit < units) copy_bytes(t, local + unit);
+        }
+        return;
+    }
+    const u64 from = t.src + (first_chunk - t.dst);
+    if ((from & 15) == 0) {
+        copy_whole_tile<true>(from, first_chunk, units);
+    } else {
+        copy_whole_tile<false>(from, first_chunk, units);
+    }
+}
 
 // The last task in [lo, hi] whose first unit is <= unit (skips tasks with no units).
 __device__ __forceinline__ u32 find_task(const u64* __restrict__ unit_starts, u32 lo, u32 hi, u64 unit) {
@@ -133,6 +225,7 @@ __device__ __forceinline__ u32 find_task(const u64* __restrict__ unit_starts, u3
 extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
     const Task* __restrict__ tasks,
     const u64* __restrict__ unit_starts,
+    const u64* __restrict__ maps,
     u32 task_count,
     u64 total_units) {
     __shared__ u32 tile_first, tile_last;
@@ -144,19 +237,27 @@ extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
         }
         __syncthreads();
         const u32 first = tile_first, last = tile_last;
-        #pragma unroll
-        for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
-            const u64 unit = tile + static_cast<u64>(k) * BLOCK + threadIdx.x;
-            if (unit >= tile_end) break;
-            const u32 index = first == last ? first : find_task(unit_starts, first, last, unit);
-            const Task t = tasks[index];
-            const u64 local = unit - __ldg(unit_starts + index);
-            switch (t.kind) {
-                case COPY_BYTES: copy_bytes(t, local); break;
-                case COPY_BITS: copy_bits(t, local); break;
-                case REBASE_OFFS32: rebase<i32>(t, local); break;
-                case REBASE_OFFS64: rebase<i64>(t, local); break;
-                default: break;
+        if (first == last && tasks[first].kind == COPY_BYTES) {
+            copy_tile(tasks[first], tile - __ldg(unit_starts + first), tile_end - tile);
+        } else {
+            #pragma unroll
+            for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+                const u64 unit = tile + static_cast<u64>(k) * BLOCK + threadIdx.x;
+                if (unit >= tile_end) break;
+                const u32 index = first == last ? first : find_task(unit_starts, first, last, unit);
+                const Task t = tasks[index];
+                const u64 local = unit - __ldg(unit_starts + index);
+                switch (t.kind) {
+                    case COPY_BYTES: copy_bytes(t, local); break;
+                    case COPY_BITS: copy_bits(t, local); break;
+                    case REBASE_OFFS32: rebase<i32>(t, local); break;
+                    case REBASE_OFFS64: rebase<i64>(t, local); break;
+                    case REMAP_KEYS8: remap<unsigned char>(t, local, maps); break;
+                    case REMAP_KEYS16: remap<unsigned short>(t, local, maps); break;
+                    case REMAP_KEYS32: remap<u32>(t, local, maps); break;
+                    case REMAP_KEYS64: remap<u64>(t, local, maps); break;
+                    default: break;
+                }
             }
         }
         __syncthreads();

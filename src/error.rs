@@ -78,6 +78,7 @@ fn backend_code(error: &BackendError) -> Code {
     match error {
         BackendError::OutOfMemory { .. } => Code::ResourceExhausted,
         BackendError::UnsupportedType { .. } => Code::InvalidArgument,
+        BackendError::CannotConcatenate { .. } => Code::FailedPrecondition,
         BackendError::RowsOutOfRange { .. } | BackendError::Device(_) => Code::Internal,
     }
 }

@@ -1,8 +1,12 @@
-//! Concatenation of many uploaded batches into compact columns, checked against Arrow's own
-//! `concat_batches` (which is also the host backend's implementation) byte for byte: values
-//! under nulls included, over random fragment counts and sizes (empty fragments and single
-//! rows included), random null patterns, sliced inputs, strings, lists and structs. The CUDA
-//! instantiation poisons every output first, so a byte the kernel fails to write shows.
+//! Concatenation of many uploaded batches into compact columns, over random fragment counts
+//! and sizes (empty fragments and single rows included), random null patterns, sliced inputs,
+//! strings, lists, structs and dictionaries (shared, overlapping and disjoint).
+//!
+//! The host backend's concatenation is the reference: it is checked against Arrow's own
+//! `concat_batches` (equal arrays; for dictionary columns equal values, with every dictionary
+//! value once), and the backend under test is checked against it byte for byte, values under
+//! nulls included. The CUDA instantiation poisons every output first, so a byte the kernel
+//! fails to write shows.
 
 use std::sync::Arc;
 
@@ -38,38 +42,90 @@ async fn cuda_concatenation_matches_the_host_reference() {
 }
 
 async fn random_rounds(backend: Arc<dyn Backend>, seed: u64, rounds: usize) {
+    let host = host();
     let mut rng = StdRng::seed_from_u64(seed);
     for round in 0..rounds {
         let fragments = rng.random_range(1..=60);
-        let inputs: Vec<RecordBatch> = (0..fragments).map(|_| random_fragment(&mut rng)).collect();
-        let mut partitions: Vec<Arc<dyn Partition>> = Vec::new();
-        for input in &inputs {
-            partitions.push(backend.upload(0, input.clone()).await.expect("upload"));
-        }
-        let compact = backend.concatenate(partitions).await.expect("concatenate");
-        let rows = compact.num_rows();
-        let got = compact.read(0, rows).await.expect("read back");
-        let expected =
-            arrow::compute::concat_batches(&inputs[0].schema(), &inputs).expect("reference");
-        assert_eq!(got.num_rows(), expected.num_rows(), "round {round}");
-        for (index, (g, e)) in got.columns().iter().zip(expected.columns()).enumerate() {
-            let name = expected.schema().field(index).name().clone();
-            assert_same_bytes(
-                &compacted(g),
-                &compacted(e),
-                &format!("round {round}, column {name}"),
+        let shared = random_dictionary(&mut rng);
+        let inputs: Vec<RecordBatch> = (0..fragments)
+            .map(|_| random_fragment(&mut rng, &shared))
+            .collect();
+        let got = concatenate(&backend, &inputs).await;
+        let reference = concatenate(&host, &inputs).await;
+        let arrow =
+            arrow::compute::concat_batches(&inputs[0].schema(), &inputs).expect("arrow reference");
+        assert_eq!(reference.num_rows(), arrow.num_rows(), "round {round}");
+        assert_eq!(got.num_rows(), arrow.num_rows(), "round {round}");
+        for (index, field) in arrow.schema().fields().iter().enumerate() {
+            let context = format!("round {round}, column {}", field.name());
+            let (g, r, a) = (
+                got.column(index),
+                reference.column(index),
+                arrow.column(index),
             );
+            if let DataType::Dictionary(_, value_type) = field.data_type() {
+                let values = |array: &ArrayRef| {
+                    arrow::compute::cast(array, value_type).expect("dictionary values")
+                };
+                assert_eq!(&values(r), &values(a), "{context}: values");
+                assert_unique_dictionary(r, &context);
+            } else {
+                assert_eq!(r, a, "{context}");
+            }
+            assert_same_bytes(&compacted(g), &compacted(r), &context);
         }
-        assert_eq!(got, expected, "round {round}");
+        assert_eq!(got, reference, "round {round}");
     }
 }
 
-/// A batch of every supported kind of column, of 0, 1 or up to 3000 rows, possibly a slice
+async fn concatenate(backend: &Arc<dyn Backend>, inputs: &[RecordBatch]) -> RecordBatch {
+    let mut partitions: Vec<Arc<dyn Partition>> = Vec::new();
+    for input in inputs {
+        partitions.push(backend.upload(0, input.clone()).await.expect("upload"));
+    }
+    let compact = backend.concatenate(partitions).await.expect("concatenate");
+    let rows = compact.num_rows();
+    compact.read(0, rows).await.expect("read back")
+}
+
+fn assert_unique_dictionary(array: &ArrayRef, context: &str) {
+    let dictionary = array.as_any_dictionary().values();
+    let rendered: Vec<String> = (0..dictionary.len())
+        .map(|i| {
+            arrow::util::display::ArrayFormatter::try_new(dictionary.as_ref(), &Default::default())
+                .expect("formatter")
+                .value(i)
+                .to_string()
+        })
+        .collect();
+    let mut unique = rendered.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        rendered.len(),
+        "{context}: dictionary {rendered:?}"
+    );
+}
+
+/// A dictionary of up to 12 strings drawn from 30, in random order.
+fn random_dictionary(rng: &mut StdRng) -> ArrayRef {
+    let size = rng.random_range(1..=12);
+    let mut pool: Vec<usize> = (0..30).collect();
+    let picked: Vec<String> = (0..size)
+        .map(|_| format!("v{}", pool.swap_remove(rng.random_range(0..pool.len()))))
+        .collect();
+    Arc::new(StringArray::from(picked))
+}
+
+/// A batch of every supported kind of column, of 0, 1, up to 3000 or up to 20,000 rows, possibly a slice
 /// starting at an odd row (so bitmaps start mid-byte).
-fn random_fragment(rng: &mut StdRng) -> RecordBatch {
-    let rows = match rng.random_range(0..10) {
-        0 => 0,
-        1 => 1,
+fn random_fragment(rng: &mut StdRng, shared_dictionary: &ArrayRef) -> RecordBatch {
+    let rows = match rng.random_range(0..20) {
+        0 | 1 => 0,
+        2 | 3 => 1,
+        // Large enough that whole kernel tiles (32 KiB) fall inside one fragment's values.
+        4 => rng.random_range(5_000..20_000),
         _ => rng.random_range(2..3000),
     };
     let slice_start = if rng.random_bool(0.3) {
@@ -153,6 +209,30 @@ fn random_fragment(rng: &mut StdRng) -> RecordBatch {
         )
         .expect("fixed binary"),
     );
+    // Half the fragments share the round's dictionary, as one writer's batches do; the others
+    // bring their own, overlapping it or not.
+    let dictionary = if rng.random_bool(0.5) {
+        Arc::clone(shared_dictionary)
+    } else {
+        random_dictionary(rng)
+    };
+    let entries = dictionary.len() as u64;
+    let categories: ArrayRef = Arc::new(
+        DictionaryArray::<Int16Type>::try_new(
+            Int16Array::from_iter(
+                (0..total).map(|i| opt(i).then_some((seeds[i] % entries) as i16)),
+            ),
+            dictionary,
+        )
+        .expect("dictionary"),
+    );
+    let small_codes: ArrayRef = Arc::new(
+        DictionaryArray::<UInt8Type>::try_new(
+            UInt8Array::from_iter_values((0..total).map(|i| (seeds[i] % 3) as u8)),
+            Arc::new(Int32Array::from(vec![7, (seeds.len() % 5) as i32, -1])),
+        )
+        .expect("dictionary"),
+    );
     let batch = RecordBatch::try_from_iter_with_nullable([
         ("int64", int64, true),
         ("int8", int8, true),
@@ -166,6 +246,8 @@ fn random_fragment(rng: &mut StdRng) -> RecordBatch {
         ("fixed_list", fixed_list, true),
         ("decimal", decimal, true),
         ("fixed_binary", fixed_binary, true),
+        ("categories", categories, true),
+        ("small_codes", small_codes, false),
     ])
     .expect("batch");
     batch.slice(slice_start, rows)
@@ -235,6 +317,19 @@ fn assert_same_bytes(got: &ArrayData, expected: &ArrayData, context: &str) {
                     "{context}: value bytes"
                 );
             }
+        }
+        DataType::Dictionary(key, _) => {
+            let width = key.primitive_width().expect("key width");
+            assert_eq!(
+                prefix(got, 0, len * width),
+                prefix(expected, 0, len * width),
+                "{context}: keys"
+            );
+            assert_same_bytes(
+                &got.child_data()[0],
+                &expected.child_data()[0],
+                &format!("{context}.dictionary"),
+            );
         }
         DataType::Struct(_) | DataType::FixedSizeList(_, _) => {
             for (index, (g, e)) in got

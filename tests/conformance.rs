@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow::array::{Array, ArrayRef, DictionaryArray, Int64Array};
+use arrow::array::{Array, ArrayRef, AsArray, DictionaryArray, Int64Array};
 use arrow::datatypes::{DataType, Field, Int32Type, Schema};
 use arrow::record_batch::RecordBatch;
 use arrow_flight::encode::FlightDataEncoderBuilder;
@@ -47,6 +47,7 @@ macro_rules! conformance {
                 drop_and_replace_during_a_read_let_it_finish,
                 list_flights_and_actions,
                 dictionaries_keep_their_encoding,
+                appended_dictionaries_are_merged,
                 empty_tables_and_zero_row_batches,
                 sliced_batches_round_trip,
                 shutdown_lets_running_streams_finish,
@@ -661,6 +662,36 @@ async fn dictionaries_keep_their_encoding(make: MakeBackend) {
         DataType::Dictionary(_, _)
     ));
     assert_same_data(&batches, &received);
+    server.shutdown_and_wait().await;
+}
+
+async fn appended_dictionaries_are_merged(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let make_batch = |words: &[Option<&'static str>]| {
+        let dictionary: DictionaryArray<Int32Type> = words.iter().copied().collect();
+        RecordBatch::try_from_iter_with_nullable([("d", Arc::new(dictionary) as ArrayRef, true)])
+            .expect("batch")
+    };
+    let first = make_batch(&[Some("a"), Some("b"), Some("a")]);
+    let second = make_batch(&[Some("b"), Some("c"), None, Some("c")]);
+    put(&mut client, path("cats"), vec![first.clone()])
+        .await
+        .expect("put");
+    put(&mut client, cmd("cats", "append"), vec![second.clone()])
+        .await
+        .expect("append");
+    assert_eq!(
+        server.store.get("cats").expect("dataset").num_partitions(),
+        1
+    );
+    let received = get_all(&mut client, "cats").await.expect("get");
+    assert_same_data(&[first, second], &received);
+    for batch in &received {
+        let values = batch.column(0).as_any_dictionary().values();
+        let expected: ArrayRef = Arc::new(arrow::array::StringArray::from(vec!["a", "b", "c"]));
+        assert_eq!(values, &expected, "one merged dictionary, each value once");
+    }
     server.shutdown_and_wait().await;
 }
 

@@ -6,11 +6,13 @@
 
 use std::sync::Arc;
 
-use arrow::record_batch::RecordBatch;
+use arrow::array::{Array, ArrayRef};
+use arrow::datatypes::DataType;
+use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, downcast_all};
+use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, dictionary, downcast_all};
 use crate::batch_size::batch_bytes;
 
 /// Keeps datasets in host memory. Stateless: memory accounting is the store's job.
@@ -58,24 +60,42 @@ impl Backend for HostBackend {
         Ok(partitions.iter().map(|p| p.bytes()).sum())
     }
 
-    /// Arrow's own concatenation: it is the host reference the CUDA kernel is checked against.
+    /// Arrow's own concatenation, except for dictionary columns, whose dictionaries are merged
+    /// (see `dictionary`). It is the host reference the CUDA kernel is checked against.
     fn concatenate(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let concatenated =
-            downcast_all::<HostPartition>(&partitions, "the host backend").and_then(|parts| {
-                let schema = parts
-                    .first()
-                    .map(|p| p.batch.schema())
-                    .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
-                let batch = arrow::compute::concat_batches(&schema, parts.iter().map(|p| &p.batch))
-                    .map_err(|e| BackendError::Device(format!("concatenating batches: {e}")))?;
-                let bytes = batch_bytes(&batch);
-                Ok(Arc::new(HostPartition { batch, bytes }) as Arc<dyn Partition>)
-            });
+        let concatenated = downcast_all::<HostPartition>(&partitions, "the host backend")
+            .and_then(|parts| concatenate_batches(&parts));
         futures::future::ready(concatenated).boxed()
     }
+}
+
+fn concatenate_batches(parts: &[&HostPartition]) -> Result<Arc<dyn Partition>, BackendError> {
+    let first = parts
+        .first()
+        .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
+    let schema = first.batch.schema();
+    let columns = (0..schema.fields().len())
+        .map(|index| {
+            let arrays: Vec<&dyn Array> = parts
+                .iter()
+                .map(|p| p.batch.column(index).as_ref())
+                .collect();
+            match schema.field(index).data_type() {
+                DataType::Dictionary(_, _) => dictionary::concat_on_host(&arrays),
+                _ => arrow::compute::concat(&arrays)
+                    .map_err(|e| BackendError::Device(format!("concatenating batches: {e}"))),
+            }
+        })
+        .collect::<Result<Vec<ArrayRef>, _>>()?;
+    let rows = parts.iter().map(|p| p.batch.num_rows()).sum();
+    let options = RecordBatchOptions::new().with_row_count(Some(rows));
+    let batch = RecordBatch::try_new_with_options(schema, columns, &options)
+        .map_err(|e| BackendError::Device(format!("concatenating batches: {e}")))?;
+    let bytes = batch_bytes(&batch);
+    Ok(Arc::new(HostPartition { batch, bytes }))
 }
 
 #[derive(Debug)]

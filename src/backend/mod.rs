@@ -9,6 +9,7 @@
 //! I/O.
 
 pub mod cuda;
+pub(crate) mod dictionary;
 pub mod host;
 
 use std::fmt;
@@ -17,7 +18,7 @@ use std::sync::Arc;
 use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
-pub use cuda::CudaBackend;
+pub use cuda::{CudaBackend, FragmentCopies};
 pub use host::HostBackend;
 
 /// What can go wrong below the store. Each variant says which gRPC code it becomes in
@@ -33,6 +34,10 @@ pub enum BackendError {
         backend: &'static str,
         data_type: String,
     },
+    /// These partitions cannot be concatenated (e.g. their merged dictionary outgrows the key
+    /// type); the store then keeps them as they are.
+    #[error("cannot concatenate: {reason}")]
+    CannotConcatenate { reason: String },
     /// A row range outside the partition: a bug in the caller, never client input.
     #[error("rows {offset}..{end} are outside a partition of {rows} rows", end = offset + len)]
     RowsOutOfRange {

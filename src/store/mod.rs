@@ -433,8 +433,7 @@ impl Store {
     /// Concatenates partitions into one compact partition, reserving its memory first: the
     /// inputs stay reserved until they are dropped, so the budget covers the transient peak,
     /// and a compaction that does not fit fails with `MemoryExhausted`. Partitions the backend
-    /// cannot concatenate (dictionary columns on a GPU, for now), or whose compacted copy would
-    /// be larger than they are, are returned unchanged.
+    /// cannot concatenate (a merged dictionary its keys cannot index) are returned unchanged.
     async fn compact(
         &self,
         partitions: Vec<StoredPartition>,
@@ -447,23 +446,15 @@ impl Store {
         let data: Vec<_> = partitions.iter().map(|p| Arc::clone(&p.data)).collect();
         let size = match backend.concatenated_size(&data) {
             Ok(size) => size,
-            Err(BackendError::UnsupportedType { data_type, .. }) => {
-                tracing::debug!(%data_type, "dataset kept in its uploaded batches");
+            Err(
+                error @ (BackendError::UnsupportedType { .. }
+                | BackendError::CannotConcatenate { .. }),
+            ) => {
+                tracing::info!(%error, "dataset kept in its uploaded batches");
                 return Ok(partitions);
             }
             Err(error) => return Err(error.into()),
         };
-        let held: u64 = partitions.iter().map(|p| p.reservation.bytes()).sum();
-        if size > held {
-            // Compaction rounds each column up to the allocation granularity: for a small,
-            // wide dataset that costs more than the batches it replaces. Keep those.
-            tracing::debug!(
-                size,
-                held,
-                "dataset kept in its uploaded batches: compaction would grow it"
-            );
-            return Ok(partitions);
-        }
         let reservation = self.inner.budget.try_reserve(device, size)?;
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         let compacted = backend.concatenate(data).await?;

@@ -341,3 +341,15 @@ def test_sigterm_exits_cleanly(make_server):
     with server.client() as client:
         put(client, "t", pa.table({"x": [1]}))
     assert server.stop() == 0
+
+
+def test_appended_categoricals_come_back_as_one_categorical(client):
+    name = unique("cats")
+    first = pd.DataFrame({"city": pd.Categorical(["Paris", "Oslo", "Paris"])})
+    second = pd.DataFrame({"city": pd.Categorical(["Lima", None, "Oslo"])})
+    put(client, name, pa.Table.from_pandas(first, preserve_index=False))
+    put(client, name, pa.Table.from_pandas(second, preserve_index=False), mode="append")
+    frame = get(client, name).to_pandas()
+    assert frame["city"].tolist()[:3] == ["Paris", "Oslo", "Paris"]
+    assert frame["city"].tolist()[3] == "Lima" and pd.isna(frame["city"].tolist()[4])
+    assert sorted(frame["city"].cat.categories) == ["Lima", "Oslo", "Paris"]

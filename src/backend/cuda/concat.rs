@@ -1,17 +1,32 @@
 //! One-launch concatenation of many uploaded batches into compact columns
 //! (`kernels/concat.cu`).
 //!
-//! [`plan_column`] lays out one column's concatenation: the total length, where each buffer of
-//! the result sits in the column's new allocation (the same 64-byte aligned layout as an
-//! upload), and one kernel task per fragment of every buffer. Everything the tasks need is
-//! known on the host from the fragments' layouts (fragment lengths, string byte lengths), so
-//! the whole table costs one task-table copy and one launch, whatever the number of fragments.
+//! [`plan_table`] lays out a whole table's concatenation on the host: every column's length,
+//! where each of its buffers goes (the same 64-byte aligned, depth-first layout as an upload),
+//! and one kernel task per fragment of every buffer. Everything the tasks need is known from
+//! the fragments' layouts (fragment lengths, string byte lengths), so the whole table costs one
+//! task-table copy and one launch, whatever the number of fragments.
+//!
+//! Dictionary columns are the exception that stays cheap: their dictionaries are merged on the
+//! host (`backend::dictionary`, from the host copies uploads keep), the merged dictionary is
+//! copied into the column's allocation with the task table, and the keys of every fragment
+//! whose dictionary did not stay as it was are mapped on the device by `REMAP_KEYS` tasks.
+//!
+//! **Where columns go** ([`Arrangement`]): a column whose buffers fill its 2 MiB-rounded
+//! allocation to within an eighth gets an allocation of its own; the other (small) columns of
+//! the table are packed one after another, at 64-byte aligned offsets, into one shared
+//! allocation. Every allocation holds bytes of this one dataset only.
 //!
 //! Fragments must be compact, which uploads guarantee: offsets start at 0 and children hold
 //! exactly the rows their parents reference.
 
-use super::layout::{DeviceArray, Kind, Region};
-use crate::backend::BackendError;
+use std::ops::Range;
+
+use arrow::array::ArrayRef;
+use arrow::buffer::Buffer;
+
+use super::layout::{self, DeviceArray, Kind, Region, UploadPlan};
+use crate::backend::{BackendError, dictionary};
 
 /// One unit of kernel work description; must match `struct Task` in `kernels/concat.cu`.
 #[repr(C)]
@@ -25,6 +40,9 @@ pub(super) struct ConcatTask {
     pub(super) src_bit: u64,
     pub(super) dst_bit: u64,
     pub(super) base: i64,
+    /// `REMAP_KEYS_*`: index of the fragment's key map in the table's maps, and its length.
+    pub(super) map: u64,
+    pub(super) map_len: u64,
 }
 
 impl ConcatTask {
@@ -32,6 +50,9 @@ impl ConcatTask {
     pub(super) const COPY_BITS: u32 = 1;
     pub(super) const REBASE_OFFSETS_32: u32 = 2;
     pub(super) const REBASE_OFFSETS_64: u32 = 3;
+    /// `REMAP_KEYS_8 + k` maps keys of `1 << k` bytes.
+    pub(super) const REMAP_KEYS_8: u32 = 4;
+    pub(super) const REMAP_KEYS_64: u32 = 7;
 
     fn new(kind: u32, src: u64, dst: u64, count: u64) -> Self {
         Self {
@@ -43,17 +64,52 @@ impl ConcatTask {
             src_bit: 0,
             dst_bit: 0,
             base: 0,
+            map: 0,
+            map_len: 0,
         }
     }
 
     /// Work units the kernel spends on this task (see the kernel's launch contract).
+    /// `dst` must be the final device address: byte copies count 16-byte destination chunks.
     pub(super) fn units(&self) -> u64 {
         match self.kind {
-            Self::COPY_BYTES => self.count.div_ceil(16),
-            Self::COPY_BITS if self.count == 0 => 0,
+            _ if self.count == 0 => 0,
+            Self::COPY_BYTES => (self.dst + self.count - 1) / 16 - self.dst / 16 + 1,
             Self::COPY_BITS => (self.dst_bit + self.count - 1) / 32 - self.dst_bit / 32 + 1,
+            Self::REBASE_OFFSETS_32 => self.count.div_ceil(4),
+            Self::REBASE_OFFSETS_64 => self.count.div_ceil(2),
             _ => self.count,
         }
+    }
+
+    /// Key width in bytes of a `REMAP_KEYS_*` task.
+    pub(super) fn key_width(&self) -> Option<u64> {
+        (Self::REMAP_KEYS_8..=Self::REMAP_KEYS_64)
+            .contains(&self.kind)
+            .then(|| 1 << (self.kind - Self::REMAP_KEYS_8))
+    }
+
+    /// The task's bytes exactly as the kernel reads its `struct Task` (little-endian, no
+    /// padding).
+    pub(super) fn to_le_bytes(self) -> [u8; std::mem::size_of::<Self>()] {
+        let mut bytes = [0; std::mem::size_of::<Self>()];
+        let mut fields = bytes.chunks_exact_mut(8);
+        let mut put = |value: [u8; 8]| {
+            if let Some(field) = fields.next() {
+                field.copy_from_slice(&value);
+            }
+        };
+        let mut head = [0; 8];
+        head[..4].copy_from_slice(&self.kind.to_le_bytes());
+        head[4..].copy_from_slice(&self.reserved.to_le_bytes());
+        put(head);
+        for field in [self.src, self.dst, self.count, self.src_bit, self.dst_bit] {
+            put(field.to_le_bytes());
+        }
+        put(self.base.to_le_bytes());
+        put(self.map.to_le_bytes());
+        put(self.map_len.to_le_bytes());
+        bytes
     }
 }
 
@@ -69,78 +125,374 @@ pub(super) fn unit_starts(tasks: &[ConcatTask]) -> Vec<u64> {
     starts
 }
 
-/// A fragment: one uploaded array and the device address of its partition's allocation.
+/// A fragment: one uploaded array, the device address of the allocation it lies in, and that
+/// allocation's index in the launch's list of sources.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Fragment<'a> {
     pub(super) base: u64,
+    pub(super) source: u32,
     pub(super) array: &'a DeviceArray,
 }
 
-/// Lays out the concatenation of `fragments` (all of one type) into a new allocation starting
-/// at offset `*used`, and returns the result's layout. Tasks are made by [`column_tasks`] once
-/// the allocation's address is known.
-pub(super) fn plan_column(
-    fragments: &[Fragment<'_>],
-    used: &mut usize,
-) -> Result<DeviceArray, BackendError> {
-    let first = fragments
-        .first()
-        .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?
-        .array;
-    let len: usize = fragments.iter().map(|f| f.array.len).sum();
-    let mut region = |bytes: usize| {
-        let offset = used.next_multiple_of(super::layout::ALIGNMENT);
-        *used = offset + bytes;
-        Region { offset, len: bytes }
-    };
-    let validity = fragments
-        .iter()
-        .any(|f| f.array.validity.is_some())
-        .then(|| region(len.div_ceil(8)));
-    let mut buffers = Vec::new();
-    let mut children = Vec::new();
-    match first.kind {
-        Kind::Null => {}
-        Kind::Fixed(width) => buffers.push(region(len * width)),
-        Kind::Bits => buffers.push(region(len.div_ceil(8))),
-        Kind::VarLen(width) => {
-            buffers.push(region((len + 1) * width));
-            let bytes = fragments.iter().map(|f| f.array.buffers[1].len).sum();
-            buffers.push(region(bytes));
-        }
-        Kind::List(width) => {
-            buffers.push(region((len + 1) * width));
-            children.push(plan_children(fragments, 0, used)?);
-        }
-        Kind::FixedList(_) => children.push(plan_children(fragments, 0, used)?),
-        Kind::Struct => {
-            for index in 0..first.children.len() {
-                children.push(plan_children(fragments, index, used)?);
-            }
-        }
-        Kind::Dictionary(_) => {
-            return Err(BackendError::UnsupportedType {
-                backend: "cuda concatenation",
-                data_type: first.data_type.to_string(),
-            });
-        }
-    }
-    Ok(DeviceArray::new(
-        first.data_type.clone(),
-        first.kind,
-        len,
-        validity,
-        buffers,
-        children,
-    ))
+/// The allocations a task reads and writes: indices into the launch's sources and
+/// destinations, so the launch checks each task's ranges against exactly one allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct TaskOwners {
+    pub(super) source: u32,
+    pub(super) destination: u32,
 }
 
-fn plan_children(
-    fragments: &[Fragment<'_>],
-    index: usize,
-    used: &mut usize,
-) -> Result<DeviceArray, BackendError> {
-    plan_column(&children_of(fragments, index), used)
+/// A table's concatenation, before its output allocations exist: columns laid out from offset
+/// 0 of their own space, tasks writing to offsets from there.
+#[derive(Debug, Default)]
+pub(super) struct TablePlan {
+    /// Each column's layout, and the bytes its buffers span.
+    pub(super) columns: Vec<(DeviceArray, usize)>,
+    /// All tasks; `dst` is relative to the start of its column until [`TablePlan::place`].
+    pub(super) tasks: Vec<ConcatTask>,
+    /// Each task's allocations; destinations are set by [`TablePlan::place`].
+    pub(super) owners: Vec<TaskOwners>,
+    /// Which tasks fill each column.
+    task_ranges: Vec<Range<usize>>,
+    /// The key maps `REMAP_KEYS` tasks index.
+    pub(super) maps: Vec<u64>,
+    /// Host bytes (merged dictionaries) to copy into each column's space, by column.
+    pub(super) host_copies: Vec<(usize, Region, Buffer)>,
+}
+
+/// Plans the concatenation of `fragments`: for each partition, its columns as fragments.
+pub(super) fn plan_table(partitions: &[Vec<Fragment<'_>>]) -> Result<TablePlan, BackendError> {
+    let first = partitions
+        .first()
+        .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
+    let mut plan = TablePlan::default();
+    for column in 0..first.len() {
+        let fragments: Vec<Fragment<'_>> = partitions.iter().map(|p| p[column]).collect();
+        let start = plan.tasks.len();
+        let mut space = ColumnSpace {
+            column,
+            used: 0,
+            plan: &mut plan,
+        };
+        let array = space.plan_array(&fragments)?;
+        let used = space.used;
+        plan.columns.push((array, used));
+        plan.task_ranges.push(start..plan.tasks.len());
+    }
+    Ok(plan)
+}
+
+impl TablePlan {
+    /// Moves column `column` to `by` bytes into allocation `destination` (the launch's
+    /// destination index) at device address `base`: its layout, its tasks' destinations and
+    /// its host copies.
+    pub(super) fn place(&mut self, column: usize, destination: u32, base: u64, by: usize) {
+        self.columns[column].0.shift(by);
+        let range = self.task_ranges[column].clone();
+        for task in &mut self.tasks[range.clone()] {
+            task.dst += base + by as u64;
+        }
+        for owners in &mut self.owners[range] {
+            owners.destination = destination;
+        }
+        for (owner, region, _) in &mut self.host_copies {
+            if *owner == column {
+                region.offset += by;
+            }
+        }
+    }
+}
+
+/// Where each column of a table goes: its own allocation, or a shared one for small columns.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Arrangement {
+    /// Bytes of each allocation (rounded to the allocation granularity).
+    pub(super) allocations: Vec<usize>,
+    /// For each column: its allocation and its offset there.
+    pub(super) columns: Vec<(usize, usize)>,
+}
+
+impl Arrangement {
+    /// Arranges columns spanning `column_bytes` (see the module docs for the rule).
+    pub(super) fn new(column_bytes: &[usize]) -> Self {
+        let mut allocations = Vec::new();
+        let mut columns = Vec::with_capacity(column_bytes.len());
+        let mut shared: Option<(usize, usize)> = None;
+        for &used in column_bytes {
+            let rounded = layout::allocation_bytes(used);
+            if used > 0 && (rounded - used) * 8 <= used {
+                columns.push((allocations.len(), 0));
+                allocations.push(rounded);
+                continue;
+            }
+            let (index, end) = *shared.get_or_insert_with(|| {
+                allocations.push(0);
+                (allocations.len() - 1, 0)
+            });
+            let offset = end.next_multiple_of(layout::ALIGNMENT);
+            columns.push((index, offset));
+            shared = Some((index, offset + used));
+            allocations[index] = layout::allocation_bytes(offset + used);
+        }
+        Self {
+            allocations,
+            columns,
+        }
+    }
+
+    pub(super) fn total_bytes(&self) -> u64 {
+        self.allocations.iter().map(|&b| b as u64).sum()
+    }
+}
+
+/// One column's space while it is planned.
+struct ColumnSpace<'p> {
+    column: usize,
+    used: usize,
+    plan: &'p mut TablePlan,
+}
+
+impl ColumnSpace<'_> {
+    fn region(&mut self, bytes: usize) -> Region {
+        let offset = self.used.next_multiple_of(layout::ALIGNMENT);
+        self.used = offset + bytes;
+        Region { offset, len: bytes }
+    }
+
+    /// Queues `task`, which reads from `fragment`'s allocation.
+    fn task(&mut self, task: ConcatTask, fragment: &Fragment<'_>) {
+        self.plan.tasks.push(task);
+        self.plan.owners.push(TaskOwners {
+            source: fragment.source,
+            destination: 0,
+        });
+    }
+
+    /// Lays out the concatenation of `fragments` (all of one type) and queues its tasks.
+    fn plan_array(&mut self, fragments: &[Fragment<'_>]) -> Result<DeviceArray, BackendError> {
+        let first = fragments
+            .first()
+            .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?
+            .array;
+        let len: usize = fragments.iter().map(|f| f.array.len).sum();
+        let null_count = fragments.iter().map(|f| f.array.null_count).sum();
+        let validity = fragments
+            .iter()
+            .any(|f| f.array.validity.is_some())
+            .then(|| self.region(len.div_ceil(8)));
+        if let Some(validity) = validity {
+            self.bit_tasks(fragments, validity, |array| array.validity);
+        }
+        let mut buffers = Vec::new();
+        let mut children = Vec::new();
+        let mut dictionary = None;
+        match first.kind {
+            Kind::Null => {}
+            Kind::Fixed(width) => {
+                let values = self.region(len * width);
+                self.byte_tasks(fragments, values, width);
+                buffers.push(values);
+            }
+            Kind::Bits => {
+                let values = self.region(len.div_ceil(8));
+                self.bit_tasks(fragments, values, |array| array.buffers.first().copied());
+                buffers.push(values);
+            }
+            Kind::VarLen(width) => {
+                let offsets = self.region((len + 1) * width);
+                let bytes = fragments.iter().map(|f| f.array.buffers[1].len).sum();
+                let values = self.region(bytes);
+                self.offset_tasks(fragments, offsets, width, |f| f.array.buffers[1].len);
+                let mut at = 0;
+                for fragment in fragments {
+                    let source = fragment.array.buffers[1];
+                    self.task(
+                        ConcatTask::new(
+                            ConcatTask::COPY_BYTES,
+                            fragment.base + source.offset as u64,
+                            (values.offset + at) as u64,
+                            source.len as u64,
+                        ),
+                        fragment,
+                    );
+                    at += source.len;
+                }
+                buffers.extend([offsets, values]);
+            }
+            Kind::List(width) => {
+                let offsets = self.region((len + 1) * width);
+                self.offset_tasks(fragments, offsets, width, |f| f.array.children[0].len);
+                buffers.push(offsets);
+                children.push(self.plan_array(&children_of(fragments, 0))?);
+            }
+            Kind::FixedList(_) | Kind::Struct => {
+                for index in 0..first.children.len() {
+                    children.push(self.plan_array(&children_of(fragments, index))?);
+                }
+            }
+            Kind::Dictionary(width) => {
+                let keys = self.region(len * width);
+                buffers.push(keys);
+                let (values, merged) = self.plan_dictionary(fragments, keys, width)?;
+                children.push(values);
+                dictionary = Some(merged);
+            }
+        }
+        Ok(DeviceArray {
+            data_type: first.data_type.clone(),
+            kind: first.kind,
+            len,
+            null_count,
+            validity,
+            buffers,
+            children,
+            dictionary,
+        })
+    }
+
+    /// Copies each fragment's `width`-byte values into `out`, one after another.
+    fn byte_tasks(&mut self, fragments: &[Fragment<'_>], out: Region, width: usize) {
+        let mut row = 0;
+        for fragment in fragments {
+            let source = fragment.array.buffers[0];
+            let bytes = fragment.array.len * width;
+            self.task(
+                ConcatTask::new(
+                    ConcatTask::COPY_BYTES,
+                    fragment.base + source.offset as u64,
+                    (out.offset + row * width) as u64,
+                    bytes as u64,
+                ),
+                fragment,
+            );
+            row += fragment.array.len;
+        }
+    }
+
+    /// Copies each fragment's bitmap (where `bitmap` finds one; all ones where it does not)
+    /// into `out` from the fragment's first row on.
+    fn bit_tasks(
+        &mut self,
+        fragments: &[Fragment<'_>],
+        out: Region,
+        bitmap: impl Fn(&DeviceArray) -> Option<Region>,
+    ) {
+        let mut row = 0u64;
+        for fragment in fragments {
+            let rows = fragment.array.len as u64;
+            let mut task = ConcatTask::new(
+                ConcatTask::COPY_BITS,
+                bitmap(fragment.array).map_or(0, |r| fragment.base + r.offset as u64),
+                out.offset as u64,
+                rows,
+            );
+            task.dst_bit = row;
+            self.task(task, fragment);
+            row += rows;
+        }
+    }
+
+    /// Rebases each fragment's offsets by the running total of what the fragments before it
+    /// address (`extent` of each: string bytes or child rows).
+    fn offset_tasks(
+        &mut self,
+        fragments: &[Fragment<'_>],
+        out: Region,
+        width: usize,
+        extent: impl Fn(&Fragment<'_>) -> usize,
+    ) {
+        let kind = if width == 4 {
+            ConcatTask::REBASE_OFFSETS_32
+        } else {
+            ConcatTask::REBASE_OFFSETS_64
+        };
+        let (mut row, mut total) = (0, 0);
+        let last = fragments.len().saturating_sub(1);
+        for (index, fragment) in fragments.iter().enumerate() {
+            let rows = fragment.array.len;
+            // Each fragment writes its rows' offsets; the last also writes the final one.
+            let count = rows + usize::from(index == last);
+            let mut task = ConcatTask::new(
+                kind,
+                fragment.base + fragment.array.buffers[0].offset as u64,
+                (out.offset + row * width) as u64,
+                count as u64,
+            );
+            task.base = i64::try_from(total).unwrap_or(i64::MAX);
+            self.task(task, fragment);
+            row += rows;
+            total += extent(fragment);
+        }
+    }
+
+    /// Merges the fragments' dictionaries, places the merged one after the keys (copied from
+    /// the host) and queues each fragment's keys: copied where its dictionary is unchanged,
+    /// mapped otherwise.
+    fn plan_dictionary(
+        &mut self,
+        fragments: &[Fragment<'_>],
+        keys: Region,
+        width: usize,
+    ) -> Result<(DeviceArray, ArrayRef), BackendError> {
+        let dictionaries = fragments
+            .iter()
+            .map(|f| {
+                f.array.dictionary.clone().ok_or_else(|| {
+                    BackendError::Device("a dictionary fragment without its host copy".to_owned())
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let key_type = match &fragments[0].array.data_type {
+            arrow::datatypes::DataType::Dictionary(key, _) => key.as_ref().clone(),
+            other => {
+                return Err(BackendError::Device(format!("{other} is not a dictionary")));
+            }
+        };
+        let merged = dictionary::merge(&dictionaries, &key_type)?;
+        let remap = match width {
+            1 => ConcatTask::REMAP_KEYS_8,
+            2 => ConcatTask::REMAP_KEYS_8 + 1,
+            4 => ConcatTask::REMAP_KEYS_8 + 2,
+            8 => ConcatTask::REMAP_KEYS_64,
+            other => {
+                return Err(BackendError::Device(format!(
+                    "{other}-byte dictionary keys"
+                )));
+            }
+        };
+        let mut row = 0;
+        for (index, fragment) in fragments.iter().enumerate() {
+            let source = fragment.array.buffers[0];
+            let rows = fragment.array.len;
+            let src = fragment.base + source.offset as u64;
+            let dst = (keys.offset + row * width) as u64;
+            if merged.keeps_keys(index) {
+                self.task(
+                    ConcatTask::new(ConcatTask::COPY_BYTES, src, dst, (rows * width) as u64),
+                    fragment,
+                );
+            } else {
+                let map = &merged.key_maps[index];
+                let mut task = ConcatTask::new(remap, src, dst, rows as u64);
+                task.map = self.plan.maps.len() as u64;
+                task.map_len = map.len() as u64;
+                self.plan.maps.extend_from_slice(map);
+                self.task(task, fragment);
+            }
+            row += rows;
+        }
+        let mut placement = UploadPlan::starting_at(self.used);
+        let values = placement.place(&merged.values.to_data())?;
+        self.used = placement.used_bytes;
+        let column = self.column;
+        self.plan.host_copies.extend(
+            placement
+                .sources
+                .into_iter()
+                .map(|(region, bytes)| (column, region, bytes)),
+        );
+        Ok((values, merged.values))
+    }
 }
 
 /// Child `index` of every fragment, in the fragments' allocations.
@@ -148,88 +500,52 @@ fn children_of<'a>(fragments: &[Fragment<'a>], index: usize) -> Vec<Fragment<'a>
     fragments
         .iter()
         .map(|f| Fragment {
-            base: f.base,
             array: &f.array.children[index],
+            ..*f
         })
         .collect()
 }
 
-/// The kernel tasks that fill `out` (laid out by [`plan_column`] in the allocation at `out_base`)
-/// from `fragments`.
-pub(super) fn column_tasks(
-    fragments: &[Fragment<'_>],
-    out: &DeviceArray,
-    out_base: u64,
-    tasks: &mut Vec<ConcatTask>,
-) {
-    let address = |base: u64, region: Region| base + region.offset as u64;
-    let mut row = 0u64;
-    let mut bytes = 0u64;
-    let last = fragments.len().saturating_sub(1);
-    for (index, fragment) in fragments.iter().enumerate() {
-        let array = fragment.array;
-        let rows = array.len as u64;
-        if let Some(validity) = out.validity {
-            let mut task = ConcatTask::new(
-                ConcatTask::COPY_BITS,
-                array.validity.map_or(0, |v| address(fragment.base, v)),
-                address(out_base, validity),
-                rows,
-            );
-            task.dst_bit = row;
-            tasks.push(task);
-        }
-        match out.kind {
-            Kind::Null | Kind::Dictionary(_) | Kind::FixedList(_) | Kind::Struct => {}
-            Kind::Fixed(width) => tasks.push(ConcatTask::new(
-                ConcatTask::COPY_BYTES,
-                address(fragment.base, array.buffers[0]),
-                address(out_base, out.buffers[0]) + row * width as u64,
-                rows * width as u64,
-            )),
-            Kind::Bits => {
-                let mut task = ConcatTask::new(
-                    ConcatTask::COPY_BITS,
-                    address(fragment.base, array.buffers[0]),
-                    address(out_base, out.buffers[0]),
-                    rows,
-                );
-                task.dst_bit = row;
-                tasks.push(task);
-            }
-            Kind::VarLen(width) | Kind::List(width) => {
-                let kind = if width == 4 {
-                    ConcatTask::REBASE_OFFSETS_32
-                } else {
-                    ConcatTask::REBASE_OFFSETS_64
-                };
-                // Each fragment writes its rows' offsets; the last also writes the final one.
-                let count = rows + u64::from(index == last);
-                let mut task = ConcatTask::new(
-                    kind,
-                    address(fragment.base, array.buffers[0]),
-                    address(out_base, out.buffers[0]) + row * width as u64,
-                    count,
-                );
-                task.base = i64::try_from(bytes).unwrap_or(i64::MAX);
-                tasks.push(task);
-                if out.kind == Kind::VarLen(width) {
-                    let values = array.buffers[1];
-                    tasks.push(ConcatTask::new(
-                        ConcatTask::COPY_BYTES,
-                        address(fragment.base, values),
-                        address(out_base, out.buffers[1]) + bytes,
-                        values.len as u64,
-                    ));
-                    bytes += values.len as u64;
-                } else {
-                    bytes += array.children[0].len as u64;
-                }
-            }
-        }
-        row += rows;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn large_columns_get_their_own_allocation_and_small_ones_share_one() {
+        let arrangement = Arrangement::new(&[30 * MIB, 1000, 3 * MIB, 100, 20 * MIB - 1]);
+        // 30 MiB fills its allocation; 3 MiB would waste 1 MiB of 4 (more than an eighth);
+        // 20 MiB - 1 rounds to 20 MiB.
+        assert_eq!(
+            arrangement.allocations,
+            vec![30 * MIB, 4 * MIB, 20 * MIB],
+            "{arrangement:?}"
+        );
+        assert_eq!(
+            arrangement.columns,
+            vec![(0, 0), (1, 0), (1, 1024), (1, 1024 + 3 * MIB), (2, 0)]
+        );
+        assert_eq!(arrangement.total_bytes(), 54 * MIB as u64);
     }
-    for (index, child) in out.children.iter().enumerate() {
-        column_tasks(&children_of(fragments, index), child, out_base, tasks);
+
+    #[test]
+    fn tasks_serialize_as_the_kernel_reads_them() {
+        let mut task = ConcatTask::new(ConcatTask::REMAP_KEYS_8 + 1, 1, 2, 3);
+        task.map = 9;
+        task.map_len = 10;
+        task.base = -1;
+        let bytes = task.to_le_bytes();
+        assert_eq!(bytes.len(), 72);
+        assert_eq!(&bytes[..4], &5u32.to_le_bytes());
+        assert_eq!(&bytes[8..16], &1u64.to_le_bytes());
+        assert_eq!(&bytes[48..56], &(-1i64).to_le_bytes());
+        assert_eq!(&bytes[56..64], &9u64.to_le_bytes());
+        assert_eq!(&bytes[64..72], &10u64.to_le_bytes());
+        assert_eq!(task.key_width(), Some(2));
+        assert_eq!(
+            ConcatTask::new(ConcatTask::COPY_BYTES, 0, 0, 0).key_width(),
+            None
+        );
     }
 }

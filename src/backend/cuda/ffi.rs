@@ -19,7 +19,7 @@ use arrow::buffer::Buffer;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
-use super::concat::ConcatTask;
+use super::concat::{ConcatTask, TaskOwners};
 use crate::backend::BackendError;
 
 /// Whether a CUDA driver library can be loaded. cudarc panics on first use without one, so
@@ -285,6 +285,15 @@ impl Drop for Stream {
     }
 }
 
+/// A concatenation's task table as the host built it (see `concat`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ConcatTable<'t> {
+    pub(super) tasks: &'t [ConcatTask],
+    pub(super) owners: &'t [TaskOwners],
+    pub(super) unit_starts: &'t [u64],
+    pub(super) maps: &'t [u64],
+}
+
 /// Asynchronous copies queued on one stream. Everything a copy touches is borrowed for `'a`,
 /// and the batch synchronizes the stream in [`CopyBatch::finish`] (or on drop, after an
 /// error), so a buffer can never be freed, reused or read while a copy still runs.
@@ -312,6 +321,30 @@ impl<'a> CopyBatch<'a> {
             .map_err(|e| device_error("cuMemcpyHtoDAsync", e))
     }
 
+    /// Queues a copy of `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`.
+    pub(super) fn copy_within_device(
+        &mut self,
+        dst: &'a DeviceAllocation,
+        dst_offset: usize,
+        src: &'a DeviceAllocation,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        check_device_range(dst, dst_offset, len)?;
+        check_device_range(src, src_offset, len)?;
+        // SAFETY: both ranges lie inside their allocations (checked), which stay borrowed
+        // until the stream is synchronized.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.ptr + dst_offset as u64,
+                src.ptr + src_offset as u64,
+                len,
+                self.stream.raw,
+            )
+        }
+        .map_err(|e| device_error("cuMemcpyDtoDAsync", e))
+    }
+
     /// Queues a device-to-host copy of `len` bytes at `offset` of `src` into `dst`.
     pub(super) fn copy_to_host(
         &mut self,
@@ -326,30 +359,41 @@ impl<'a> CopyBatch<'a> {
             .map_err(|e| device_error("cuMemcpyDtoHAsync", e))
     }
 
-    /// Queues the concatenation kernel over `tasks`, after checking that every range a task
-    /// reads lies in one of `sources` and every range it writes lies in `destinations`: with
+    /// Queues the concatenation kernel over `table.tasks`, after checking that every range a
+    /// task reads lies in its source allocation (or, for key maps, in `table.maps`) and every
+    /// range it writes lies in its destination allocation (`table.owners` names both): with
     /// that, and the borrows held until the stream synchronized, the launch cannot touch
-    /// memory it does not own. `table` holds `tasks` followed by `unit_starts` on the device,
-    /// copied there earlier in this batch.
+    /// memory it does not own. `device_table` holds the
+    /// tasks, then the unit starts, then the maps, copied there earlier in this batch.
     pub(super) fn launch_concat(
         &mut self,
         kernel: &'a Kernel,
-        table: &'a DeviceAllocation,
-        tasks: &[ConcatTask],
-        unit_starts: &[u64],
+        device_table: &'a DeviceAllocation,
+        table: ConcatTable<'_>,
         sources: &[&'a DeviceAllocation],
         destinations: &[&'a DeviceAllocation],
     ) -> Result<(), BackendError> {
-        let table_bytes = std::mem::size_of_val(tasks) + std::mem::size_of_val(unit_starts);
-        if table.bytes() < table_bytes || unit_starts.len() != tasks.len() + 1 {
+        let ConcatTable {
+            tasks,
+            owners,
+            unit_starts,
+            maps,
+        } = table;
+        let tasks_bytes = std::mem::size_of_val(tasks) as u64;
+        let starts_bytes = std::mem::size_of_val(unit_starts) as u64;
+        let table_bytes = tasks_bytes + starts_bytes + std::mem::size_of_val(maps) as u64;
+        if (device_table.bytes() as u64) < table_bytes
+            || unit_starts.len() != tasks.len() + 1
+            || owners.len() != tasks.len()
+        {
             return Err(BackendError::Device(
                 "malformed concatenation task table".to_owned(),
             ));
         }
-        let sources = AddressRanges::new(sources);
-        let destinations = AddressRanges::new(destinations);
-        for task in tasks {
-            check_task(task, &sources, &destinations)?;
+        for (task, owners) in tasks.iter().zip(owners) {
+            let source = sources.get(owners.source as usize);
+            let destination = destinations.get(owners.destination as usize);
+            check_task(task, source, destination, maps.len() as u64)?;
         }
         let total_units = unit_starts.last().copied().unwrap_or(0);
         if total_units == 0 {
@@ -359,20 +403,23 @@ impl<'a> CopyBatch<'a> {
         let block = 256u32;
         let tile = u64::from(block) * 8;
         let grid = u32::try_from(total_units.div_ceil(tile).min(1 << 16)).unwrap_or(1 << 16);
-        let mut tasks_address = table.ptr;
-        let mut starts_address = table.ptr + std::mem::size_of_val(tasks) as u64;
+        let mut tasks_address = device_table.ptr;
+        let mut starts_address = device_table.ptr + tasks_bytes;
+        let mut maps_address = device_table.ptr + tasks_bytes + starts_bytes;
         let mut task_count = u32::try_from(tasks.len())
             .map_err(|_| BackendError::Device("too many concatenation tasks".to_owned()))?;
         let mut units = total_units;
         let mut params = [
             (&raw mut tasks_address).cast::<std::ffi::c_void>(),
             (&raw mut starts_address).cast(),
+            (&raw mut maps_address).cast(),
             (&raw mut task_count).cast(),
             (&raw mut units).cast(),
         ];
-        // SAFETY: the parameters match the kernel's signature (two device pointers, u32, u64);
-        // every address a task touches was checked above to lie in memory this batch borrows
-        // until the stream synchronizes; the table was copied in earlier on the same stream.
+        // SAFETY: the parameters match the kernel's signature (three device pointers, u32,
+        // u64); every address a task touches was checked above to lie in memory this batch
+        // borrows until the stream synchronizes; the table was copied in earlier on the same
+        // stream.
         unsafe {
             result::launch_kernel(
                 kernel.function,
@@ -467,49 +514,41 @@ impl Drop for Kernel {
     }
 }
 
-/// The address ranges of some allocations, sorted, for checking thousands of task ranges
-/// against hundreds of allocations by binary search.
-struct AddressRanges(Vec<(u64, u64)>);
-
-impl AddressRanges {
-    fn new(allocations: &[&DeviceAllocation]) -> Self {
-        let mut ranges: Vec<(u64, u64)> = allocations
-            .iter()
-            .map(|a| (a.ptr, a.ptr + a.bytes as u64))
-            .collect();
-        ranges.sort_unstable();
-        Self(ranges)
-    }
-
-    /// Whether `address..address + len` lies inside one allocation.
-    fn contains(&self, address: u64, len: u64) -> bool {
-        let after = self.0.partition_point(|&(start, _)| start <= address);
-        after > 0 && {
-            let (_, end) = self.0[after - 1];
-            address.saturating_add(len) <= end
-        }
-    }
-}
-
-/// Checks that a task reads only from `sources` and writes only into `destinations`.
+/// Checks that a task reads only from `source` (and its key map from the table's
+/// `map_entries`) and writes only into `destination`; a missing allocation fails the task.
 fn check_task(
     task: &ConcatTask,
-    sources: &AddressRanges,
-    destinations: &AddressRanges,
+    source: Option<&&DeviceAllocation>,
+    destination: Option<&&DeviceAllocation>,
+    map_entries: u64,
 ) -> Result<(), BackendError> {
-    let reads = |address: u64, len: u64| sources.contains(address, len);
-    let writes = |address: u64, len: u64| destinations.contains(address, len);
+    let inside = |allocation: Option<&&DeviceAllocation>, address: u64, len: u64| {
+        allocation.is_some_and(|a| {
+            address >= a.ptr
+                && address
+                    .checked_add(len)
+                    .is_some_and(|end| end <= a.ptr + a.bytes as u64)
+        })
+    };
+    let reads = |address: u64, len: u64| inside(source, address, len);
+    let writes = |address: u64, len: u64| inside(destination, address, len);
+    let bytes = |count: u64, width: u64| count.saturating_mul(width);
     let ok = match task.kind {
-        ConcatTask::COPY_BYTES => reads(task.src, task.count) && writes(task.dst, task.count),
+        // Misaligned sources are read as the aligned 32-bit words around them.
+        ConcatTask::COPY_BYTES => {
+            let first = task.src & !3;
+            let end = task.src.saturating_add(task.count).next_multiple_of(4);
+            (task.count == 0 || reads(first, end - first)) && writes(task.dst, task.count)
+        }
         ConcatTask::COPY_BITS => {
-            let end_bit = task.dst_bit + task.count;
+            let end_bit = task.dst_bit.saturating_add(task.count);
             let first_word = (task.dst_bit / 32) * 4;
             let words_end = end_bit.div_ceil(32) * 4;
             let src_ok = task.src == 0 || {
                 let first = task.src_bit / 8;
                 reads(
                     task.src + first,
-                    (task.src_bit + task.count).div_ceil(8) - first,
+                    task.src_bit.saturating_add(task.count).div_ceil(8) - first,
                 )
             };
             src_ok && writes(task.dst + first_word, words_end - first_word)
@@ -520,9 +559,20 @@ fn check_task(
             } else {
                 8
             };
-            reads(task.src, task.count.max(1) * width) && writes(task.dst, task.count * width)
+            reads(task.src, bytes(task.count.max(1), width))
+                && writes(task.dst, bytes(task.count, width))
         }
-        _ => false,
+        _ => match task.key_width() {
+            Some(width) => {
+                reads(task.src, bytes(task.count, width))
+                    && writes(task.dst, bytes(task.count, width))
+                    && task
+                        .map
+                        .checked_add(task.map_len)
+                        .is_some_and(|end| end <= map_entries)
+            }
+            None => false,
+        },
     };
     if ok {
         Ok(())
@@ -544,24 +594,5 @@ fn check_device_range(
             "copy of {len} bytes at {offset} exceeds a device allocation of {} bytes",
             allocation.bytes
         ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::AddressRanges;
-
-    #[test]
-    fn ranges_contain_only_what_lies_inside_one_allocation() {
-        let mut ranges = AddressRanges(vec![(300, 400), (100, 200)]);
-        ranges.0.sort_unstable();
-        assert!(ranges.contains(100, 100));
-        assert!(ranges.contains(150, 50));
-        assert!(!ranges.contains(150, 51), "runs past the end");
-        assert!(!ranges.contains(250, 1), "between allocations");
-        assert!(ranges.contains(300, 100));
-        assert!(!ranges.contains(199, 102), "spans two allocations");
-        assert!(!ranges.contains(50, 1), "before the first");
-        assert!(!ranges.contains(u64::MAX, 2), "overflowing end");
     }
 }

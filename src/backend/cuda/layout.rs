@@ -85,34 +85,28 @@ fn kind(data_type: &DataType) -> Result<Kind, BackendError> {
     Ok(kind)
 }
 
-/// Where one array of an uploaded batch lives in the partition's allocation.
+/// Where one array lives in its partition's allocation.
 #[derive(Debug, Clone)]
 pub(super) struct DeviceArray {
     pub(super) data_type: DataType,
     pub(super) kind: Kind,
     pub(super) len: usize,
+    pub(super) null_count: usize,
     pub(super) validity: Option<Region>,
     pub(super) buffers: Vec<Region>,
     pub(super) children: Vec<DeviceArray>,
+    /// For a dictionary: a host copy of its values (also on the device, as `children[0]`), so
+    /// concatenation can merge dictionaries without reading them back. Dictionaries are small.
+    pub(super) dictionary: Option<ArrayRef>,
 }
 
 impl DeviceArray {
-    pub(super) fn new(
-        data_type: DataType,
-        kind: Kind,
-        len: usize,
-        validity: Option<Region>,
-        buffers: Vec<Region>,
-        children: Vec<DeviceArray>,
-    ) -> Self {
-        Self {
-            data_type,
-            kind,
-            len,
-            validity,
-            buffers,
-            children,
-        }
+    /// Moves every region `by` bytes further into the allocation.
+    pub(super) fn shift(&mut self, by: usize) {
+        let move_region = |region: &mut Region| region.offset += by;
+        self.validity.iter_mut().for_each(move_region);
+        self.buffers.iter_mut().for_each(move_region);
+        self.children.iter_mut().for_each(|child| child.shift(by));
     }
 }
 
@@ -131,22 +125,26 @@ impl UploadPlan {
     /// children holding rows nobody references) are copied to fresh buffers first, so every
     /// device array starts at its row 0 and concatenation can work on whole fragments.
     pub(super) fn new(batch: &RecordBatch) -> Result<Self, BackendError> {
-        let mut plan = Self {
-            columns: Vec::with_capacity(batch.num_columns()),
-            sources: Vec::new(),
-            used_bytes: 0,
-        };
+        let mut plan = Self::starting_at(0);
         for column in batch.columns() {
-            let data = compact(column.to_data())?;
-            let array = plan.place(&data)?;
+            let array = plan.place(&column.to_data())?;
             plan.columns.push(array);
         }
         Ok(plan)
     }
 
+    /// An empty plan whose first buffer goes at (the next aligned offset from) `offset`.
+    pub(super) fn starting_at(offset: usize) -> Self {
+        Self {
+            columns: Vec::new(),
+            sources: Vec::new(),
+            used_bytes: offset,
+        }
+    }
+
     /// Bytes the device allocation takes, rounded to the allocation granularity.
     pub(super) fn allocation_bytes(&self) -> usize {
-        self.used_bytes.max(1).div_ceil(ALLOCATION_GRANULARITY) * ALLOCATION_GRANULARITY
+        allocation_bytes(self.used_bytes)
     }
 
     fn region(&mut self, buffer: &Buffer, len: usize) -> Region {
@@ -160,7 +158,13 @@ impl UploadPlan {
         region
     }
 
-    fn place(&mut self, data: &ArrayData) -> Result<DeviceArray, BackendError> {
+    /// Lays out `data` (compacted first if it is not) after what is planned so far.
+    pub(super) fn place(&mut self, data: &ArrayData) -> Result<DeviceArray, BackendError> {
+        let data = compact(data.clone())?;
+        self.place_compact(&data)
+    }
+
+    fn place_compact(&mut self, data: &ArrayData) -> Result<DeviceArray, BackendError> {
         let kind = kind(data.data_type())?;
         let len = data.len();
         let validity = data
@@ -168,6 +172,7 @@ impl UploadPlan {
             .map(|nulls| self.region(nulls.buffer(), len.div_ceil(8)));
         let mut buffers = Vec::new();
         let mut children = Vec::new();
+        let mut dictionary = None;
         match kind {
             Kind::Null => {}
             Kind::Fixed(width) => buffers.push(self.region(&data.buffers()[0], len * width)),
@@ -179,27 +184,45 @@ impl UploadPlan {
             }
             Kind::List(width) => {
                 buffers.push(self.region(&data.buffers()[0], (len + 1) * width));
-                children.push(self.place(&data.child_data()[0])?);
+                children.push(self.place_compact(&data.child_data()[0])?);
             }
             Kind::FixedList(_) | Kind::Struct => {
                 for child in data.child_data() {
-                    children.push(self.place(child)?);
+                    children.push(self.place_compact(child)?);
                 }
             }
             Kind::Dictionary(width) => {
                 buffers.push(self.region(&data.buffers()[0], len * width));
-                children.push(self.place(&data.child_data()[0])?);
+                let values = &data.child_data()[0];
+                children.push(self.place_compact(values)?);
+                dictionary = Some(owned_copy(values)?);
             }
         }
         Ok(DeviceArray {
             data_type: data.data_type().clone(),
             kind,
             len,
+            null_count: data.null_count(),
             validity,
             buffers,
             children,
+            dictionary,
         })
     }
+}
+
+/// `used` bytes rounded up to the allocation granularity (at least one granule).
+pub(super) fn allocation_bytes(used: usize) -> usize {
+    used.max(1).div_ceil(ALLOCATION_GRANULARITY) * ALLOCATION_GRANULARITY
+}
+
+/// A copy of `data` in buffers of its own, so that keeping it does not keep alive the message
+/// it was decoded from.
+fn owned_copy(data: &ArrayData) -> Result<ArrayRef, BackendError> {
+    let mut copy = MutableArrayData::new(vec![data], false, data.len());
+    copy.try_extend(0, 0, data.len())
+        .map_err(|e| BackendError::Device(format!("copying a dictionary: {e}")))?;
+    Ok(make_array(copy.freeze()))
 }
 
 /// The array itself if it is compact, else a fresh copy that is.

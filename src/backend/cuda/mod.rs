@@ -33,9 +33,9 @@ use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
 use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, downcast_all};
-use concat::{ConcatTask, Fragment};
-use ffi::{Context, DeviceAllocation, Kernel, Stream};
-use layout::{DeviceArray, Stored, UploadPlan};
+use concat::{Arrangement, Fragment};
+use ffi::{ConcatTable, Context, DeviceAllocation, Kernel, Stream};
+use layout::{DeviceArray, Kind, Stored, UploadPlan};
 use staging::PinnedPool;
 
 /// The concatenation kernel, compiled from `kernels/concat.cu` by `kernels/build_ptx.py`.
@@ -89,8 +89,10 @@ struct Counters {
     read_chunks: AtomicU64,
     read_syncs: AtomicU64,
     concat_launches: AtomicU64,
-    /// The last concatenation: all of it, and the task-table copy + launch + sync alone.
+    /// The last concatenation: all of it, allocating its outputs, and the task-table copy +
+    /// launch + sync.
     concat_last_total_ns: AtomicU64,
+    concat_last_allocate_ns: AtomicU64,
     concat_last_kernel_ns: AtomicU64,
 }
 
@@ -139,6 +141,68 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// For benchmarks, the baseline seed 004 warns about: the value buffers of every
+    /// fixed-width column of `partitions` concatenated with one `cuMemcpyDtoDAsync` per
+    /// fragment, on one stream, synchronized once. Bitmaps are left out (a byte copy cannot
+    /// shift bits), so it does less than [`Backend::concatenate`]. The outputs are freed
+    /// after.
+    pub fn copy_per_fragment(
+        &self,
+        partitions: &[Arc<dyn Partition>],
+    ) -> Result<FragmentCopies, BackendError> {
+        let parts = downcast_all::<CudaPartition>(partitions, "the cuda backend")?;
+        let Some(first) = parts.first() else {
+            return Ok(FragmentCopies::default());
+        };
+        let shared = &self.shared;
+        let mut copies = Vec::new();
+        let mut outputs = Vec::new();
+        for column in 0..first.columns.len() {
+            let Kind::Fixed(width) = first.columns[column].1.kind else {
+                continue;
+            };
+            let rows: usize = parts.iter().map(|p| p.columns[column].1.len).sum();
+            outputs.push(TrackedAllocation::new(shared, rows * width)?);
+            let mut at = 0;
+            for part in &parts {
+                let (allocation, array) = &part.columns[column];
+                let values = array.buffers[0];
+                copies.push((outputs.len() - 1, at, *allocation, part, values));
+                at += values.len;
+            }
+        }
+        let started = std::time::Instant::now();
+        shared.with_stream(|stream| {
+            let mut batch = stream.copies()?;
+            for &(output, at, allocation, part, values) in &copies {
+                batch.copy_within_device(
+                    &outputs[output].inner,
+                    at,
+                    &part.allocations[allocation].inner,
+                    values.offset,
+                    values.len,
+                )?;
+            }
+            batch.finish()
+        })?;
+        Ok(FragmentCopies {
+            copies: copies.len(),
+            bytes: copies.iter().map(|c| c.4.len as u64).sum(),
+            elapsed: started.elapsed(),
+        })
+    }
+}
+
+/// What [`CudaBackend::copy_per_fragment`] did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FragmentCopies {
+    pub copies: usize,
+    pub bytes: u64,
+    /// From the first copy queued to the stream's synchronization.
+    pub elapsed: std::time::Duration,
+}
+
 impl Shared {
     /// Runs `work` with a stream from the pool.
     fn with_stream<T>(
@@ -180,7 +244,7 @@ impl Shared {
         }))
     }
 
-    /// Concatenates partitions into one allocation per column with one kernel launch.
+    /// Concatenates partitions into compact columns with one kernel launch.
     fn concatenate(
         self: &Arc<Self>,
         partitions: &[&CudaPartition],
@@ -192,48 +256,57 @@ impl Shared {
         let first = partitions
             .first()
             .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
-        let mut allocations = Vec::new();
-        let mut columns = Vec::new();
-        let mut tasks = Vec::new();
-        for column in 0..first.columns.len() {
-            let fragments: Vec<Fragment<'_>> = partitions
-                .iter()
-                .map(|p| {
-                    let (allocation, array) = &p.columns[column];
-                    Fragment {
-                        base: p.allocations[*allocation].inner.address(),
-                        array,
-                    }
-                })
-                .collect();
-            let mut used = 0;
-            let array = concat::plan_column(&fragments, &mut used)?;
-            let bytes = used.max(1).div_ceil(layout::ALLOCATION_GRANULARITY)
-                * layout::ALLOCATION_GRANULARITY;
-            let allocation = TrackedAllocation::new(self, bytes)?;
-            if self.poison_outputs {
-                allocation.inner.fill(0xAB)?;
-            }
-            concat::column_tasks(&fragments, &array, allocation.inner.address(), &mut tasks);
-            columns.push((allocations.len(), array));
-            allocations.push(allocation);
+        let fragments = fragments_of(partitions, true);
+        let mut plan = concat::plan_table(&fragments)?;
+        let arrangement = arrangement_of(&plan);
+        let allocating = std::time::Instant::now();
+        let allocations = arrangement
+            .allocations
+            .iter()
+            .map(|&bytes| {
+                let allocation = TrackedAllocation::new(self, bytes)?;
+                if self.poison_outputs {
+                    allocation.inner.fill(0xAB)?;
+                }
+                Ok(allocation)
+            })
+            .collect::<Result<Vec<_>, BackendError>>()?;
+        let allocated = allocating.elapsed();
+        for (column, &(allocation, offset)) in arrangement.columns.iter().enumerate() {
+            let address = allocations[allocation].inner.address();
+            plan.place(column, allocation as u32, address, offset);
         }
-        let starts = concat::unit_starts(&tasks);
-        let table_bytes =
-            std::mem::size_of_val(tasks.as_slice()) + std::mem::size_of_val(starts.as_slice());
+
+        // Staging, and the table allocation's first bytes: tasks | unit starts | key maps;
+        // then, in staging only, the merged dictionaries to copy into their columns.
+        let tasks = &plan.tasks;
+        let starts = concat::unit_starts(tasks);
+        let table_bytes = std::mem::size_of_val(tasks.as_slice())
+            + std::mem::size_of_val(starts.as_slice())
+            + std::mem::size_of_val(plan.maps.as_slice());
+        let copies_bytes: usize = plan.host_copies.iter().map(|(_, r, _)| r.len).sum();
         let table = TrackedAllocation::new(self, table_bytes)?;
-        let mut staging = self.pool.lease(table_bytes)?;
+        let mut staging = self.pool.lease(table_bytes + copies_bytes)?;
+        let mut copy_ranges = Vec::with_capacity(plan.host_copies.len());
         {
             let target = staging.buffer_mut().as_mut_slice();
-            let (task_bytes, rest) = target.split_at_mut(std::mem::size_of_val(tasks.as_slice()));
-            for (chunk, task) in task_bytes
-                .chunks_exact_mut(std::mem::size_of::<ConcatTask>())
-                .zip(&tasks)
-            {
-                chunk.copy_from_slice(task_bytes_of(task).as_slice());
+            let mut at = 0;
+            let mut put = |bytes: &[u8]| {
+                target[at..at + bytes.len()].copy_from_slice(bytes);
+                at += bytes.len();
+                at - bytes.len()..at
+            };
+            for task in tasks {
+                put(&task.to_le_bytes());
             }
-            for (chunk, start) in rest.chunks_exact_mut(8).zip(&starts) {
-                chunk.copy_from_slice(&start.to_le_bytes());
+            for start in &starts {
+                put(&start.to_le_bytes());
+            }
+            for entry in &plan.maps {
+                put(&entry.to_le_bytes());
+            }
+            for (_, _, bytes) in &plan.host_copies {
+                copy_ranges.push(put(bytes.as_slice()));
             }
         }
         let sources: Vec<&DeviceAllocation> = partitions
@@ -245,11 +318,19 @@ impl Shared {
         self.with_stream(|stream| {
             let mut batch = stream.copies()?;
             batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
+            for ((column, region, _), range) in plan.host_copies.iter().zip(copy_ranges) {
+                let allocation = &allocations[arrangement.columns[*column].0].inner;
+                batch.copy_to_device(allocation, region.offset, staging.as_ref(), range)?;
+            }
             batch.launch_concat(
                 kernel,
                 &table.inner,
-                &tasks,
-                &starts,
+                ConcatTable {
+                    tasks,
+                    owners: &plan.owners,
+                    unit_starts: &starts,
+                    maps: &plan.maps,
+                },
                 &sources,
                 &destinations,
             )?;
@@ -266,7 +347,17 @@ impl Shared {
         counters
             .concat_last_total_ns
             .store(nanos(started), Ordering::Relaxed);
+        counters.concat_last_allocate_ns.store(
+            u64::try_from(allocated.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         let rows = partitions.iter().map(|p| p.rows).sum();
+        let columns = arrangement
+            .columns
+            .iter()
+            .zip(plan.columns)
+            .map(|(&(allocation, _), (array, _))| (allocation, array))
+            .collect();
         Ok(Arc::new(CudaPartition {
             shared: Arc::clone(self),
             allocations: Arc::new(allocations),
@@ -277,21 +368,40 @@ impl Shared {
     }
 }
 
-/// A compacted column's allocation: its buffers, rounded to the allocation granularity.
-fn column_allocation_bytes(used: usize) -> usize {
-    used.max(1).div_ceil(layout::ALLOCATION_GRANULARITY) * layout::ALLOCATION_GRANULARITY
+/// Each partition's columns as concatenation fragments. Sources are numbered as
+/// `concatenate` lists them: every allocation of the first partition, then of the next.
+/// With `at_addresses` false the allocations are taken to start at 0 (enough to size a
+/// concatenation).
+fn fragments_of<'a>(
+    partitions: &[&'a CudaPartition],
+    at_addresses: bool,
+) -> Vec<Vec<Fragment<'a>>> {
+    let mut first_source = 0;
+    partitions
+        .iter()
+        .map(|p| {
+            let fragments = p
+                .columns
+                .iter()
+                .map(|(allocation, array)| Fragment {
+                    base: if at_addresses {
+                        p.allocations[*allocation].inner.address()
+                    } else {
+                        0
+                    },
+                    source: (first_source + *allocation) as u32,
+                    array,
+                })
+                .collect();
+            first_source += p.allocations.len();
+            fragments
+        })
+        .collect()
 }
 
-/// A task's bytes exactly as the kernel reads its `struct Task` (little-endian, no padding).
-fn task_bytes_of(task: &ConcatTask) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(std::mem::size_of::<ConcatTask>());
-    bytes.extend_from_slice(&task.kind.to_le_bytes());
-    bytes.extend_from_slice(&task.reserved.to_le_bytes());
-    for field in [task.src, task.dst, task.count, task.src_bit, task.dst_bit] {
-        bytes.extend_from_slice(&field.to_le_bytes());
-    }
-    bytes.extend_from_slice(&task.base.to_le_bytes());
-    bytes
+fn arrangement_of(plan: &concat::TablePlan) -> Arrangement {
+    let used: Vec<usize> = plan.columns.iter().map(|(_, used)| *used).collect();
+    Arrangement::new(&used)
 }
 
 impl Backend for CudaBackend {
@@ -323,23 +433,11 @@ impl Backend for CudaBackend {
 
     fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         let parts = downcast_all::<CudaPartition>(partitions, "the cuda backend")?;
-        let Some(first) = parts.first() else {
+        if parts.is_empty() {
             return Ok(0);
-        };
-        let mut total = 0;
-        for column in 0..first.columns.len() {
-            let fragments: Vec<Fragment<'_>> = parts
-                .iter()
-                .map(|p| Fragment {
-                    base: 0,
-                    array: &p.columns[column].1,
-                })
-                .collect();
-            let mut used = 0;
-            concat::plan_column(&fragments, &mut used)?;
-            total += column_allocation_bytes(used) as u64;
         }
-        Ok(total)
+        let plan = concat::plan_table(&fragments_of(&parts, false))?;
+        Ok(arrangement_of(&plan).total_bytes())
     }
 
     fn concatenate(
@@ -368,6 +466,7 @@ impl Backend for CudaBackend {
             "read_syncs": c.read_syncs.load(Ordering::Relaxed),
             "concat_launches": c.concat_launches.load(Ordering::Relaxed),
             "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
+            "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
             "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
             "concat_kernel_loaded": self.shared.concat_kernel.is_some(),
         });
