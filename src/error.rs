@@ -62,12 +62,17 @@ impl Error {
 
 fn store_code(error: &StoreError) -> Code {
     match error {
-        StoreError::NotFound { .. } | StoreError::StaleVersion { .. } => Code::NotFound,
+        StoreError::NotFound { .. }
+        | StoreError::StaleVersion { .. }
+        | StoreError::LeaseNotFound { .. } => Code::NotFound,
         StoreError::AlreadyExists { .. } => Code::AlreadyExists,
         StoreError::SchemaMismatch { .. }
         | StoreError::SchemaChanged { .. }
         | StoreError::MissingSchema
-        | StoreError::RowsOutOfRange { .. } => Code::InvalidArgument,
+        | StoreError::RowsOutOfRange { .. }
+        | StoreError::UnknownColumn { .. }
+        | StoreError::LeaseMismatch { .. } => Code::InvalidArgument,
+        StoreError::NotCompact { .. } | StoreError::EmptyDataset { .. } => Code::FailedPrecondition,
         StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,
         StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::Backend(error) => backend_code(error),
@@ -78,7 +83,9 @@ fn backend_code(error: &BackendError) -> Code {
     match error {
         BackendError::OutOfMemory { .. } => Code::ResourceExhausted,
         BackendError::UnsupportedType { .. } => Code::InvalidArgument,
-        BackendError::CannotConcatenate { .. } => Code::FailedPrecondition,
+        BackendError::CannotConcatenate { .. } | BackendError::NotExportable { .. } => {
+            Code::FailedPrecondition
+        }
         BackendError::RowsOutOfRange { .. } | BackendError::Device(_) => Code::Internal,
     }
 }

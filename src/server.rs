@@ -43,6 +43,8 @@ const MAX_FRAME_BYTES: u32 = 1 << 20;
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How often expired `ipc-export` leases are looked for: a lease ends at most this late.
+const LEASE_REAPER_PERIOD: Duration = Duration::from_millis(250);
 
 /// Serves Flight on `listener` until `shutdown` completes, then drains.
 pub async fn run(
@@ -52,6 +54,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let lifecycle = Lifecycle::default();
+    let _reaper = AbortOnDrop(store.spawn_lease_reaper(LEASE_REAPER_PERIOD));
     let (health, health_service) = tonic_health::server::health_reporter();
     let flight = make_server(store, options.flight, lifecycle.clone());
     health
@@ -116,6 +119,15 @@ pub async fn run(
             server.abort();
             Ok(())
         }
+    }
+}
+
+/// Stops a background task when the server stops, whichever way `run` returns.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

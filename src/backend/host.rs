@@ -12,7 +12,10 @@ use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, dictionary, downcast_all};
+use super::{
+    Backend, BackendError, DeviceInfo, Partition, PartitionExport, check_rows, dictionary,
+    downcast_all,
+};
 use crate::batch_size::batch_bytes;
 
 /// Keeps datasets in host memory. Stateless: memory accounting is the store's job.
@@ -121,6 +124,10 @@ impl Partition for HostPartition {
         let result =
             check_rows(offset, len, self.batch.num_rows()).map(|()| self.batch.slice(offset, len));
         futures::future::ready(result).boxed()
+    }
+
+    fn export(&self, _columns: &[usize]) -> Result<PartitionExport, BackendError> {
+        Err(BackendError::NotExportable { backend: "host" })
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

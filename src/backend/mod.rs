@@ -10,6 +10,7 @@
 
 pub mod cuda;
 pub(crate) mod dictionary;
+pub mod export;
 pub mod host;
 
 use std::fmt;
@@ -19,6 +20,9 @@ use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
 pub use cuda::{CudaBackend, FragmentCopies};
+pub use export::{
+    BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, PartitionExport,
+};
 pub use host::HostBackend;
 
 /// What can go wrong below the store. Each variant says which gRPC code it becomes in
@@ -38,6 +42,12 @@ pub enum BackendError {
     /// type); the store then keeps them as they are.
     #[error("cannot concatenate: {reason}")]
     CannotConcatenate { reason: String },
+    /// The data is in host memory, which another process cannot map.
+    #[error(
+        "the dataset is in host memory (the {backend} backend), which other processes cannot \
+         map; read it with DoGet, or run the server with --backend cuda"
+    )]
+    NotExportable { backend: &'static str },
     /// A row range outside the partition: a bug in the caller, never client input.
     #[error("rows {offset}..{end} are outside a partition of {rows} rows", end = offset + len)]
     RowsOutOfRange {
@@ -111,6 +121,12 @@ pub trait Partition: Send + Sync + fmt::Debug {
         offset: usize,
         len: usize,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
+
+    /// Describes columns `columns` for another process on this machine to map zero-copy:
+    /// IPC handles and buffer offsets. Every device write to them has completed (uploads and
+    /// concatenations synchronize before they return). `NotExportable` where the memory
+    /// cannot be shared.
+    fn export(&self, columns: &[usize]) -> Result<PartitionExport, BackendError>;
 
     /// For a backend to recognise its own partitions.
     fn as_any(&self) -> &dyn std::any::Any;

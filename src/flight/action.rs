@@ -18,15 +18,45 @@ pub const ACTIONS: &[(&str, &str)] = &[
         "status",
         "Describe the server. Body: empty. Result: JSON {\"version\", \"backend\", \"devices\": \
          [{\"ordinal\", \"name\", \"total_bytes\", \"limit_bytes\", \"used_bytes\"}], \"datasets\", \
-         \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"counters\"}.",
+         \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"leases\", \"leased_only_bytes\", \
+         \"counters\"}.",
+    ),
+    (
+        "ipc-export",
+        "Map a dataset's columns zero-copy from another process on this node (CUDA backend). \
+         Body: JSON {\"name\", \"columns\" (optional), \"lease_seconds\" (optional, default 300), \
+         \"lease\" (optional: renew this lease)}. Result: JSON document version 1 with the lease, \
+         device UUID and PCI bus id, schema, and per column a CUDA IPC handle and buffer offsets \
+         (see the README). The memory stays valid until ipc-release or expiry.",
+    ),
+    (
+        "ipc-release",
+        "End an ipc-export lease. Body: JSON {\"lease\"}. Result: JSON {\"lease\", \"name\"}. \
+         Close your handles first: memory of a dropped dataset is freed once its last lease ends.",
     ),
 ];
+
+/// Lease length when `ipc-export` names none.
+pub const DEFAULT_LEASE_SECONDS: u64 = 300;
+/// Longest lease `ipc-export` grants: a day; renew for longer.
+pub const MAX_LEASE_SECONDS: u64 = 86_400;
 
 /// A parsed action request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ActionRequest {
-    Drop { name: String },
+    Drop {
+        name: String,
+    },
     Status,
+    IpcExport {
+        name: String,
+        columns: Option<Vec<String>>,
+        lease_seconds: u64,
+        renew: Option<String>,
+    },
+    IpcRelease {
+        lease: String,
+    },
 }
 
 /// Parses an action's type and body.
@@ -46,6 +76,47 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
             })
         }
         "status" => Ok(ActionRequest::Status),
+        "ipc-export" => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct ExportBody {
+                name: String,
+                columns: Option<Vec<String>>,
+                lease_seconds: Option<u64>,
+                lease: Option<String>,
+            }
+            let body: ExportBody = serde_json::from_slice(&action.body).map_err(|e| {
+                Error::InvalidCommand(format!(
+                    "ipc-export takes JSON {{\"name\": \"...\", \"columns\": [...], \
+                     \"lease_seconds\": N, \"lease\": \"...\"}} (all but name optional): {e}"
+                ))
+            })?;
+            let lease_seconds = body.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS);
+            if !(1..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
+                return Err(Error::InvalidCommand(format!(
+                    "lease_seconds must be 1..={MAX_LEASE_SECONDS}, not {lease_seconds}"
+                )));
+            }
+            Ok(ActionRequest::IpcExport {
+                name: parse_name(body.name.as_bytes())?,
+                columns: body.columns,
+                lease_seconds,
+                renew: body.lease,
+            })
+        }
+        "ipc-release" => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct ReleaseBody {
+                lease: String,
+            }
+            let body: ReleaseBody = serde_json::from_slice(&action.body).map_err(|e| {
+                Error::InvalidCommand(format!(
+                    "ipc-release takes JSON {{\"lease\": \"...\"}}: {e}"
+                ))
+            })?;
+            Ok(ActionRequest::IpcRelease { lease: body.lease })
+        }
         other => Err(Error::UnknownAction(other.to_owned())),
     }
 }
@@ -76,6 +147,21 @@ pub fn status_json(status: &StoreStatus) -> Value {
             })
         })
         .collect();
+    let leases: Vec<Value> = status
+        .leases
+        .iter()
+        .map(|lease| {
+            json!({
+                "lease": lease.id,
+                "name": lease.dataset,
+                "version": lease.version,
+                "columns": lease.columns,
+                "bytes": lease.bytes,
+                "expires_at": rfc3339(lease.expires_at),
+                "in_catalog": lease.in_catalog,
+            })
+        })
+        .collect();
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "backend": status.backend,
@@ -83,8 +169,15 @@ pub fn status_json(status: &StoreStatus) -> Value {
         "datasets": status.datasets,
         "bytes": status.bytes,
         "data_bytes": status.data_bytes,
+        "leases": leases,
+        "leased_only_bytes": status.leased_only_bytes,
         "counters": status.counters,
     })
+}
+
+/// RFC 3339 in UTC with milliseconds, as every timestamp the server reports.
+pub fn rfc3339(time: std::time::SystemTime) -> String {
+    chrono::DateTime::<chrono::Utc>::from(time).to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
 #[cfg(test)]
@@ -112,5 +205,34 @@ mod tests {
             parse(&Action::new("explode", "")),
             Err(Error::UnknownAction(_))
         ));
+        assert_eq!(
+            parse(&Action::new("ipc-export", r#"{"name": "t"}"#)).expect("valid"),
+            ActionRequest::IpcExport {
+                name: "t".to_owned(),
+                columns: None,
+                lease_seconds: DEFAULT_LEASE_SECONDS,
+                renew: None,
+            }
+        );
+        for bad in [
+            r#"{"name": "t", "lease_seconds": 0}"#,
+            r#"{"name": "t", "lease_seconds": 86401}"#,
+            r#"{"name": "t", "colums": ["x"]}"#,
+            r#"{"columns": ["x"]}"#,
+        ] {
+            assert!(
+                matches!(
+                    parse(&Action::new("ipc-export", bad)),
+                    Err(Error::InvalidCommand(_))
+                ),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            parse(&Action::new("ipc-release", r#"{"lease": "ab"}"#)).expect("valid"),
+            ActionRequest::IpcRelease {
+                lease: "ab".to_owned()
+            }
+        );
     }
 }

@@ -6,13 +6,15 @@
 //!
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
-//! - [`action`]: the custom actions (`drop`, `status`).
+//! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`).
+//! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
 //! - `put` and `get`: the `DoPut` ingest loop and `DoGet` message encoding.
 //! - [`ipc_message`] and `router`: `DoGet` replies written into gRPC frames with one copy.
 
 pub mod action;
 pub mod descriptor;
 mod get;
+pub mod ipc_export;
 pub mod ipc_message;
 mod put;
 mod router;
@@ -32,7 +34,7 @@ use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::Error;
-use crate::store::{Dataset, Store};
+use crate::store::{Dataset, ExportRequest, Store};
 use action::ActionRequest;
 use ipc_message::IpcMessage;
 pub use router::FlightRouter;
@@ -221,6 +223,37 @@ impl Service {
                 }))
             }
             ActionRequest::Status => Ok(action::status_json(&self.store.status())),
+            ActionRequest::IpcExport {
+                name,
+                columns,
+                lease_seconds,
+                renew,
+            } => {
+                let export = self.store.export(ExportRequest {
+                    name,
+                    columns,
+                    duration: std::time::Duration::from_secs(lease_seconds),
+                    renew,
+                })?;
+                let document = ipc_export::document(&export.lease.dataset, &export)?;
+                tracing::info!(
+                    lease = %export.lease.id,
+                    dataset = export.lease.dataset.name(),
+                    columns = export.columns.len(),
+                    lease_seconds,
+                    "dataset exported"
+                );
+                serde_json::to_value(document)
+                    .map_err(|e| Error::Internal(format!("encoding the export document: {e}")))
+            }
+            ActionRequest::IpcRelease { lease } => {
+                let released = self.store.release(&lease)?;
+                tracing::info!(lease = %lease, dataset = released.dataset.name(), "lease released");
+                Ok(serde_json::json!({
+                    "lease": lease,
+                    "name": released.dataset.name(),
+                }))
+            }
         }
     }
 }

@@ -15,10 +15,12 @@
 //! and no shard lock is ever held across an `.await`.
 
 mod dataset;
+mod lease;
 pub mod memory;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
@@ -29,9 +31,10 @@ use futures::{FutureExt, TryFutureExt};
 
 pub use dataset::Dataset;
 use dataset::StoredPartition;
+pub use lease::Lease;
 use memory::MemoryBudget;
 
-use crate::backend::{Backend, BackendError, DeviceInfo};
+use crate::backend::{Backend, BackendError, DeviceInfo, PartitionExport};
 use crate::batch_size::batch_bytes;
 
 /// What can go wrong in the store.
@@ -84,6 +87,31 @@ pub enum StoreError {
         end: u64,
         rows: u64,
     },
+    #[error("dataset '{name}' has no column '{column}'; its columns are {available}")]
+    UnknownColumn {
+        name: String,
+        column: String,
+        available: String,
+    },
+    #[error(
+        "dataset '{name}' is held as {partitions} separate batches ({reason}), so its columns \
+         are not contiguous and cannot be exported; read it with DoGet"
+    )]
+    NotCompact {
+        name: String,
+        partitions: usize,
+        reason: &'static str,
+    },
+    #[error("dataset '{name}' has no rows, so there is no memory to export")]
+    EmptyDataset { name: String },
+    #[error("lease '{lease}' does not exist: it expired, was released, or was never granted")]
+    LeaseNotFound { lease: String },
+    #[error("lease '{lease}' is for dataset '{leased}', not '{requested}'")]
+    LeaseMismatch {
+        lease: String,
+        leased: String,
+        requested: String,
+    },
     #[error(transparent)]
     Backend(#[from] BackendError),
 }
@@ -119,6 +147,7 @@ struct Inner {
     budget: Arc<MemoryBudget>,
     catalog: DashMap<String, Arc<Dataset>>,
     next_version: AtomicU64,
+    leases: lease::Leases,
 }
 
 /// A snapshot of what the store holds, for the `status` action.
@@ -132,6 +161,43 @@ pub struct StoreStatus {
     /// Arrow bytes in committed datasets.
     pub data_bytes: u64,
     pub counters: serde_json::Map<String, serde_json::Value>,
+    pub leases: Vec<LeaseStatus>,
+    /// Backend memory held only by leases: datasets dropped or replaced while exported.
+    pub leased_only_bytes: u64,
+}
+
+/// A live lease, for `status`.
+#[derive(Debug, Clone)]
+pub struct LeaseStatus {
+    pub id: String,
+    pub dataset: String,
+    pub version: u64,
+    pub columns: Vec<String>,
+    /// Backend memory of the leased dataset.
+    pub bytes: u64,
+    pub expires_at: SystemTime,
+    /// Whether the leased version is still the one in the catalog.
+    pub in_catalog: bool,
+}
+
+/// What `ipc-export` asks for.
+#[derive(Debug, Clone)]
+pub struct ExportRequest {
+    pub name: String,
+    /// Column names; `None` for all.
+    pub columns: Option<Vec<String>>,
+    pub duration: Duration,
+    /// Renew this lease (of the same dataset) instead of granting a new one.
+    pub renew: Option<String>,
+}
+
+/// An exported dataset under its lease.
+#[derive(Debug, Clone)]
+pub struct Export {
+    pub lease: Lease,
+    /// Indices of the exported columns in the dataset's schema, as `partition` lists them.
+    pub columns: Vec<usize>,
+    pub partition: PartitionExport,
 }
 
 /// One device's memory as the store accounts it.
@@ -173,6 +239,7 @@ impl Store {
                 backend,
                 catalog: DashMap::new(),
                 next_version: AtomicU64::new(1),
+                leases: lease::Leases::default(),
             }),
         }
     }
@@ -254,6 +321,27 @@ impl Store {
                 d + e.value().data_bytes(),
             )
         });
+        let mut leases = Vec::new();
+        let mut leased_only = std::collections::HashMap::new();
+        for lease in inner.leases.list() {
+            let dataset = &lease.dataset;
+            let in_catalog = inner
+                .catalog
+                .get(dataset.name())
+                .is_some_and(|current| current.version() == dataset.version());
+            if !in_catalog {
+                leased_only.insert(dataset.version(), dataset.memory_bytes());
+            }
+            leases.push(LeaseStatus {
+                id: lease.id,
+                dataset: dataset.name().to_owned(),
+                version: dataset.version(),
+                columns: lease.columns,
+                bytes: dataset.memory_bytes(),
+                expires_at: lease.expires_at,
+                in_catalog,
+            });
+        }
         StoreStatus {
             backend: inner.backend.name(),
             devices,
@@ -261,7 +349,98 @@ impl Store {
             bytes,
             data_bytes,
             counters: inner.backend.counters(),
+            leases,
+            leased_only_bytes: leased_only.values().sum(),
         }
+    }
+
+    /// Exports columns of a dataset for zero-copy use by another process, under a new or
+    /// renewed lease. Fails, granting nothing, where the dataset cannot be exported.
+    pub fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
+        let inner = &self.inner;
+        let renewed = match &request.renew {
+            Some(id) => {
+                let lease = inner
+                    .leases
+                    .renew(id, request.duration)
+                    .ok_or_else(|| StoreError::LeaseNotFound { lease: id.clone() })?;
+                if lease.dataset.name() != request.name {
+                    return Err(StoreError::LeaseMismatch {
+                        lease: id.clone(),
+                        leased: lease.dataset.name().to_owned(),
+                        requested: request.name,
+                    });
+                }
+                Some(lease)
+            }
+            None => None,
+        };
+        let dataset = match &renewed {
+            Some(lease) => Arc::clone(&lease.dataset),
+            None => self.get(&request.name)?,
+        };
+        let schema = dataset.schema();
+        let names: Vec<String> = match request.columns {
+            Some(names) => names,
+            None => schema.fields().iter().map(|f| f.name().clone()).collect(),
+        };
+        let columns = names
+            .iter()
+            .map(|column| {
+                schema
+                    .index_of(column)
+                    .map_err(|_| StoreError::UnknownColumn {
+                        name: dataset.name().to_owned(),
+                        column: column.clone(),
+                        available: format!(
+                            "{:?}",
+                            schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>()
+                        ),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let partition = match dataset.partitions() {
+            [] => {
+                return Err(StoreError::EmptyDataset {
+                    name: dataset.name().to_owned(),
+                });
+            }
+            [partition] => partition,
+            many => {
+                return Err(StoreError::NotCompact {
+                    name: dataset.name().to_owned(),
+                    partitions: many.len(),
+                    reason: "its batches could not be concatenated, e.g. their merged \
+                             dictionary outgrew the key type",
+                });
+            }
+        };
+        let partition = partition.data.export(&columns)?;
+        let lease = match renewed {
+            Some(lease) => lease,
+            None => inner.leases.grant(dataset, names, request.duration),
+        };
+        Ok(Export {
+            lease,
+            columns,
+            partition,
+        })
+    }
+
+    /// Ends lease `id`. Memory that only the lease held is freed.
+    pub fn release(&self, id: &str) -> Result<Lease, StoreError> {
+        self.inner
+            .leases
+            .release(id)
+            .ok_or_else(|| StoreError::LeaseNotFound {
+                lease: id.to_owned(),
+            })
+    }
+
+    /// Starts the task that ends expired leases, checking every `period`. It stops by itself
+    /// when the store is dropped.
+    pub fn spawn_lease_reaper(&self, period: Duration) -> tokio::task::JoinHandle<()> {
+        lease::spawn_reaper(Arc::downgrade(&self.inner), period)
     }
 
     fn next_version(&self) -> u64 {

@@ -90,6 +90,41 @@ impl Context {
         Ok(total as u64)
     }
 
+    /// The device's UUID as `nvidia-smi` prints it: `GPU-` and 32 hex digits in 8-4-4-4-12.
+    pub(super) fn uuid(&self) -> Result<String, BackendError> {
+        let uuid = result::device::get_uuid(self.device)
+            .map_err(|e| device_error("cuDeviceGetUuid", e))?;
+        let hex: String = uuid
+            .bytes
+            .iter()
+            .map(|b| format!("{:02x}", *b as u8))
+            .collect();
+        Ok(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            &hex[..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..]
+        ))
+    }
+
+    /// The device's PCI bus id, `domain:bus:device.function` (lower-case hex, as CuPy and
+    /// `nvidia-smi` print it).
+    pub(super) fn pci_bus_id(&self) -> Result<String, BackendError> {
+        let mut raw = [0 as std::ffi::c_char; 32];
+        // SAFETY: the driver writes at most `len` bytes, NUL-terminated, into `raw`.
+        unsafe { sys::cuDeviceGetPCIBusId(raw.as_mut_ptr(), raw.len() as i32, self.device) }
+            .result()
+            .map_err(|e| device_error("cuDeviceGetPCIBusId", e))?;
+        let bytes: Vec<u8> = raw
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).to_lowercase())
+    }
+
     /// (free, total) bytes as the driver sees them, all processes included.
     pub(super) fn memory_info(&self) -> Result<(u64, u64), BackendError> {
         self.bind()?;
@@ -143,6 +178,20 @@ impl DeviceAllocation {
     /// The device address of the first byte, for kernel task tables.
     pub(super) fn address(&self) -> u64 {
         self.ptr
+    }
+
+    /// The CUDA IPC handle another process opens to map this whole allocation.
+    pub(super) fn ipc_handle(&self) -> Result<[u8; 64], BackendError> {
+        self.context.bind()?;
+        let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: `ptr` is the base of a cuMemAlloc allocation of this context (such memory
+        // is exportable, unlike pool allocations); the driver fills `handle`.
+        unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), self.ptr) }
+            .result()
+            .map_err(|e| device_error("cuIpcGetMemHandle", e))?;
+        // SAFETY: initialized by the successful call above.
+        let handle = unsafe { handle.assume_init() };
+        Ok(handle.reserved.map(|c| c as u8))
     }
 
     /// Sets every byte to `value` (tests poison outputs so unwritten bytes show).
@@ -452,6 +501,72 @@ impl Drop for CopyBatch<'_> {
             && let Err(error) = self.synchronize()
         {
             tracing::warn!(%error, "synchronizing an abandoned copy batch failed");
+        }
+    }
+}
+
+/// Another process's allocation, mapped into this one from its IPC handle; unmapped on drop.
+#[derive(Debug)]
+pub(super) struct IpcMapping {
+    ptr: sys::CUdeviceptr,
+    context: Arc<Context>,
+}
+
+// SAFETY: the mapping is a device address valid in the context from any thread.
+unsafe impl Send for IpcMapping {}
+// SAFETY: shared access only reads (copies out).
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    pub(super) fn open(context: &Arc<Context>, handle: &[u8; 64]) -> Result<Self, BackendError> {
+        context.bind()?;
+        let handle = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `handle` is 64 bytes as the driver expects; an invalid one is refused with
+        // an error, not undefined behaviour. The mapping is closed exactly once, on drop.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                handle,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(|e| device_error("cuIpcOpenMemHandle", e))?;
+        Ok(Self {
+            ptr,
+            context: Arc::clone(context),
+        })
+    }
+
+    pub(super) fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Copies `dst.len()` bytes from `offset` of the mapping. The caller vouches that the
+    /// range lies in the exported allocation (its size comes with the handle); the driver
+    /// reports an error for addresses outside any mapping.
+    pub(super) fn copy_to_host(&self, offset: u64, dst: &mut [u8]) -> Result<(), BackendError> {
+        self.context.bind()?;
+        // SAFETY: `dst` is writable for its length; the source is device memory of this
+        // mapping, alive for `&self`.
+        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset) }
+            .map_err(|e| device_error("cuMemcpyDtoH", e))
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        let closed = self.context.bind().and_then(|()| {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once, here.
+            unsafe { sys::cuIpcCloseMemHandle(self.ptr) }
+                .result()
+                .map_err(|e| device_error("cuIpcCloseMemHandle", e))
+        });
+        if let Err(error) = closed {
+            tracing::warn!(%error, "closing an IPC mapping failed");
         }
     }
 }

@@ -27,7 +27,7 @@ use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 
 use super::ffi::{self, DeviceAllocation, Stream};
 use super::staging::{PinnedLease, PinnedPool};
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BufferKind, ExportedArray, ExportedBuffer};
 
 /// Alignment of every buffer in device and staging memory.
 pub(super) const ALIGNMENT: usize = 64;
@@ -208,6 +208,43 @@ impl UploadPlan {
             children,
             dictionary,
         })
+    }
+}
+
+/// How `array` is published by `ipc-export`: its buffers in Arrow's order, by role.
+pub(super) fn exported(array: &DeviceArray) -> ExportedArray {
+    let buffer = |kind, region: Region| ExportedBuffer {
+        kind,
+        offset: region.offset as u64,
+        length: region.len as u64,
+    };
+    let mut buffers: Vec<ExportedBuffer> = array
+        .validity
+        .map(|v| buffer(BufferKind::Validity, v))
+        .into_iter()
+        .collect();
+    let mut children: Vec<ExportedArray> = array.children.iter().map(exported).collect();
+    let mut dictionary = None;
+    match array.kind {
+        Kind::Null | Kind::FixedList(_) | Kind::Struct => {}
+        Kind::Fixed(_) | Kind::Bits => buffers.push(buffer(BufferKind::Values, array.buffers[0])),
+        Kind::VarLen(_) => buffers.extend([
+            buffer(BufferKind::Offsets, array.buffers[0]),
+            buffer(BufferKind::Values, array.buffers[1]),
+        ]),
+        Kind::List(_) => buffers.push(buffer(BufferKind::Offsets, array.buffers[0])),
+        Kind::Dictionary(_) => {
+            buffers.push(buffer(BufferKind::Values, array.buffers[0]));
+            dictionary = children.pop().map(Box::new);
+        }
+    }
+    ExportedArray {
+        data_type: array.data_type.clone(),
+        length: array.len as u64,
+        null_count: array.null_count as u64,
+        buffers,
+        children,
+        dictionary,
     }
 }
 

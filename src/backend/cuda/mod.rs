@@ -5,6 +5,7 @@
 //! - `layout`: how a batch lies in device memory and how row ranges come back.
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
+//! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
 //!
 //! An upload copies the batch's buffers into a pinned staging buffer laid out exactly as the
 //! device allocation, then issues one host-to-device copy and waits on its own stream, on a
@@ -20,8 +21,11 @@
 
 mod concat;
 mod ffi;
+mod import;
 mod layout;
 mod staging;
+
+pub use import::{ImportDevice, ImportedAllocation};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,7 +36,10 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
-use super::{Backend, BackendError, DeviceInfo, Partition, check_rows, downcast_all};
+use super::{
+    Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, PartitionExport,
+    check_rows, downcast_all,
+};
 use concat::{Arrangement, Fragment};
 use ffi::{ConcatTable, Context, DeviceAllocation, Kernel, Stream};
 use layout::{DeviceArray, Kind, Stored, UploadPlan};
@@ -72,6 +79,8 @@ pub struct CudaBackend {
 #[derive(Debug)]
 struct Shared {
     context: Arc<Context>,
+    /// How `ipc-export` consumers recognise this GPU.
+    identity: ExportDevice,
     pool: Arc<PinnedPool>,
     streams: Mutex<Vec<Stream>>,
     /// `None` where the driver could not load the PTX (it then says why in the log).
@@ -108,6 +117,11 @@ impl CudaBackend {
         let name = context.name()?;
         let total_bytes = context.total_bytes()?;
         let pool = PinnedPool::new(Arc::clone(&context), MAX_CACHED_PINNED_BYTES);
+        let identity = ExportDevice {
+            ordinal: context.ordinal() as u32,
+            uuid: context.uuid()?,
+            pci_bus_id: context.pci_bus_id()?,
+        };
         let concat_kernel = match Kernel::load(&context, CONCAT_PTX, "gpu_flight_concat") {
             Ok(kernel) => Some(kernel),
             Err(error) => {
@@ -118,6 +132,7 @@ impl CudaBackend {
         Ok(Self {
             shared: Arc::new(Shared {
                 context,
+                identity,
                 pool,
                 streams: Mutex::new(Vec::new()),
                 concat_kernel,
@@ -436,6 +451,11 @@ impl Backend for CudaBackend {
         if parts.is_empty() {
             return Ok(0);
         }
+        if self.shared.concat_kernel.is_none() {
+            return Err(BackendError::CannotConcatenate {
+                reason: "the concatenation kernel did not load (see the startup log)".to_owned(),
+            });
+        }
         let plan = concat::plan_table(&fragments_of(&parts, false))?;
         Ok(arrangement_of(&plan).total_bytes())
     }
@@ -488,6 +508,8 @@ fn flatten_join<T>(
 struct TrackedAllocation {
     inner: DeviceAllocation,
     shared: Arc<Shared>,
+    /// Its IPC handle, made on the first export and reused by later ones.
+    ipc_handle: std::sync::OnceLock<[u8; 64]>,
 }
 
 impl TrackedAllocation {
@@ -500,7 +522,16 @@ impl TrackedAllocation {
         Ok(Self {
             inner,
             shared: Arc::clone(shared),
+            ipc_handle: std::sync::OnceLock::new(),
         })
+    }
+
+    fn ipc_handle(&self) -> Result<[u8; 64], BackendError> {
+        if let Some(handle) = self.ipc_handle.get() {
+            return Ok(*handle);
+        }
+        let handle = self.inner.ipc_handle()?;
+        Ok(*self.ipc_handle.get_or_init(|| handle))
     }
 }
 
@@ -568,6 +599,26 @@ impl Partition for CudaPartition {
             Ok(batch)
         });
         task.map(flatten_join).boxed()
+    }
+
+    fn export(&self, columns: &[usize]) -> Result<PartitionExport, BackendError> {
+        let device = self.shared.identity.clone();
+        let columns = columns
+            .iter()
+            .map(|&index| {
+                let (allocation, array) = self.columns.get(index).ok_or_else(|| {
+                    BackendError::Device(format!("no column {index} in this partition"))
+                })?;
+                let tracked = &self.allocations[*allocation];
+                let allocation = &tracked.inner;
+                Ok(ExportedColumn {
+                    handle: tracked.ipc_handle()?,
+                    allocation_bytes: allocation.bytes() as u64,
+                    array: layout::exported(array),
+                })
+            })
+            .collect::<Result<_, BackendError>>()?;
+        Ok(PartitionExport { device, columns })
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

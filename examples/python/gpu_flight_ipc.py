@@ -1,0 +1,283 @@
+"""Zero-copy access to a gpu-flight dataset from a process on the server's node.
+
+Drop this file next to your code. It needs pyarrow and CuPy; PyTorch and cuDF are optional.
+
+    import pyarrow.flight as flight
+    from gpu_flight_ipc import ExportedDataset
+
+    client = flight.connect("grpc://127.0.0.1:8815")
+    with ExportedDataset(client, "trips", columns=["fare", "city"]) as trips:
+        fares = trips["fare"].to_cupy()      # a CuPy view of the server's GPU memory
+        tensor = trips["fare"].to_torch()    # the same memory as a PyTorch tensor (DLPack)
+        valid = trips["fare"].validity()     # the Arrow validity bitmap (CuPy uint8) or None
+        check = trips["city"].to_arrow()     # a host copy as a pyarrow array
+    # leaving the block unmaps the memory and releases the lease
+
+Views are valid until the dataset is closed (or the lease, 300 s by default, runs out):
+copy what you keep (`.copy()`). Each distinct IPC handle is opened once per process, however
+many exports use it. On another node, or where CUDA_VISIBLE_DEVICES hides the server's GPU,
+`DeviceNotVisible` says so: read the dataset with DoGet there.
+"""
+
+import base64
+import json
+import threading
+
+import cupy as cp
+import pyarrow as pa
+import pyarrow.flight as flight
+
+DOCUMENT_VERSION = 1
+
+
+class DeviceNotVisible(RuntimeError):
+    """The dataset lives on a GPU this process cannot see (another node, or hidden)."""
+
+
+def _uuid_string(raw):
+    """CUDA's 16 UUID bytes as nvidia-smi prints them."""
+    h = bytes(raw).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_DEVICES = {}
+
+
+def find_device(uuid, pci_bus_id):
+    """This process's CuPy ordinal of the GPU with this UUID or PCI bus id, or None.
+    Remembered per process: the visible devices do not change while it runs."""
+    key = (uuid, pci_bus_id.lower())
+    if key not in _DEVICES:
+        _DEVICES[key] = _search_devices(uuid, pci_bus_id.lower())
+    return _DEVICES[key]
+
+
+def _search_devices(uuid, pci_bus_id):
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:
+        return None
+    for ordinal in range(count):
+        props = cp.cuda.runtime.getDeviceProperties(ordinal)
+        if "uuid" in props and _uuid_string(props["uuid"]) == uuid:
+            return ordinal
+        if cp.cuda.Device(ordinal).pci_bus_id.lower() == pci_bus_id:
+            return ordinal
+    return None
+
+
+class _Mappings:
+    """Process-wide: each handle opened once, closed when its last user is done."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open = {}  # handle bytes -> [pointer, users]
+
+    def acquire(self, handle, device):
+        with self._lock:
+            entry = self._open.get(handle)
+            if entry is None:
+                with cp.cuda.Device(device):
+                    pointer = cp.cuda.runtime.ipcOpenMemHandle(
+                        handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
+                    )
+                entry = self._open[handle] = [pointer, 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, handle, device):
+        with self._lock:
+            entry = self._open[handle]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._open[handle]
+                with cp.cuda.Device(device):
+                    cp.cuda.runtime.ipcCloseMemHandle(entry[0])
+
+    def count(self):
+        with self._lock:
+            return len(self._open)
+
+
+MAPPINGS = _Mappings()
+
+
+def _storage_dtype(arrow_type):
+    """The NumPy dtype of a fixed-width type's values buffer, or None."""
+    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
+        return arrow_type.to_pandas_dtype()
+    if pa.types.is_temporal(arrow_type):  # dates, times, timestamps, durations: integers
+        return {32: "int32", 64: "int64"}[arrow_type.bit_width]
+    return None
+
+
+class Array:
+    """One Arrow array of an exported column: buffers as CuPy views, and conversions."""
+
+    def __init__(self, owner, base, doc, arrow_type):
+        self._owner = owner
+        self.name = doc["name"]
+        self.type = arrow_type
+        self.length = doc["length"]
+        self.null_count = doc["null_count"]
+        self._buffers = [(b["kind"], base + b["offset"], b["length"]) for b in doc["buffers"]]
+        self.children = [
+            Array(owner, base, child, arrow_type.field(i).type)
+            for i, child in enumerate(doc["children"])
+        ]
+        self.dictionary = (
+            Array(owner, base, doc["dictionary"], arrow_type.value_type) if doc.get("dictionary") else None
+        )
+
+    def _view(self, pointer, nbytes, dtype="uint8", count=None):
+        memory = cp.cuda.UnownedMemory(pointer, nbytes, self._owner, device_id=self._owner.device)
+        itemsize = cp.dtype(dtype).itemsize
+        count = nbytes // itemsize if count is None else count
+        return cp.ndarray((count,), dtype=dtype, memptr=cp.cuda.MemoryPointer(memory, 0))
+
+    def buffers(self):
+        """{kind: CuPy uint8 view} for this array's own buffers (validity, offsets, values)."""
+        self._owner._check_open()
+        return {kind: self._view(pointer, nbytes) for kind, pointer, nbytes in self._buffers}
+
+    def validity(self):
+        """The validity bitmap (LSB first) as a CuPy uint8 view, or None without nulls."""
+        return self.buffers().get("validity")
+
+    def to_cupy(self):
+        """The values of a fixed-width column as a typed CuPy view (nulls hold arbitrary
+        values; see validity()). Dictionary columns give their keys."""
+        self._owner._check_open()
+        value_type = self.type.index_type if pa.types.is_dictionary(self.type) else self.type
+        dtype = _storage_dtype(value_type)
+        if dtype is None:
+            raise TypeError(
+                f"{self.name} is {self.type}: only fixed-width numeric and temporal columns are "
+                "typed arrays; use buffers() for the raw Arrow buffers"
+            )
+        (_, pointer, nbytes), = [b for b in self._buffers if b[0] == "values"]
+        return self._view(pointer, max(nbytes, 1), dtype, count=self.length)
+
+    def to_torch(self):
+        """The values as a PyTorch tensor on the same memory (DLPack, zero-copy)."""
+        import torch
+
+        return torch.from_dlpack(self.to_cupy())
+
+    def to_cudf(self):
+        """A cuDF Series of a fixed-width column (cuDF copies it into its own memory)."""
+        import cudf
+
+        series = cudf.Series(self.to_cupy())
+        validity = self.validity()
+        if validity is not None:
+            series = series.set_mask(cp.asarray(validity).copy())
+        return series
+
+    def to_arrow(self):
+        """A host copy as a pyarrow array, for checks and small results."""
+        self._owner._check_open()
+        host = {
+            kind: pa.py_buffer(cp.asnumpy(self._view(pointer, nbytes)).tobytes()) if nbytes else pa.py_buffer(b"")
+            for kind, pointer, nbytes in self._buffers
+        }
+        rest = [host[kind] for kind, _, _ in self._buffers if kind != "validity"]
+        buffers = [host.get("validity")] + rest
+        children = [child.to_arrow() for child in self.children]
+        if pa.types.is_dictionary(self.type):
+            indices = pa.Array.from_buffers(self.type.index_type, self.length, buffers, self.null_count)
+            return pa.DictionaryArray.from_arrays(indices, self.dictionary.to_arrow())
+        if pa.types.is_null(self.type):
+            return pa.nulls(self.length)
+        return pa.Array.from_buffers(self.type, self.length, buffers, self.null_count, children=children)
+
+
+class ExportedDataset:
+    """A dataset's columns mapped from a gpu-flight server on this node, under a lease.
+
+    Use as a context manager, or call close(): it unmaps the memory and releases the lease.
+    """
+
+    def __init__(self, client, name, columns=None, lease_seconds=300):
+        self._client = client
+        body = {"name": name, "lease_seconds": lease_seconds}
+        if columns is not None:
+            body["columns"] = list(columns)
+        self.document = self._action("ipc-export", body)
+        if self.document.get("version") != DOCUMENT_VERSION:
+            raise RuntimeError(f"unsupported export document version {self.document.get('version')}")
+        self.name = name
+        self.lease = self.document["lease"]
+        self.expires_at = self.document["expires_at"]
+        self.num_rows = self.document["num_rows"]
+        self.schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.document["schema"])))
+        device = self.document["device"]
+        self.device = find_device(device["uuid"], device["pci_bus_id"])
+        if self.device is None:
+            self._release_lease()
+            raise DeviceNotVisible(
+                f"'{name}' lives on GPU {device['uuid']} (PCI {device['pci_bus_id']}) of the server's "
+                "node, which this process cannot see: run on that node with the GPU visible "
+                "(check CUDA_VISIBLE_DEVICES), or read the dataset with DoGet"
+            )
+        self._handles = []
+        self._closed = False
+        self.columns = {}
+        try:
+            for field, column in zip(self.schema, self.document["columns"]):
+                handle = base64.b64decode(column["handle"])
+                base = MAPPINGS.acquire(handle, self.device)
+                self._handles.append(handle)
+                self.columns[field.name] = Array(self, base, column, field.type)
+        except BaseException:
+            self.close()
+            raise
+
+    def _action(self, name, body):
+        results = list(self._client.do_action(flight.Action(name, json.dumps(body).encode())))
+        return json.loads(results[0].body.to_pybytes())
+
+    def _release_lease(self):
+        try:
+            self._action("ipc-release", {"lease": self.lease})
+        except flight.FlightError:
+            pass  # expired already
+        except pa.ArrowKeyError:
+            pass  # NOT_FOUND: expired already
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(f"the export of '{self.name}' is closed; its memory is no longer mapped")
+
+    def __getitem__(self, key):
+        self._check_open()
+        if isinstance(key, int):
+            return list(self.columns.values())[key]
+        return self.columns[key]
+
+    def renew(self, lease_seconds=300):
+        """Extends the lease; returns the new expiry."""
+        self._check_open()
+        renewed = self._action("ipc-export", {"name": self.name, "lease": self.lease, "lease_seconds": lease_seconds})
+        self.expires_at = renewed["expires_at"]
+        return self.expires_at
+
+    def to_arrow(self):
+        """A host copy of every exported column as a pyarrow Table."""
+        return pa.Table.from_arrays([c.to_arrow() for c in self.columns.values()], schema=self.schema)
+
+    def close(self):
+        """Unmaps every handle this export opened, then releases the lease. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for handle in self._handles:
+            MAPPINGS.release(handle, self.device)
+        self._handles = []
+        self._release_lease()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,118 @@
+"""A co-located consumer obtaining a dataset through ipc-export (export + opening every handle)
+against DoGet of the same dataset, at 1 GiB and 10 GiB of 8 int64 columns.
+
+    gpu-flight serve --backend cuda --listen 127.0.0.1:8815 &
+    python3 examples/python/ipc_bench.py --server grpc://127.0.0.1:8815 --gib 1 10
+
+IPC time is export + open (the handles are mapped and usable after it); "export" is the
+ipc-export round trip alone; close (unmap + ipc-release) is timed separately. DoGet streams every batch to this process and drops it.
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpu_flight_ipc import ExportedDataset  # noqa: E402
+
+COLUMNS = 8
+CHUNK_ROWS = 1 << 20  # 64 MiB per batch of 8 int64 columns
+
+
+def put_dataset(client, name, gib):
+    rows = gib * (1 << 30) // (8 * COLUMNS)
+    schema = pa.schema([(f"c{i}", pa.int64()) for i in range(COLUMNS)])
+    descriptor = flight.FlightDescriptor.for_command(f'{{"name": "{name}", "mode": "replace"}}')
+    writer, reader = client.do_put(descriptor, schema)
+    for start in range(0, rows, CHUNK_ROWS):
+        n = min(CHUNK_ROWS, rows - start)
+        base = np.arange(start, start + n, dtype=np.int64)
+        writer.write_batch(pa.record_batch([base * (i + 1) for i in range(COLUMNS)], schema=schema))
+    writer.done_writing()
+    reader.read()
+    writer.close()
+    return rows
+
+
+def action(client, name, body):
+    results = list(client.do_action(flight.Action(name, json.dumps(body).encode())))
+    return json.loads(results[0].body.to_pybytes())
+
+
+def time_export_action(client, name, repeat):
+    """The ipc-export round trip alone (no handle opened), released right after."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        document = action(client, "ipc-export", {"name": name})
+        times.append(time.perf_counter() - started)
+        action(client, "ipc-release", {"lease": document["lease"]})
+    return times
+
+
+def time_ipc(client, name, repeat):
+    opens, closes = [], []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        exported = ExportedDataset(client, name)
+        opened = time.perf_counter()
+        exported.close()
+        closed = time.perf_counter()
+        opens.append(opened - started)
+        closes.append(closed - opened)
+    with ExportedDataset(client, name) as exported:  # the mapped bytes are the data
+        last = exported["c7"].to_cupy()[-1].item()
+        handles = len({c["handle"] for c in exported.document["columns"]})
+    return opens, closes, last, handles
+
+
+def time_do_get(client, name, repeat):
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        reader = client.do_get(flight.Ticket(name.encode()))
+        rows = sum(chunk.data.num_rows for chunk in reader)
+        best = min(best, time.perf_counter() - started)
+    return best, rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--server", default="grpc://127.0.0.1:8815")
+    parser.add_argument("--gib", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--get-repeat", type=int, default=2)
+    args = parser.parse_args()
+    client = flight.connect(args.server)
+    print(f"{COLUMNS} int64 columns; IPC = ipc-export + opening every handle (median / best of {args.repeat})")
+    print(
+        f"{'size':>6} {'handles':>8} {'IPC ms':>16} {'(export ms)':>12} {'close ms':>9}"
+        f" {'DoGet s':>8} {'DoGet GB/s':>11} {'speedup':>9}"
+    )
+    for gib in args.gib:
+        name = f"ipc-bench-{gib}g"
+        rows = put_dataset(client, name, gib)
+        opens, closes, last, handles = time_ipc(client, name, args.repeat)
+        export_only = statistics.median(time_export_action(client, name, args.repeat))
+        assert last == (rows - 1) * COLUMNS, "the mapped memory holds the data"
+        get_s, got_rows = time_do_get(client, name, args.get_repeat)
+        assert got_rows == rows
+        ipc_median = statistics.median(opens)
+        nbytes = rows * 8 * COLUMNS
+        print(
+            f"{gib:>4} GiB {handles:>8} {ipc_median * 1e3:>8.3f} / {min(opens) * 1e3:<6.3f}"
+            f" {export_only * 1e3:>12.3f} {statistics.median(closes) * 1e3:>9.3f} {get_s:>8.2f} {nbytes / get_s / 1e9:>11.2f}"
+            f" {get_s / ipc_median:>8.0f}x"
+        )
+        list(client.do_action(flight.Action("drop", f'{{"name": "{name}"}}'.encode())))
+
+
+if __name__ == "__main__":
+    main()

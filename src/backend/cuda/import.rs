@@ -1,0 +1,82 @@
+//! The consumer's side of `ipc-export`: mapping allocations another process exported.
+//!
+//! A consumer finds the exporting GPU among the devices it can see by UUID or PCI bus id (its
+//! ordinals depend on its own `CUDA_VISIBLE_DEVICES`), then opens each distinct handle once.
+//! An [`ImportedAllocation`] unmaps on drop; the exporter's lease must outlive it.
+
+use std::sync::Arc;
+
+use super::ffi::{self, Context, IpcMapping};
+use crate::backend::BackendError;
+
+/// A visible CUDA device, opened to map allocations exported from it.
+#[derive(Debug, Clone)]
+pub struct ImportDevice {
+    context: Arc<Context>,
+}
+
+impl ImportDevice {
+    /// The visible device with this UUID or PCI bus id; `None` if this process cannot see it
+    /// (another node, or hidden by `CUDA_VISIBLE_DEVICES`).
+    pub fn find(uuid: &str, pci_bus_id: &str) -> Result<Option<Self>, BackendError> {
+        if !ffi::driver_present() {
+            return Err(BackendError::Device(
+                "no NVIDIA driver library (libcuda) could be loaded".to_owned(),
+            ));
+        }
+        for ordinal in 0..ffi::device_count()? {
+            let context = Context::open(ordinal)?;
+            if context.uuid()? == uuid || context.pci_bus_id()?.eq_ignore_ascii_case(pci_bus_id) {
+                return Ok(Some(Self { context }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// This process's ordinal for the device.
+    pub fn ordinal(&self) -> u32 {
+        self.context.ordinal() as u32
+    }
+
+    /// Maps an exported allocation of `bytes` bytes from its 64-byte handle.
+    pub fn open(&self, handle: &[u8; 64], bytes: u64) -> Result<ImportedAllocation, BackendError> {
+        Ok(ImportedAllocation {
+            mapping: IpcMapping::open(&self.context, handle)?,
+            bytes,
+        })
+    }
+}
+
+/// Another process's device allocation, mapped into this one until dropped.
+#[derive(Debug)]
+pub struct ImportedAllocation {
+    mapping: IpcMapping,
+    bytes: u64,
+}
+
+impl ImportedAllocation {
+    /// The allocation's base address in this process, for kernels and libraries that take
+    /// device pointers.
+    pub fn device_address(&self) -> u64 {
+        self.mapping.address()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Copies `len` bytes at `offset` into host memory.
+    pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, BackendError> {
+        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
+            return Err(BackendError::Device(format!(
+                "bytes {offset}..+{len} lie outside an exported allocation of {} bytes",
+                self.bytes
+            )));
+        }
+        let mut host = vec![0u8; len as usize];
+        if len > 0 {
+            self.mapping.copy_to_host(offset, &mut host)?;
+        }
+        Ok(host)
+    }
+}

@@ -1,0 +1,198 @@
+//! The `ipc-export` document: how a co-located process finds and maps a dataset's columns.
+//!
+//! Version 1 (described in the README) is one JSON object: the lease, the device (by UUID and
+//! PCI bus id, since ordinals depend on the consumer's `CUDA_VISIBLE_DEVICES`), the Arrow IPC
+//! schema of the exported columns, and per column a CUDA IPC handle with the byte offset of
+//! every buffer from the base of the allocation the handle maps. The same types parse it back
+//! for Rust consumers.
+
+use arrow::datatypes::{DataType, Field, Schema};
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::{IpcMessage, SchemaAsIpc};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{BufferKind, ExportDevice, ExportedArray};
+use crate::error::Error;
+use crate::store::{Dataset, Export};
+
+/// The document version this server writes.
+pub const VERSION: u32 = 1;
+
+/// The whole `ipc-export` result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportDocument {
+    pub version: u32,
+    /// Pass to `ipc-release` when done, or to `ipc-export` (as `"lease"`) to renew.
+    pub lease: String,
+    /// RFC 3339, UTC. After this the server may free the memory.
+    pub expires_at: String,
+    pub device: DeviceDocument,
+    pub num_rows: u64,
+    /// Base64 of the Arrow IPC schema message of the exported columns.
+    pub schema: String,
+    pub columns: Vec<ColumnDocument>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDocument {
+    /// The server's ordinal; a consumer matches `uuid` or `pci_bus_id` instead.
+    pub ordinal: u32,
+    pub uuid: String,
+    pub pci_bus_id: String,
+}
+
+/// A column: the allocation its handle maps, and its arrays.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ColumnDocument {
+    /// Base64 of the 64-byte `cudaIpcMemHandle_t`. Columns may share an allocation (small
+    /// columns are packed together): equal handles name the same memory; open each once.
+    pub handle: String,
+    pub allocation_bytes: u64,
+    #[serde(flatten)]
+    pub array: ArrayDocument,
+}
+
+/// One Arrow array; all its buffers, children's and dictionary's lie in its column's
+/// allocation. Arrays start at row 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArrayDocument {
+    /// The field name (`"values"` for a dictionary's values).
+    pub name: String,
+    /// The Arrow type, for reading; the schema has it exactly.
+    #[serde(rename = "type")]
+    pub data_type: String,
+    pub length: u64,
+    pub null_count: u64,
+    pub buffers: Vec<BufferDocument>,
+    pub children: Vec<ArrayDocument>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dictionary: Option<Box<ArrayDocument>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferDocument {
+    /// `validity`, `offsets` or `values`.
+    pub kind: BufferKind,
+    /// Bytes from the allocation's base.
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// The document for `export` of `dataset`.
+pub fn document(dataset: &Dataset, export: &Export) -> Result<ExportDocument, Error> {
+    let schema = dataset.schema();
+    let fields: Vec<&Field> = export
+        .columns
+        .iter()
+        .map(|&index| schema.field(index))
+        .collect();
+    let exported_schema = Schema::new_with_metadata(
+        fields.iter().map(|f| (*f).clone()).collect::<Vec<_>>(),
+        schema.metadata().clone(),
+    );
+    let options = IpcWriteOptions::default();
+    let message = IpcMessage::try_from(SchemaAsIpc::new(&exported_schema, &options))
+        .map_err(|e| Error::Internal(format!("encoding the exported schema: {e}")))?;
+    let columns = fields
+        .iter()
+        .zip(&export.partition.columns)
+        .map(|(field, column)| ColumnDocument {
+            handle: BASE64.encode(column.handle),
+            allocation_bytes: column.allocation_bytes,
+            array: array_document(field.name(), field.data_type(), &column.array),
+        })
+        .collect();
+    Ok(ExportDocument {
+        version: VERSION,
+        lease: export.lease.id.clone(),
+        expires_at: super::action::rfc3339(export.lease.expires_at),
+        device: device_document(&export.partition.device),
+        num_rows: dataset.num_rows(),
+        schema: BASE64.encode(&message.0),
+        columns,
+    })
+}
+
+fn device_document(device: &ExportDevice) -> DeviceDocument {
+    DeviceDocument {
+        ordinal: device.ordinal,
+        uuid: device.uuid.clone(),
+        pci_bus_id: device.pci_bus_id.clone(),
+    }
+}
+
+/// `array` named as the schema names it: children after their fields.
+fn array_document(name: &str, data_type: &DataType, array: &ExportedArray) -> ArrayDocument {
+    let child_fields: Vec<(String, DataType)> = match data_type {
+        DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) => {
+            vec![(f.name().clone(), f.data_type().clone())]
+        }
+        DataType::Map(f, _) => vec![(f.name().clone(), f.data_type().clone())],
+        DataType::Struct(fields) => fields
+            .iter()
+            .map(|f| (f.name().clone(), f.data_type().clone()))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let children = array
+        .children
+        .iter()
+        .enumerate()
+        .map(|(index, child)| {
+            let (name, data_type) = child_fields
+                .get(index)
+                .cloned()
+                .unwrap_or_else(|| (format!("child{index}"), child.data_type.clone()));
+            array_document(&name, &data_type, child)
+        })
+        .collect();
+    let dictionary = array.dictionary.as_ref().map(|values| {
+        let value_type = match data_type {
+            DataType::Dictionary(_, value) => value.as_ref().clone(),
+            _ => values.data_type.clone(),
+        };
+        Box::new(array_document("values", &value_type, values))
+    });
+    ArrayDocument {
+        name: name.to_owned(),
+        data_type: data_type.to_string(),
+        length: array.length,
+        null_count: array.null_count,
+        buffers: array
+            .buffers
+            .iter()
+            .map(|b| BufferDocument {
+                kind: b.kind,
+                offset: b.offset,
+                length: b.length,
+            })
+            .collect(),
+        children,
+        dictionary,
+    }
+}
+
+impl ExportDocument {
+    /// The exported columns' schema, decoded.
+    pub fn decode_schema(&self) -> Result<Schema, String> {
+        let bytes = BASE64
+            .decode(&self.schema)
+            .map_err(|e| format!("schema is not base64: {e}"))?;
+        arrow::ipc::convert::try_schema_from_ipc_buffer(&bytes)
+            .map_err(|e| format!("schema is not an Arrow IPC schema message: {e}"))
+    }
+}
+
+impl ColumnDocument {
+    /// The 64 handle bytes.
+    pub fn handle_bytes(&self) -> Result<[u8; 64], String> {
+        let bytes = BASE64
+            .decode(&self.handle)
+            .map_err(|e| format!("handle is not base64: {e}"))?;
+        bytes
+            .try_into()
+            .map_err(|b: Vec<u8>| format!("a handle has 64 bytes, not {}", b.len()))
+    }
+}

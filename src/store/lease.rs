@@ -1,0 +1,146 @@
+//! Leases on exported datasets: what keeps device memory mapped by other processes alive.
+//!
+//! An `ipc-export` hands out IPC handles, which are capabilities to device memory the server
+//! would otherwise free when the dataset is dropped or replaced. A [`Lease`] holds the
+//! exported [`Dataset`] (an `Arc`, like a running read), so `drop` and `replace` still remove
+//! the name from the catalog at once, while the memory (and its budget reservation) stays
+//! until the last lease on it ends: released by its consumer, or expired. Expiry needs no
+//! client: the reaper task ends leases whose time is up, so a consumer that crashed holds
+//! memory for at most its lease.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use super::Dataset;
+
+/// One consumer's hold on an exported dataset.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    pub id: String,
+    pub dataset: Arc<Dataset>,
+    /// The columns exported under this lease.
+    pub columns: Vec<String>,
+    /// When the lease ends unless renewed, on the wall clock (reported) and the monotonic one
+    /// (enforced).
+    pub expires_at: SystemTime,
+    deadline: Instant,
+}
+
+impl Lease {
+    fn new(dataset: Arc<Dataset>, columns: Vec<String>, duration: Duration) -> Self {
+        Self {
+            id: new_lease_id(),
+            dataset,
+            columns,
+            expires_at: SystemTime::now() + duration,
+            deadline: Instant::now() + duration,
+        }
+    }
+
+    fn renew(&mut self, duration: Duration) {
+        self.expires_at = SystemTime::now() + duration;
+        self.deadline = Instant::now() + duration;
+    }
+}
+
+/// 128 random bits, hex: unguessable, so one consumer cannot release another's lease by
+/// accident or on purpose.
+fn new_lease_id() -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        // No OS randomness (never seen in practice): fall back to time and a counter, which
+        // are unique though guessable.
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        bytes[..8].copy_from_slice(&nanos.to_le_bytes());
+        let count = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        bytes[8..].copy_from_slice(&count.to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The live leases of a store.
+#[derive(Debug, Default)]
+pub(super) struct Leases {
+    leases: Mutex<HashMap<String, Lease>>,
+}
+
+impl Leases {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Lease>> {
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a lease on `dataset` for `duration`.
+    pub(super) fn grant(
+        &self,
+        dataset: Arc<Dataset>,
+        columns: Vec<String>,
+        duration: Duration,
+    ) -> Lease {
+        let lease = Lease::new(dataset, columns, duration);
+        self.lock().insert(lease.id.clone(), lease.clone());
+        lease
+    }
+
+    /// Extends lease `id` to end `duration` from now; `None` if it has ended.
+    pub(super) fn renew(&self, id: &str, duration: Duration) -> Option<Lease> {
+        let mut leases = self.lock();
+        let lease = leases.get_mut(id)?;
+        if lease.deadline <= Instant::now() {
+            leases.remove(id);
+            return None;
+        }
+        lease.renew(duration);
+        Some(lease.clone())
+    }
+
+    /// Ends lease `id`; `None` if it had already ended.
+    pub(super) fn release(&self, id: &str) -> Option<Lease> {
+        self.lock().remove(id)
+    }
+
+    /// Ends every lease whose time is up; returns them (dropping them may free memory).
+    pub(super) fn expire(&self, now: Instant) -> Vec<Lease> {
+        let mut leases = self.lock();
+        let expired: Vec<String> = leases
+            .iter()
+            .filter(|(_, lease)| lease.deadline <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        expired.iter().filter_map(|id| leases.remove(id)).collect()
+    }
+
+    /// The live leases, soonest to expire first.
+    pub(super) fn list(&self) -> Vec<Lease> {
+        let mut leases: Vec<Lease> = self.lock().values().cloned().collect();
+        leases.sort_by_key(|l| l.deadline);
+        leases
+    }
+}
+
+/// Ends expired leases of `store` every `period` until the store is gone.
+pub(super) fn spawn_reaper(
+    store: Weak<super::Inner>,
+    period: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let Some(inner) = store.upgrade() else {
+                return;
+            };
+            for lease in inner.leases.expire(Instant::now()) {
+                tracing::info!(
+                    lease = %lease.id,
+                    dataset = lease.dataset.name(),
+                    "lease expired without a release"
+                );
+            }
+        }
+    })
+}

@@ -1,0 +1,345 @@
+//! `ipc-export` and its leases.
+//!
+//! On the host backend (everywhere): the refusals, with their gRPC codes. On a GPU (ignored
+//! elsewhere): a second process, this test binary re-run as [`consumer_process`], maps every
+//! column of datasets with nulls, strings, lists, structs, maps, dictionaries, sliced inputs
+//! and many put batches through `gpu_flight::consumer`, and checks that its bytes equal what
+//! DoGet returns; releases, expiry and a killed consumer give the device memory back.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::Array;
+use common::*;
+use gpu_flight::backend::{Backend, CudaBackend, HostBackend};
+use gpu_flight::consumer::{self, MappedDataset};
+use serde_json::json;
+use tonic::Code;
+
+/// Set in the environment of the second process: what it should do, as JSON.
+const CHILD_ENV: &str = "GPU_FLIGHT_IPC_CHILD";
+
+fn cuda() -> Arc<dyn Backend> {
+    Arc::new(CudaBackend::open(0).expect("CUDA device 0"))
+}
+
+#[tokio::test]
+async fn host_backend_refuses_export_and_says_why() {
+    let server = TestServer::start(Arc::new(HostBackend::new())).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(10, 2, 0)])
+        .await
+        .expect("put");
+    let refused = action(&mut client, "ipc-export", json!({"name": "t"}))
+        .await
+        .expect_err("host memory cannot be exported");
+    assert_eq!(code_of(&refused), Code::FailedPrecondition, "{refused}");
+    let message = refused.to_string();
+    assert!(
+        message.contains("host memory") && message.contains("DoGet"),
+        "{message}"
+    );
+    for (body, code) in [
+        (json!({"name": "absent"}), Code::NotFound),
+        (
+            json!({"name": "t", "lease_seconds": 0}),
+            Code::InvalidArgument,
+        ),
+        (json!({"name": "t", "columns": "c0"}), Code::InvalidArgument),
+        (json!({"name": "t", "lease": "nope"}), Code::NotFound),
+    ] {
+        let error = action(&mut client, "ipc-export", body.clone())
+            .await
+            .expect_err("refused");
+        assert_eq!(code_of(&error), code, "{body}: {error}");
+    }
+    let error = action(&mut client, "ipc-release", json!({"lease": "nope"}))
+        .await
+        .expect_err("no such lease");
+    assert_eq!(code_of(&error), Code::NotFound, "{error}");
+    let status = status(&mut client).await;
+    assert_eq!(status["leases"], json!([]), "nothing was granted");
+    server.shutdown_and_wait().await;
+}
+
+/// Puts the datasets the consumer checks: one of many batches (compacted, dictionaries
+/// merged), one single batch (every column in one allocation) and a wide one whose large
+/// columns get allocations of their own.
+async fn put_datasets(client: &mut arrow_flight::FlightClient) -> Vec<&'static str> {
+    let many = vec![
+        all_types_batch(100),
+        all_types_batch(37),
+        all_types_batch(500).slice(3, 201),
+        all_types_batch(1),
+    ];
+    put(client, path("many"), many).await.expect("put many");
+    put(
+        client,
+        path("single"),
+        vec![all_types_batch(333).slice(5, 300)],
+    )
+    .await
+    .expect("put single");
+    let wide: Vec<_> = (0..4).map(|i| int64_batch(300_000, 8, i * 7)).collect();
+    put(client, path("wide"), wide).await.expect("put wide");
+    vec!["many", "single", "wide"]
+}
+
+fn device_bytes(status: &serde_json::Value) -> u64 {
+    status["counters"]["device_allocated_bytes"]
+        .as_u64()
+        .expect("device_allocated_bytes")
+}
+
+/// Runs this test binary again as the consumer process, doing `task`.
+fn consumer_command(task: serde_json::Value) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("test binary"));
+    command
+        .args([
+            "consumer_process",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, task.to_string());
+    command
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn a_second_process_maps_every_column_and_reads_what_do_get_returns() {
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    let names = put_datasets(&mut client).await;
+    let task = json!({"mode": "verify", "addr": server.addr.to_string(), "names": names});
+    let output = tokio::task::spawn_blocking(move || consumer_command(task).output())
+        .await
+        .expect("join")
+        .expect("run the consumer");
+    let log = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && log.contains("verified"),
+        "consumer failed:\n{log}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let status = status(&mut client).await;
+    assert_eq!(status["leases"], json!([]), "the consumer released");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn release_and_expiry_free_the_memory_of_dropped_datasets() {
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    let start = device_bytes(&status(&mut client).await);
+
+    // Dropped while leased: out of the catalog at once, memory held until the release.
+    put(&mut client, path("t"), vec![int64_batch(100_000, 4, 0)])
+        .await
+        .expect("put");
+    let exported = action(&mut client, "ipc-export", json!({"name": "t"}))
+        .await
+        .expect("export");
+    let lease = exported["lease"].as_str().expect("lease").to_owned();
+    action(&mut client, "drop", json!({"name": "t"}))
+        .await
+        .expect("drop");
+    let held = status(&mut client).await;
+    assert_eq!(held["datasets"], 0);
+    assert!(device_bytes(&held) > start, "{held}");
+    assert!(
+        held["leased_only_bytes"].as_u64().expect("bytes") > 0,
+        "{held}"
+    );
+    assert_eq!(held["leases"][0]["lease"], lease.as_str());
+    assert_eq!(held["leases"][0]["in_catalog"], false);
+    // Renewing keeps the old version's handles, even though the name is gone.
+    let renewed = action(
+        &mut client,
+        "ipc-export",
+        json!({"name": "t", "lease": lease, "lease_seconds": 60}),
+    )
+    .await
+    .expect("renew");
+    assert_eq!(renewed["lease"], exported["lease"]);
+    assert_eq!(renewed["columns"], exported["columns"]);
+    action(&mut client, "ipc-release", json!({"lease": lease}))
+        .await
+        .expect("release");
+    assert_eq!(device_bytes(&status(&mut client).await), start);
+
+    // Replaced while leased, and never released: the lease expires by itself.
+    put(&mut client, path("u"), vec![int64_batch(100_000, 4, 0)])
+        .await
+        .expect("put");
+    action(
+        &mut client,
+        "ipc-export",
+        json!({"name": "u", "lease_seconds": 1}),
+    )
+    .await
+    .expect("export");
+    put(
+        &mut client,
+        cmd("u", "replace"),
+        vec![int64_batch(10, 1, 0)],
+    )
+    .await
+    .expect("replace");
+    action(&mut client, "drop", json!({"name": "u"}))
+        .await
+        .expect("drop");
+    assert!(device_bytes(&status(&mut client).await) > start);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let after = status(&mut client).await;
+    assert_eq!(after["leases"], json!([]), "{after}");
+    assert_eq!(device_bytes(&after), start, "{after}");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn a_killed_consumer_leaks_nothing_past_its_lease() {
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    let start = device_bytes(&status(&mut client).await);
+    put(&mut client, path("t"), vec![int64_batch(100_000, 4, 0)])
+        .await
+        .expect("put");
+    let task = json!({"mode": "hold", "addr": server.addr.to_string(), "names": ["t"]});
+    let mut child = consumer_command(task)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the consumer");
+    let stdout = child.stdout.take().expect("stdout");
+    let mapped = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("mapped, holding"))
+    })
+    .await
+    .expect("join");
+    assert!(mapped, "the consumer mapped the dataset");
+    child.kill().expect("kill the consumer");
+    child.wait().expect("reap the consumer");
+    action(&mut client, "drop", json!({"name": "t"}))
+        .await
+        .expect("drop");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = status(&mut client).await;
+        if device_bytes(&now) == start && now["leases"] == json!([]) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "memory not returned: {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    server.shutdown_and_wait().await;
+}
+
+/// The second process of the GPU tests; does nothing unless started by one of them.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn consumer_process() {
+    let Ok(task) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let task: serde_json::Value = serde_json::from_str(&task).expect("task");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async move {
+        let addr = task["addr"].as_str().expect("addr");
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let mut client = arrow_flight::FlightClient::new(channel);
+        let names: Vec<&str> = task["names"]
+            .as_array()
+            .expect("names")
+            .iter()
+            .filter_map(|n| n.as_str())
+            .collect();
+        match task["mode"].as_str() {
+            Some("hold") => {
+                let document = consumer::export(&mut client, names[0], None, 2)
+                    .await
+                    .expect("export");
+                let _mapped = MappedDataset::open(&document).expect("map");
+                println!("mapped, holding");
+                std::thread::sleep(Duration::from_secs(600));
+            }
+            _ => {
+                for name in names {
+                    verify(&mut client, name).await;
+                }
+                println!("verified");
+            }
+        }
+    });
+}
+
+/// Maps every column of `name`, checks it against DoGet, maps a subset, releases.
+async fn verify(client: &mut arrow_flight::FlightClient, name: &str) {
+    let document = consumer::export(client, name, None, 60)
+        .await
+        .expect("export");
+    let mapped = MappedDataset::open(&document).expect("map every column");
+    // A second mapping of the same handles in this process works too.
+    let again = MappedDataset::open(&document).expect("map again");
+    let expected = get_all(client, name).await.expect("DoGet");
+    let expected = concat(&expected[0].schema(), &expected);
+    assert_eq!(mapped.schema().fields(), expected.schema().fields());
+    assert_eq!(mapped.num_rows(), expected.num_rows() as u64);
+    for (index, field) in expected.schema().fields().iter().enumerate() {
+        let column = mapped.read_column(index).expect("read column");
+        assert_eq!(
+            column.as_ref(),
+            expected.column(index).as_ref(),
+            "{name}.{}",
+            field.name()
+        );
+        assert_eq!(
+            document.columns[index].array.null_count,
+            column.null_count() as u64,
+            "{name}.{} null count",
+            field.name()
+        );
+        assert!(!mapped.column_buffers(index).is_empty() || field.data_type().is_nested());
+    }
+    drop(again);
+    println!(
+        "{name}: {} columns in {} allocations match DoGet",
+        expected.num_columns(),
+        mapped.mapped_allocations()
+    );
+    drop(mapped);
+    consumer::release(client, &document.lease)
+        .await
+        .expect("release");
+
+    let first = expected.schema().field(0).name().clone();
+    let subset = consumer::export(client, name, Some(&[first.as_str()]), 60)
+        .await
+        .expect("export one column");
+    assert_eq!(subset.columns.len(), 1);
+    let mapped = MappedDataset::open(&subset).expect("map one column");
+    assert_eq!(
+        mapped.read_column(0).expect("read").as_ref(),
+        expected.column(0).as_ref()
+    );
+    drop(mapped);
+    consumer::release(client, &subset.lease)
+        .await
+        .expect("release");
+}
