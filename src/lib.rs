@@ -1,3 +1,9 @@
+//! gpu-flight: an Arrow Flight server that keeps datasets in GPU memory (or host memory).
+//!
+//! Layers point one way: [`flight`] (the protocol) → [`store`] (catalog, puts, leases, memory
+//! budget) → [`backend`] (host or CUDA memory). [`server`] wires them to gRPC; [`consumer`] is
+//! the Rust side of `ipc-export` for processes on the server's node.
+
 pub mod backend;
 pub mod batch_size;
 pub mod config;

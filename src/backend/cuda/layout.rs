@@ -1,13 +1,17 @@
 //! How a record batch lies in device memory, and how rows of it come back.
 //!
-//! **Upload layout.** One uploaded batch is one device allocation. Every Arrow buffer of every
-//! column (validity bitmaps, offsets, values, children, dictionary values) sits at a 64-byte
-//! aligned offset, in column order, depth first; [`DeviceArray`] records where. The allocation
-//! is rounded up to 2 MiB, the driver's sub-allocation granularity: a CUDA IPC handle exposes
-//! the whole underlying block, so rounding guarantees no block ever holds bytes of two
-//! datasets. (Many small batches waste memory this way; compaction into one allocation per
-//! column, which the IPC export publishes, replaces these allocations later.) The staging
-//! buffer has the same layout, so an upload is one host-to-device copy.
+//! **The layout (the contract `ipc-export` publishes).** Every array lies in one device
+//! allocation: its validity bitmap (when it has nulls), then its own buffers (values; offsets
+//! then bytes for strings and binary; offsets for lists; keys for dictionaries), then its
+//! children depth first (list items, struct fields, a dictionary's values), each at a 64-byte
+//! aligned offset; [`DeviceArray`] records where. Arrays start at row 0: bitmaps at bit 0,
+//! offsets at 0, children hold exactly the rows their parent references. Allocations are
+//! rounded up to 2 MiB, the driver's sub-allocation granularity: a CUDA IPC handle exposes the
+//! whole underlying block, so rounding guarantees no block ever holds bytes of two datasets.
+//!
+//! An uploaded batch is one allocation holding all its columns in order; the staging buffer
+//! has the same layout, so an upload is one host-to-device copy. Compaction (`concat`) then
+//! gives each large column an allocation of its own and packs the small ones together.
 //!
 //! **Reading rows `s..e`** copies only what those rows need, into pinned memory, in rounds:
 //! the first round copies validity bytes, fixed-width values and offsets; once the stream has
