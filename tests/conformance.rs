@@ -501,12 +501,7 @@ async fn parallel_clients(make: MakeBackend) {
         .map(|i| {
             let addr = server.addr;
             tokio::spawn(async move {
-                let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
-                    .expect("uri")
-                    .connect()
-                    .await
-                    .expect("connect");
-                let mut client = arrow_flight::FlightClient::new(channel);
+                let mut client = connect(addr).await;
                 let name = format!("q{i}");
                 let batches: Vec<_> = (0..4)
                     .map(|k| int64_batch(10_000, 4, i * 100 + k))

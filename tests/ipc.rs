@@ -258,12 +258,7 @@ fn consumer_process() {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async move {
         let addr = task["addr"].as_str().expect("addr");
-        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
-            .expect("uri")
-            .connect()
-            .await
-            .expect("connect");
-        let mut client = arrow_flight::FlightClient::new(channel);
+        let mut client = connect(addr.parse().expect("address")).await;
         let names: Vec<&str> = task["names"]
             .as_array()
             .expect("names")

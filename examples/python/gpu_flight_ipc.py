@@ -240,10 +240,10 @@ class ExportedDataset:
     def _release_lease(self):
         try:
             self._action("ipc-release", {"lease": self.lease})
-        except flight.FlightError:
-            pass  # expired already
         except pa.ArrowKeyError:
-            pass  # NOT_FOUND: expired already
+            pass  # NOT_FOUND: the lease expired already
+        except flight.FlightError:
+            pass  # the server is gone: the lease ends with it (or expires)
 
     def _check_open(self):
         if self._closed:

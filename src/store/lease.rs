@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use super::Dataset;
+use super::{Dataset, StoreError};
 
 /// One consumer's hold on an exported dataset.
 #[derive(Debug, Clone)]
@@ -85,16 +85,31 @@ impl Leases {
         lease
     }
 
-    /// Extends lease `id` to end `duration` from now; `None` if it has ended.
-    pub(super) fn renew(&self, id: &str, duration: Duration) -> Option<Lease> {
+    /// Extends lease `id`, which must be on dataset `name`, to end `duration` from now.
+    pub(super) fn renew(
+        &self,
+        id: &str,
+        name: &str,
+        duration: Duration,
+    ) -> Result<Lease, StoreError> {
         let mut leases = self.lock();
-        let lease = leases.get_mut(id)?;
+        let not_found = || StoreError::LeaseNotFound {
+            lease: id.to_owned(),
+        };
+        let lease = leases.get_mut(id).ok_or_else(not_found)?;
         if lease.deadline <= Instant::now() {
             leases.remove(id);
-            return None;
+            return Err(not_found());
+        }
+        if lease.dataset.name() != name {
+            return Err(StoreError::LeaseMismatch {
+                lease: id.to_owned(),
+                leased: lease.dataset.name().to_owned(),
+                requested: name.to_owned(),
+            });
         }
         lease.renew(duration);
-        Some(lease.clone())
+        Ok(lease.clone())
     }
 
     /// Ends lease `id`; `None` if it had already ended.
@@ -143,4 +158,51 @@ pub(super) fn spawn_reaper(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::datatypes::Schema;
+
+    use super::*;
+
+    fn dataset(name: &str) -> Arc<Dataset> {
+        Arc::new(Dataset::new(
+            name.to_owned(),
+            Arc::new(Schema::empty()),
+            1,
+            Vec::new(),
+        ))
+    }
+
+    #[test]
+    fn leases_renew_for_their_own_dataset_and_expire() {
+        let leases = Leases::default();
+        let lease = leases.grant(dataset("a"), vec![], Duration::from_secs(10));
+        assert_eq!(lease.id.len(), 32);
+        assert!(matches!(
+            leases.renew(&lease.id, "b", Duration::from_secs(60)),
+            Err(StoreError::LeaseMismatch { .. })
+        ));
+        let renewed = leases
+            .renew(&lease.id, "a", Duration::from_secs(60))
+            .expect("renew");
+        assert!(renewed.expires_at > lease.expires_at);
+        assert!(
+            leases
+                .expire(Instant::now() + Duration::from_secs(30))
+                .is_empty()
+        );
+        let expired = leases.expire(Instant::now() + Duration::from_secs(61));
+        assert_eq!(expired.len(), 1);
+        assert!(matches!(
+            leases.renew(&lease.id, "a", Duration::from_secs(1)),
+            Err(StoreError::LeaseNotFound { .. })
+        ));
+        assert!(leases.release(&lease.id).is_none());
+        let other = leases.grant(dataset("a"), vec![], Duration::from_secs(10));
+        assert_ne!(other.id, lease.id);
+        assert_eq!(leases.release(&other.id).map(|l| l.id), Some(other.id));
+        assert!(leases.list().is_empty());
+    }
 }

@@ -359,20 +359,7 @@ impl Store {
     pub fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
         let inner = &self.inner;
         let renewed = match &request.renew {
-            Some(id) => {
-                let lease = inner
-                    .leases
-                    .renew(id, request.duration)
-                    .ok_or_else(|| StoreError::LeaseNotFound { lease: id.clone() })?;
-                if lease.dataset.name() != request.name {
-                    return Err(StoreError::LeaseMismatch {
-                        lease: id.clone(),
-                        leased: lease.dataset.name().to_owned(),
-                        requested: request.name,
-                    });
-                }
-                Some(lease)
-            }
+            Some(id) => Some(inner.leases.renew(id, &request.name, request.duration)?),
             None => None,
         };
         let dataset = match &renewed {

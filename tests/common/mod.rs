@@ -67,7 +67,7 @@ impl TestServer {
 
     /// A client with gRPC's default 4 MiB receive limit, as most clients keep it.
     pub async fn client(&self) -> FlightClient {
-        FlightClient::new(self.channel().await)
+        connect(self.addr).await
     }
 
     pub async fn raw_client(&self) -> FlightServiceClient<Channel> {
@@ -89,6 +89,16 @@ impl TestServer {
             .expect("server task")
             .expect("server ran cleanly");
     }
+}
+
+/// A client of the server at `addr`, on its own connection.
+pub async fn connect(addr: SocketAddr) -> FlightClient {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    FlightClient::new(channel)
 }
 
 /// The gRPC code of a failed client call.
