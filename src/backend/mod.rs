@@ -95,8 +95,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError>;
 
     /// Concatenates `partitions` (all of one schema, uploaded by this backend) into one
-    /// compact partition: each column's buffers contiguous, in one allocation per column. The
-    /// inputs are left as they are; the caller frees them by dropping them.
+    /// compact partition: each column's buffers contiguous in one allocation (its own, or one
+    /// shared by the dataset's small columns), dictionaries merged. The inputs are left as
+    /// they are; the caller frees them by dropping them.
     fn concatenate(
         &self,
         partitions: Vec<Arc<dyn Partition>>,

@@ -1,7 +1,7 @@
 //! The catalog of datasets, the put lifecycle and memory accounting.
 //!
 //! The store knows nothing of gRPC: it takes names, schemas and host record batches, and hands
-//! out [`Dataset`]s. It owns three rules the protocol relies on:
+//! out [`Dataset`]s. It owns the rules the protocol relies on:
 //!
 //! - **Atomic puts.** A [`PendingPut`] collects uploaded partitions privately. Only
 //!   [`PendingPut::commit`] makes them visible, in one catalog operation; dropping a pending put
@@ -10,6 +10,8 @@
 //!   upload, so a put beyond the memory limit fails without disturbing other datasets.
 //! - **Snapshot reads.** Datasets are immutable; readers hold an `Arc`, so `drop`, `replace` and
 //!   `append` never cut a running stream short.
+//! - **Leases.** An `ipc-export` lease holds its dataset like a reader does (`lease`), so
+//!   memory other processes have mapped outlives `drop` and `replace` until the lease ends.
 //!
 //! The catalog is a `DashMap`: lookups from many concurrent `DoGet`s never contend on one lock,
 //! and no shard lock is ever held across an `.await`.
