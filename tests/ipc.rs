@@ -95,6 +95,27 @@ fn device_bytes(status: &serde_json::Value) -> u64 {
         .expect("device_allocated_bytes")
 }
 
+/// A CUDA server with a 100,000-row dataset `name` put into it, a client, and the device
+/// memory allocated before the put.
+async fn server_with_dataset(name: &str) -> (TestServer, arrow_flight::FlightClient, u64) {
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    let start = device_bytes(&status(&mut client).await);
+    put(&mut client, path(name), vec![int64_batch(100_000, 4, 0)])
+        .await
+        .expect("put");
+    (server, client, start)
+}
+
+/// Waits (up to ten seconds) until no lease is left and device memory is back at `start`.
+async fn wait_for_memory_back(server: &TestServer, start: u64) {
+    wait_until(|| async {
+        let now = status(&mut server.client().await).await;
+        device_bytes(&now) == start && now["leases"] == json!([])
+    })
+    .await;
+}
+
 /// Runs this test binary again as the consumer process, doing `task`.
 fn consumer_command(task: serde_json::Value) -> Command {
     let mut command = Command::new(std::env::current_exe().expect("test binary"));
@@ -135,14 +156,8 @@ async fn a_second_process_maps_every_column_and_reads_what_do_get_returns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
 async fn release_and_expiry_free_the_memory_of_dropped_datasets() {
-    let server = TestServer::start(cuda()).await;
-    let mut client = server.client().await;
-    let start = device_bytes(&status(&mut client).await);
-
     // Dropped while leased: out of the catalog at once, memory held until the release.
-    put(&mut client, path("t"), vec![int64_batch(100_000, 4, 0)])
-        .await
-        .expect("put");
+    let (server, mut client, start) = server_with_dataset("t").await;
     let exported = action(&mut client, "ipc-export", json!({"name": "t"}))
         .await
         .expect("export");
@@ -206,12 +221,7 @@ async fn release_and_expiry_free_the_memory_of_dropped_datasets() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
 async fn a_killed_consumer_leaks_nothing_past_its_lease() {
-    let server = TestServer::start(cuda()).await;
-    let mut client = server.client().await;
-    let start = device_bytes(&status(&mut client).await);
-    put(&mut client, path("t"), vec![int64_batch(100_000, 4, 0)])
-        .await
-        .expect("put");
+    let (server, mut client, start) = server_with_dataset("t").await;
     let task = json!({"mode": "hold", "addr": server.addr.to_string(), "names": ["t"]});
     let mut child = consumer_command(task)
         .stdout(Stdio::piped())
@@ -232,18 +242,7 @@ async fn a_killed_consumer_leaks_nothing_past_its_lease() {
     action(&mut client, "drop", json!({"name": "t"}))
         .await
         .expect("drop");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let now = status(&mut client).await;
-        if device_bytes(&now) == start && now["leases"] == json!([]) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "memory not returned: {now}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_memory_back(&server, start).await;
     server.shutdown_and_wait().await;
 }
 
