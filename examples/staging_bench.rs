@@ -89,7 +89,7 @@ async fn main() {
             put.declare_schema(batches[0].schema()).expect("schema");
             let uploads: Vec<_> = batches
                 .iter()
-                .filter_map(|b| put.upload(b.clone()).expect("reserve"))
+                .filter_map(|b| put.upload(b.clone(), None).expect("reserve"))
                 .collect();
             for uploaded in futures::future::try_join_all(uploads)
                 .await

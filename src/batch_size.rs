@@ -6,7 +6,7 @@
 //! need the bytes a slice would occupy if written out, which is what this module computes.
 
 use arrow::array::ArrayData;
-use arrow::datatypes::DataType;
+use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 
 /// Bytes the batch's columns occupy when written compactly (validity, offsets, values, children),
@@ -57,6 +57,36 @@ pub fn array_bytes(data: &ArrayData) -> u64 {
             .map(|b| b as u64)
             .unwrap_or_else(|_| data.get_buffer_memory_size() as u64),
     }
+}
+
+/// Bytes a schema holds in memory, approximately: names, metadata and a fixed cost per field.
+/// Clients choose all of it (64 MiB of metadata is a valid schema), so the store charges it.
+pub fn schema_bytes(schema: &Schema) -> u64 {
+    /// A `Field` and its `DataType` on the heap, beyond the bytes of its strings.
+    const FIELD_OVERHEAD: u64 = 128;
+    fn metadata_bytes(metadata: &arrow::datatypes::Metadata) -> u64 {
+        metadata
+            .iter()
+            .map(|(key, value)| (key.len() + value.len()) as u64 + 2 * 24)
+            .sum()
+    }
+    fn field_bytes(field: &Field) -> u64 {
+        let children: u64 = match field.data_type() {
+            DataType::List(child)
+            | DataType::LargeList(child)
+            | DataType::ListView(child)
+            | DataType::LargeListView(child)
+            | DataType::FixedSizeList(child, _)
+            | DataType::Map(child, _) => field_bytes(child),
+            DataType::Struct(fields) => fields.iter().map(|f| field_bytes(f)).sum(),
+            DataType::Union(fields, _) => fields.iter().map(|(_, f)| field_bytes(f)).sum(),
+            DataType::RunEndEncoded(ends, values) => field_bytes(ends) + field_bytes(values),
+            DataType::Timestamp(_, Some(zone)) => zone.len() as u64,
+            _ => 0,
+        };
+        FIELD_OVERHEAD + field.name().len() as u64 + metadata_bytes(field.metadata()) + children
+    }
+    metadata_bytes(schema.metadata()) + schema.fields().iter().map(|f| field_bytes(f)).sum::<u64>()
 }
 
 fn list_bytes<O: arrow::array::OffsetSizeTrait>(data: &ArrayData) -> u64 {

@@ -24,6 +24,34 @@ pub enum Error {
     InvalidCommand(String),
     #[error("invalid Arrow IPC data: {0}")]
     InvalidIpc(String),
+    #[error("undecodable request: {0}")]
+    Undecodable(String),
+    #[error(
+        "a request message of {declared} bytes is over the limit of {limit} bytes ({flag}); \
+         tickets, descriptors and action bodies are small"
+    )]
+    RequestTooLarge {
+        declared: usize,
+        limit: usize,
+        flag: &'static str,
+    },
+    #[error("a message of {declared} bytes is over the limit of {limit} bytes ({flag}); {hint}")]
+    MessageTooLarge {
+        declared: usize,
+        limit: usize,
+        flag: &'static str,
+        hint: &'static str,
+    },
+    #[error(
+        "a record batch of this dataset cannot be sent within the {limit}-byte message limit \
+         (--max-message-bytes): {what} alone takes {needed} bytes; raise --max-message-bytes \
+         and the client's maximum receive size, or store fewer columns per dataset"
+    )]
+    ReplyTooLarge {
+        what: &'static str,
+        needed: usize,
+        limit: usize,
+    },
     #[error("unknown action '{0}'; ListActions lists the actions this server offers")]
     UnknownAction(String),
     #[error("{0} is not supported by gpu-flight")]
@@ -45,12 +73,21 @@ impl From<BackendError> for Error {
 }
 
 impl Error {
+    /// The status a client sees, without logging it (for errors logged where they are handled).
+    pub(crate) fn quiet_status(&self) -> Status {
+        Status::new(self.code(), bounded(self.to_string()))
+    }
+
     fn code(&self) -> Code {
         match self {
             Self::InvalidDescriptor(_)
             | Self::InvalidTicket(_)
             | Self::InvalidCommand(_)
-            | Self::InvalidIpc(_) => Code::InvalidArgument,
+            | Self::InvalidIpc(_)
+            | Self::Undecodable(_)
+            | Self::RequestTooLarge { .. } => Code::InvalidArgument,
+            Self::MessageTooLarge { .. } => Code::ResourceExhausted,
+            Self::ReplyTooLarge { .. } => Code::FailedPrecondition,
             Self::UnknownAction(_) | Self::Unsupported(_) => Code::Unimplemented,
             Self::ClientGone(_) => Code::Cancelled,
             Self::ShuttingDown => Code::Unavailable,
@@ -93,21 +130,39 @@ fn backend_code(error: &BackendError) -> Code {
 impl From<Error> for Status {
     fn from(error: Error) -> Self {
         let code = error.code();
-        let mut message = error.to_string();
-        if message.len() > MAX_MESSAGE_BYTES {
-            let mut end = MAX_MESSAGE_BYTES;
-            while !message.is_char_boundary(end) {
-                end -= 1;
-            }
-            message.truncate(end);
-            message.push_str("...");
-        }
+        let message = bounded(error.to_string());
+        // Messages quote what clients sent (names, action types); escaped, a newline in them
+        // cannot forge a log line.
+        let logged = message.escape_debug();
         match code {
             Code::Internal | Code::Unknown | Code::DataLoss => {
-                tracing::warn!(%message, ?code, "request failed")
+                tracing::warn!(message = %logged, ?code, "request failed")
             }
-            _ => tracing::info!(%message, ?code, "request refused"),
+            _ => tracing::info!(message = %logged, ?code, "request refused"),
         }
         Status::new(code, message)
+    }
+}
+
+fn bounded(mut message: String) -> String {
+    if message.len() > MAX_MESSAGE_BYTES {
+        let mut end = MAX_MESSAGE_BYTES;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("...");
+    }
+    message
+}
+
+/// The text a panic carried, for logs and INTERNAL errors.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = panic.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = panic.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }

@@ -12,3 +12,4 @@ pub mod error;
 pub mod flight;
 pub mod server;
 pub mod store;
+mod task;

@@ -14,6 +14,7 @@ use tonic::transport::server::TcpIncoming;
 
 use crate::flight::{FlightOptions, Lifecycle, make_server};
 use crate::store::Store;
+use crate::task::AbortOnDrop;
 
 /// Everything [`run`] needs besides the listener and the store.
 #[derive(Debug, Clone)]
@@ -119,15 +120,6 @@ pub async fn run(
             server.abort();
             Ok(())
         }
-    }
-}
-
-/// Stops a background task when the server stops, whichever way `run` returns.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -8,10 +8,13 @@
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
-//! - `put` and `get`: the `DoPut` ingest loop and `DoGet` message encoding.
-//! - [`ipc_message`] and `router`: `DoGet` replies written into gRPC frames with one copy.
+//! - `put`, `decode` and `get`: the `DoPut` ingest loop, the checked decoding of its
+//!   messages, and `DoGet` message encoding.
+//! - [`ipc_message`]: `DoGet` replies written into gRPC frames with one copy.
+//! - `router`: every method's entry: message limits, clean stream ends, panics, codes.
 
 pub mod action;
+mod decode;
 pub mod descriptor;
 mod get;
 pub mod ipc_export;
@@ -36,8 +39,9 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::error::Error;
 use crate::store::{Dataset, ExportRequest, Store};
 use action::ActionRequest;
+pub use decode::MAX_BATCH_ROWS;
 use ipc_message::IpcMessage;
-pub use router::FlightRouter;
+pub use router::{ConnectionStreams, FlightRouter};
 use ticket::TicketRequest;
 
 /// Protocol settings.
@@ -53,6 +57,11 @@ pub struct FlightOptions {
     pub read_prefetch: usize,
     /// `DoPut` batches being uploaded while more are received.
     pub put_pipeline_depth: usize,
+    /// Largest `DoPut` message accepted (`--max-put-message-bytes`).
+    pub max_put_message_bytes: usize,
+    /// Largest message of any other request: tickets, descriptors, actions
+    /// (`--max-request-bytes`).
+    pub max_request_bytes: usize,
 }
 
 impl Default for FlightOptions {
@@ -63,6 +72,8 @@ impl Default for FlightOptions {
             read_chunk_bytes: 16 << 20,
             read_prefetch: 2,
             put_pipeline_depth: 4,
+            max_put_message_bytes: 1 << 30,
+            max_request_bytes: 64 << 10,
         }
     }
 }
@@ -119,8 +130,8 @@ impl Drop for StreamGuard {
     }
 }
 
-/// Builds the gRPC service over `store`. Client messages of any size are accepted (pyarrow
-/// sends each record batch as one message); replies are bounded by `max_message_bytes`.
+/// Builds the gRPC service over `store`. Requests are bounded by `max_put_message_bytes`
+/// (`DoPut`) and `max_request_bytes` (everything else); replies by `max_message_bytes`.
 pub fn make_server(store: Store, options: FlightOptions, lifecycle: Lifecycle) -> FlightRouter {
     FlightRouter::new(Service {
         store,
@@ -351,12 +362,7 @@ impl FlightService for Service {
     ) -> Result<Response<Self::DoPutStream>, Status> {
         self.ensure_serving()?;
         let _running = self.lifecycle.track();
-        let summary = put::receive(
-            &self.store,
-            request.into_inner(),
-            self.options.put_pipeline_depth,
-        )
-        .await?;
+        let summary = put::receive(&self.store, request, self.options.put_pipeline_depth).await?;
         let metadata = serde_json::to_vec(&summary)
             .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?;
         Ok(Response::new(one(PutResult {

@@ -3,35 +3,55 @@
 //! Uploads are pipelined: up to `depth` batches are being copied into backend memory while the
 //! next messages are received and decoded. When `depth` uploads are outstanding the loop waits
 //! for the oldest before reading more, which is the backpressure that bounds memory: gRPC flow
-//! control then slows the client. The put commits only after every upload has completed; any
-//! error returns early and drops the pending put, which frees everything it had uploaded.
+//! control then slows the client. Every message was paid for against the memory budget when its
+//! length prefix arrived (see `router`); that reservation follows the message until its batch is
+//! uploaded.
+//!
+//! **A put commits only on a clean end**: the receiving task must report [`Received::End`],
+//! which it does only when the request stream ended with END_STREAM. A transport error, a reset,
+//! a keepalive timeout, shutdown, or the receiving task dying for any reason ends the put with an
+//! error instead, and dropping the pending put frees everything it had uploaded.
 //!
 //! Receiving runs on its own task a few messages ahead of decoding: gRPC's copy out of the
 //! HTTP/2 frames and Arrow's copy of each body into aligned memory then proceed on different
-//! cores. If the put fails the receiver is dropped, the receiving task stops, and its request
-//! stream is dropped with it.
+//! cores. If the put fails, the receiving task is aborted and its request stream dropped.
 
 use arrow_flight::FlightData;
-use arrow_flight::decode::{DecodedPayload, FlightDataDecoder};
-use arrow_flight::error::FlightError;
+use futures::StreamExt;
 use futures::stream::FuturesOrdered;
-use futures::{StreamExt, TryStreamExt};
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::Streaming;
+use tonic::{Code, Request, Status, Streaming};
 
+use super::decode::{Decoded, PutDecoder};
 use super::descriptor;
+use super::router::Inbound;
 use crate::error::Error;
+use crate::store::memory::Reservation;
 use crate::store::{PutSummary, Store};
+use crate::task::AbortOnDrop;
 
 /// Messages received ahead of the decoder.
 const RECEIVE_AHEAD: usize = 4;
 
+/// What the receiving task hands the decoder.
+enum Received {
+    Message(FlightData, Option<Reservation>),
+    /// The client ended its stream cleanly: the only way a put commits.
+    End,
+    Failed(Error),
+}
+
 /// Receives a whole `DoPut` stream and commits it.
 pub(crate) async fn receive(
     store: &Store,
-    mut input: Streaming<FlightData>,
+    request: Request<Streaming<FlightData>>,
     depth: usize,
 ) -> Result<PutSummary, Error> {
+    let inbound = request
+        .extensions()
+        .get::<Inbound>()
+        .cloned()
+        .unwrap_or_default();
+    let mut input = request.into_inner();
     let first = match input.message().await {
         Ok(Some(first)) => first,
         Ok(None) => {
@@ -39,31 +59,52 @@ pub(crate) async fn receive(
                 "the DoPut stream was empty; send a descriptor and a schema first".to_owned(),
             ));
         }
-        Err(status) => return Err(Error::ClientGone(status.message().to_owned())),
+        Err(status) => return Err(stream_failure(&inbound, status)),
     };
+    let first_charge = inbound.take_charge();
     let (name, mode) = descriptor::put_target(first.flight_descriptor.as_ref())?;
     let mut pending = store.begin_put(name, mode)?;
 
-    let (sender, receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
-    tokio::spawn(async move {
-        while let Some(message) = input.next().await {
-            let failed = message.is_err();
-            if sender.send(message).await.is_err() || failed {
+    let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
+    let receiving_inbound = inbound.clone();
+    let _receiving = AbortOnDrop(tokio::spawn(async move {
+        let inbound = receiving_inbound;
+        loop {
+            let item = match input.message().await {
+                Ok(Some(message)) => Received::Message(message, inbound.take_charge()),
+                Ok(None) => Received::End,
+                Err(status) => Received::Failed(stream_failure(&inbound, status)),
+            };
+            let last = !matches!(item, Received::Message(..));
+            if sender.send(item).await.is_err() || last {
                 break;
             }
         }
-    });
-    let received = ReceiverStream::new(receiver);
-    let messages = futures::stream::once(futures::future::ready(Ok(first)))
-        .chain(received.map_err(|status| FlightError::Tonic(Box::new(status))));
-    let mut decoder = FlightDataDecoder::new(messages);
+    }));
+
+    let mut decoder = PutDecoder::default();
     let mut uploads = FuturesOrdered::new();
-    while let Some(decoded) = decoder.next().await {
-        let decoded = decoded.map_err(decode_error)?;
-        match decoded.payload {
-            DecodedPayload::Schema(schema) => pending.declare_schema(schema)?,
-            DecodedPayload::RecordBatch(batch) => {
-                if let Some(upload) = pending.upload(batch)? {
+    // Dictionaries stay referenced by the decoder until the put ends; so do their charges.
+    let mut dictionary_charges = Vec::new();
+    let mut next = Some((first, first_charge));
+    loop {
+        let (message, charge) = match next.take() {
+            Some(message) => message,
+            None => match receiver.recv().await {
+                Some(Received::Message(message, charge)) => (message, charge),
+                Some(Received::End) => break,
+                Some(Received::Failed(error)) => return Err(error),
+                None => {
+                    return Err(Error::Internal(
+                        "the DoPut receiving task stopped before the stream ended".to_owned(),
+                    ));
+                }
+            },
+        };
+        match decoder.decode(&message)? {
+            Decoded::Schema(schema) => pending.declare_schema(schema)?,
+            Decoded::Batch(batch) => {
+                if let Some(upload) = pending.upload(batch, charge)? {
                     uploads.push_back(upload);
                 }
                 while uploads.len() >= depth.max(1) {
@@ -72,15 +113,17 @@ pub(crate) async fn receive(
                     }
                 }
             }
-            DecodedPayload::None => {}
+            Decoded::Nothing => dictionary_charges.extend(charge),
         }
     }
     while let Some(uploaded) = uploads.next().await {
         pending.add(uploaded?);
     }
+    drop(decoder);
+    drop(dictionary_charges);
     let summary = pending.commit().await?;
     tracing::info!(
-        dataset = %summary.name,
+        dataset = ?summary.name,
         mode = ?summary.mode,
         rows = summary.rows,
         bytes = summary.bytes,
@@ -90,10 +133,19 @@ pub(crate) async fn receive(
     Ok(summary)
 }
 
-/// A failure of the incoming stream: the client's transport, or the bytes it sent.
-fn decode_error(error: FlightError) -> Error {
-    match error {
-        FlightError::Tonic(status) => Error::ClientGone(status.message().to_owned()),
-        other => Error::InvalidIpc(other.to_string()),
+/// Why the request stream failed: what the router's body guard found (a limit, the budget, a
+/// stream that ended without END_STREAM), undecodable bytes, or else the transport.
+fn stream_failure(inbound: &Inbound, status: Status) -> Error {
+    if let Some(error) = inbound.take_failure() {
+        return error;
+    }
+    match status.code() {
+        Code::InvalidArgument => Error::Undecodable(
+            status
+                .message()
+                .trim_start_matches("undecodable request: ")
+                .to_owned(),
+        ),
+        _ => Error::ClientGone(status.message().to_owned()),
     }
 }

@@ -1,44 +1,113 @@
-//! The gRPC service as tonic sees it: `DoGet` through [`FlightDataCodec`], which writes Arrow
-//! buffers into frames with one copy; every other method through the service arrow-flight
-//! generates from the Flight protocol definition.
+//! The gRPC service as tonic sees it: every Flight method routed here, before any handler runs.
+//!
+//! The service arrow-flight generates would do the routing, but it decides things a data
+//! server on a network must decide itself, so each method is dispatched here instead:
+//!
+//! - **Message limits, checked at the length prefix.** Each method has a limit (`DoPut`:
+//!   `--max-put-message-bytes`; every other request: `--max-request-bytes`). [`GuardedBody`]
+//!   reads each gRPC message's 5-byte prefix as it arrives and refuses a declared length over the
+//!   limit before tonic reserves a buffer for it; for `DoPut` it also reserves the declared bytes
+//!   against the memory budget ([`Inbound`]) before they are received.
+//! - **A clean end, or no end.** hyper reports a stream reset with NO_ERROR (which is also how
+//!   it abandons streams when a keepalive ping goes unanswered) as an ordinary end of the request
+//!   body. A put must not commit on that, so [`GuardedBody`] asks h2 whether END_STREAM really
+//!   arrived and fails the body otherwise.
+//! - **Codes.** Undecodable protobuf is INVALID_ARGUMENT ([`StrictCodec`]), not INTERNAL.
+//! - **Panics.** A handler that panics answers INTERNAL and logs an error; the server stays up.
+//! - **Connection activity.** Each request counts as an open stream on its connection
+//!   ([`ConnectionStreams`]) until its response ends, which is what the idle timeout reads.
+//!
+//! `DoGet` is encoded with [`FlightDataCodec`], which writes Arrow buffers into frames with one
+//! copy; everything else with prost.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
+use std::time::Instant;
 
-use arrow_flight::Ticket;
-use arrow_flight::flight_service_server::FlightServiceServer;
+use arrow_flight::flight_service_server::FlightService;
+use arrow_flight::{Action, Criteria, Empty, FlightData, FlightDescriptor, HandshakeRequest};
+use bytes::{Buf, Bytes};
 use futures::future::BoxFuture;
-use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt, TryFutureExt};
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::body::Body;
-use tonic::server::{Grpc, NamedService, ServerStreamingService};
-use tonic::{Request, Response, Status};
+use tonic::codec::{Codec, DecodeBuf, Decoder};
+use tonic::server::{Grpc, NamedService, ServerStreamingService, StreamingService, UnaryService};
+use tonic::{Request, Response, Status, Streaming};
 
 use super::Service;
-use super::ipc_message::{FlightDataCodec, IpcMessage};
+use super::ipc_message::FlightDataCodec;
+use crate::error::{Error, panic_message};
+use crate::store::Store;
+use crate::store::memory::Reservation;
 
-const DO_GET_PATH: &str = "/arrow.flight.protocol.FlightService/DoGet";
+const SERVICE: &str = "/arrow.flight.protocol.FlightService/";
 
 /// The Flight service, ready for `tonic::transport::Server::add_service`.
 #[derive(Debug, Clone)]
 pub struct FlightRouter {
-    generated: FlightServiceServer<Service>,
     service: Arc<Service>,
 }
 
 impl FlightRouter {
     pub(super) fn new(service: Service) -> Self {
-        let service = Arc::new(service);
-        // Clients' messages may be any size (pyarrow sends a record batch as one message).
-        let generated = FlightServiceServer::from_arc(Arc::clone(&service))
-            .max_decoding_message_size(usize::MAX)
-            .max_encoding_message_size(usize::MAX);
-        Self { generated, service }
+        Self {
+            service: Arc::new(service),
+        }
     }
 }
 
 impl NamedService for FlightRouter {
     const NAME: &'static str = "arrow.flight.protocol.FlightService";
+}
+
+/// Open streams on one connection and when the last one ended, shared between the router
+/// (which counts requests) and the connection (which closes itself when idle too long).
+#[derive(Debug)]
+pub struct ConnectionStreams {
+    open: AtomicUsize,
+    last_active: Mutex<Instant>,
+}
+
+impl Default for ConnectionStreams {
+    fn default() -> Self {
+        Self {
+            open: AtomicUsize::new(0),
+            last_active: Mutex::new(Instant::now()),
+        }
+    }
+}
+
+impl ConnectionStreams {
+    /// Whether no stream has been open on the connection since `since` ago.
+    pub fn idle_since(&self) -> Option<Instant> {
+        if self.open.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        Some(*self.last_active.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn begin(self: &Arc<Self>) -> OpenStream {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        OpenStream(Arc::clone(self))
+    }
+}
+
+/// One request counted as open on its connection until dropped.
+#[derive(Debug)]
+struct OpenStream(Arc<ConnectionStreams>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        *self.0.last_active.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl tower_service::Service<http::Request<Body>> for FlightRouter {
@@ -51,27 +120,543 @@ impl tower_service::Service<http::Request<Body>> for FlightRouter {
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        if request.uri().path() != DO_GET_PATH {
-            return self.generated.call(request);
-        }
-        let method = DoGet(Arc::clone(&self.service));
+        let open = request
+            .extensions()
+            .get::<Arc<ConnectionStreams>>()
+            .map(ConnectionStreams::begin);
+        let service = Arc::clone(&self.service);
+        let method = Method::of(request.uri().path());
         Box::pin(async move {
-            let mut grpc =
-                Grpc::new(FlightDataCodec).apply_max_message_size_config(None, Some(usize::MAX));
-            Ok(grpc.server_streaming(method, request).await)
+            let response = route(service, method, request).await;
+            // The stream stays open until its response body is done (or dropped).
+            Ok(response.map(|body| Body::new(Tracked { body, _open: open })))
         })
     }
 }
 
-struct DoGet(Arc<Service>);
+/// The Flight methods, by the last segment of their path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Method {
+    Handshake,
+    ListFlights,
+    GetFlightInfo,
+    PollFlightInfo,
+    GetSchema,
+    DoGet,
+    DoPut,
+    DoExchange,
+    DoAction,
+    ListActions,
+    Unknown,
+}
 
-impl ServerStreamingService<Ticket> for DoGet {
-    type Response = IpcMessage;
-    type ResponseStream = BoxStream<'static, Result<IpcMessage, Status>>;
-    type Future = BoxFuture<'static, Result<Response<Self::ResponseStream>, Status>>;
+impl Method {
+    fn of(path: &str) -> Self {
+        match path.strip_prefix(SERVICE).unwrap_or_default() {
+            "Handshake" => Self::Handshake,
+            "ListFlights" => Self::ListFlights,
+            "GetFlightInfo" => Self::GetFlightInfo,
+            "PollFlightInfo" => Self::PollFlightInfo,
+            "GetSchema" => Self::GetSchema,
+            "DoGet" => Self::DoGet,
+            "DoPut" => Self::DoPut,
+            "DoExchange" => Self::DoExchange,
+            "DoAction" => Self::DoAction,
+            "ListActions" => Self::ListActions,
+            _ => Self::Unknown,
+        }
+    }
+}
 
-    fn call(&mut self, request: Request<Ticket>) -> Self::Future {
-        let service = Arc::clone(&self.0);
-        Box::pin(async move { Ok(Response::new(service.do_get_stream(request.get_ref())?)) })
+async fn route(
+    service: Arc<Service>,
+    method: Method,
+    request: http::Request<Body>,
+) -> http::Response<Body> {
+    let request_limit = service.options.max_request_bytes;
+    match method {
+        Method::DoPut => {
+            let inbound = Inbound::default();
+            let store = service.store.clone();
+            let limit = service.options.max_put_message_bytes;
+            let mut request = guard(
+                request,
+                limit,
+                put_too_large,
+                Some((store, inbound.clone())),
+            );
+            request.extensions_mut().insert(inbound);
+            let mut grpc = grpc::<arrow_flight::PutResult, FlightData>(limit);
+            grpc.streaming(
+                stream_handler(&service, |service, request| {
+                    async move { service.do_put(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::DoGet => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = Grpc::new(FlightDataCodec)
+                .apply_max_message_size_config(Some(request_limit), Some(usize::MAX));
+            grpc.server_streaming(
+                stream_handler(&service, |service, request| {
+                    async move { Ok(Response::new(service.do_get_stream(request.get_ref())?)) }
+                        .boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::GetFlightInfo => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::FlightInfo, FlightDescriptor>(request_limit);
+            grpc.unary(
+                handler(&service, |service, request| {
+                    async move { service.get_flight_info(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::PollFlightInfo => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::PollInfo, FlightDescriptor>(request_limit);
+            grpc.unary(
+                handler(&service, |service, request| {
+                    async move { service.poll_flight_info(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::GetSchema => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::SchemaResult, FlightDescriptor>(request_limit);
+            grpc.unary(
+                handler(&service, |service, request| {
+                    async move { service.get_schema(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::ListFlights => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::FlightInfo, Criteria>(request_limit);
+            grpc.server_streaming(
+                stream_handler(&service, |service, request| {
+                    async move { service.list_flights(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::DoAction => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::Result, Action>(request_limit);
+            grpc.server_streaming(
+                stream_handler(&service, |service, request| {
+                    async move { service.do_action(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::ListActions => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::ActionType, Empty>(request_limit);
+            grpc.server_streaming(
+                stream_handler(&service, |service, request| {
+                    async move { service.list_actions(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::Handshake => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<arrow_flight::HandshakeResponse, HandshakeRequest>(request_limit);
+            grpc.streaming(
+                stream_handler(&service, |service, request| {
+                    async move { service.handshake(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::DoExchange => {
+            let request = guard(request, request_limit, request_too_large, None);
+            let mut grpc = grpc::<FlightData, FlightData>(request_limit);
+            grpc.streaming(
+                stream_handler(&service, |service, request| {
+                    async move { service.do_exchange(request).await }.boxed()
+                }),
+                request,
+            )
+            .await
+        }
+        Method::Unknown => Status::unimplemented(format!(
+            "no such method; gpu-flight serves {}",
+            "the Arrow Flight protocol (arrow.flight.protocol.FlightService)"
+        ))
+        .into_http(),
+    }
+}
+
+/// A tonic server for one method, with decoding bounded by `limit` (which [`GuardedBody`] has
+/// already enforced with a better message; tonic's check is the backstop).
+fn grpc<E, D>(limit: usize) -> Grpc<StrictCodec<E, D>>
+where
+    E: prost::Message + Send + 'static,
+    D: prost::Message + Default + Send + 'static,
+{
+    Grpc::new(StrictCodec(PhantomData)).apply_max_message_size_config(Some(limit), Some(usize::MAX))
+}
+
+fn put_too_large(declared: usize, limit: usize) -> Error {
+    Error::MessageTooLarge {
+        declared,
+        limit,
+        flag: "--max-put-message-bytes",
+        hint: "write smaller record batches (pyarrow: writer.write_table(table, max_chunksize=...))",
+    }
+}
+
+fn request_too_large(declared: usize, limit: usize) -> Error {
+    Error::RequestTooLarge {
+        declared,
+        limit,
+        flag: "--max-request-bytes",
+    }
+}
+
+/// Wraps the request body in a [`GuardedBody`].
+fn guard(
+    request: http::Request<Body>,
+    limit: usize,
+    too_large: fn(usize, usize) -> Error,
+    charge: Option<(Store, Inbound)>,
+) -> http::Request<Body> {
+    request.map(|body| {
+        Body::new(GuardedBody {
+            inner: body,
+            limit,
+            too_large,
+            charge,
+            prefix: [0; 5],
+            prefix_len: 0,
+            remaining: 0,
+            failed: false,
+        })
+    })
+}
+
+/// A handler as tonic's server traits want it, with panics turned into INTERNAL. Function
+/// pointers rather than closures, and generic over message types only: the compiler cannot
+/// prove `Send` for futures holding closures or `dyn` types among these generics.
+struct Handler<Req, Res> {
+    service: Arc<Service>,
+    call: fn(Arc<Service>, Request<Req>) -> Reply<Res>,
+}
+
+/// [`Handler`] for methods that reply with a stream of `T`, whose polling must not unwind into
+/// tonic either.
+struct StreamHandler<Req, T> {
+    service: Arc<Service>,
+    call: fn(Arc<Service>, Request<Req>) -> Reply<ReplyStream<T>>,
+}
+
+fn handler<Req, Res>(
+    service: &Arc<Service>,
+    call: fn(Arc<Service>, Request<Req>) -> Reply<Res>,
+) -> Handler<Req, Res> {
+    Handler {
+        service: Arc::clone(service),
+        call,
+    }
+}
+
+fn stream_handler<Req, T>(
+    service: &Arc<Service>,
+    call: fn(Arc<Service>, Request<Req>) -> Reply<ReplyStream<T>>,
+) -> StreamHandler<Req, T> {
+    StreamHandler {
+        service: Arc::clone(service),
+        call,
+    }
+}
+
+type ReplyStream<T> = futures::stream::BoxStream<'static, Result<T, Status>>;
+type Reply<Res> = BoxFuture<'static, Result<Response<Res>, Status>>;
+
+fn contain_panics<Res: 'static>(future: Reply<Res>) -> Reply<Res> {
+    AssertUnwindSafe(future)
+        .catch_unwind()
+        .map(|result| result.unwrap_or_else(|panic| Err(panicked(panic.as_ref()))))
+        .boxed()
+}
+
+fn contain_stream_panics<T: Send + 'static>(
+    future: Reply<ReplyStream<T>>,
+) -> Reply<ReplyStream<T>> {
+    contain_panics(future)
+        .map_ok(|response| {
+            response.map(|stream| {
+                AssertUnwindSafe(stream)
+                    .catch_unwind()
+                    .map(|item| item.unwrap_or_else(|panic| Err(panicked(panic.as_ref()))))
+                    .boxed()
+            })
+        })
+        .boxed()
+}
+
+impl<Req, Res: 'static> UnaryService<Req> for Handler<Req, Res> {
+    type Response = Res;
+    type Future = Reply<Res>;
+
+    fn call(&mut self, request: Request<Req>) -> Reply<Res> {
+        contain_panics((self.call)(Arc::clone(&self.service), request))
+    }
+}
+
+impl<Req, T: Send + 'static> ServerStreamingService<Req> for StreamHandler<Req, T> {
+    type Response = T;
+    type ResponseStream = ReplyStream<T>;
+    type Future = Reply<ReplyStream<T>>;
+
+    fn call(&mut self, request: Request<Req>) -> Self::Future {
+        contain_stream_panics((self.call)(Arc::clone(&self.service), request))
+    }
+}
+
+impl<Req, T: Send + 'static> StreamingService<Req> for StreamHandler<Streaming<Req>, T> {
+    type Response = T;
+    type ResponseStream = ReplyStream<T>;
+    type Future = Reply<ReplyStream<T>>;
+
+    fn call(&mut self, request: Request<Streaming<Req>>) -> Self::Future {
+        contain_stream_panics((self.call)(Arc::clone(&self.service), request))
+    }
+}
+
+fn panicked(panic: &(dyn std::any::Any + Send)) -> Status {
+    let reason = panic_message(panic);
+    tracing::error!(reason = %reason.escape_debug(), "a request handler panicked");
+    Status::from(Error::Internal(format!(
+        "a request handler panicked: {reason}"
+    )))
+}
+
+/// Prost decoding that calls undecodable bytes the client's mistake.
+struct StrictCodec<E, D>(PhantomData<fn(E) -> D>);
+
+impl<E, D> Codec for StrictCodec<E, D>
+where
+    E: prost::Message + Send + 'static,
+    D: prost::Message + Default + Send + 'static,
+{
+    type Encode = E;
+    type Decode = D;
+    type Encoder = <tonic_prost::ProstCodec<E, D> as Codec>::Encoder;
+    type Decoder = StrictDecoder<D>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstCodec::<E, D>::default().encoder()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        StrictDecoder(PhantomData)
+    }
+}
+
+struct StrictDecoder<D>(PhantomData<fn() -> D>);
+
+impl<D: prost::Message + Default> Decoder for StrictDecoder<D> {
+    type Item = D;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<D>, Status> {
+        D::decode(buf).map(Some).map_err(|error| {
+            Status::from(Error::Undecodable(format!(
+                "the request is not a valid {} protobuf message: {error}",
+                std::any::type_name::<D>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("Flight")
+            )))
+        })
+    }
+}
+
+/// What the router learned about a `DoPut` body that its handler needs: the reservations paid
+/// for each message, in arrival order, and why the body failed if it did.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Inbound(Arc<Mutex<InboundState>>);
+
+#[derive(Debug, Default)]
+struct InboundState {
+    charges: VecDeque<Reservation>,
+    failure: Option<Error>,
+}
+
+impl Inbound {
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboundState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The reservation for the next message the handler receives.
+    pub(crate) fn take_charge(&self) -> Option<Reservation> {
+        self.lock().charges.pop_front()
+    }
+
+    /// Why the body failed, if [`GuardedBody`] failed it (rather than the transport).
+    pub(crate) fn take_failure(&self) -> Option<Error> {
+        self.lock().failure.take()
+    }
+}
+
+/// A request body that checks each gRPC message's length prefix against a limit (and, for
+/// `DoPut`, reserves the message's bytes) as it arrives, and fails a body that ends without
+/// END_STREAM. Its errors are tonic `Status`es, which tonic passes to the handler (streams) or
+/// the client (unary requests) unchanged.
+struct GuardedBody {
+    inner: Body,
+    limit: usize,
+    too_large: fn(usize, usize) -> Error,
+    charge: Option<(Store, Inbound)>,
+    prefix: [u8; 5],
+    prefix_len: usize,
+    /// Bytes of the current message still to come.
+    remaining: usize,
+    failed: bool,
+}
+
+impl GuardedBody {
+    fn fail(&mut self, error: Error) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        self.failed = true;
+        let status = error.quiet_status();
+        match &self.charge {
+            Some((_, inbound)) => inbound.lock().failure = Some(error),
+            None => {
+                tracing::info!(message = %status.message().escape_debug(), code = ?status.code(), "request refused")
+            }
+        }
+        Poll::Ready(Some(Err(status)))
+    }
+
+    /// Follows the message framing through `data`, checking each prefix as it completes.
+    fn scan(&mut self, mut data: &[u8]) -> Result<(), Error> {
+        while !data.is_empty() {
+            if self.remaining > 0 {
+                let n = self.remaining.min(data.len());
+                self.remaining -= n;
+                data.advance(n);
+                continue;
+            }
+            let n = (5 - self.prefix_len).min(data.len());
+            self.prefix[self.prefix_len..self.prefix_len + n].copy_from_slice(&data[..n]);
+            self.prefix_len += n;
+            data.advance(n);
+            if self.prefix_len < 5 {
+                break;
+            }
+            self.prefix_len = 0;
+            if self.prefix[0] != 0 {
+                return Err(Error::Undecodable(
+                    "compressed gRPC messages are not accepted; send them uncompressed".to_owned(),
+                ));
+            }
+            let declared = u32::from_be_bytes([
+                self.prefix[1],
+                self.prefix[2],
+                self.prefix[3],
+                self.prefix[4],
+            ]) as usize;
+            if declared > self.limit {
+                return Err((self.too_large)(declared, self.limit));
+            }
+            if let Some((store, inbound)) = &self.charge {
+                let reservation = store.reserve_message(declared as u64)?;
+                inbound.lock().charges.push_back(reservation);
+            }
+            self.remaining = declared;
+        }
+        Ok(())
+    }
+}
+
+impl HttpBody for GuardedBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if self.failed {
+            return Poll::Ready(None);
+        }
+        match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref()
+                    && let Err(error) = self.scan(data)
+                {
+                    return self.fail(error);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(status)) => Poll::Ready(Some(Err(status))),
+            None => {
+                if !self.inner.is_end_stream() {
+                    return self.fail(Error::ClientGone(
+                        "the request stream was reset or its connection closed before the \
+                         client ended it"
+                            .to_owned(),
+                    ));
+                }
+                if self.prefix_len > 0 || self.remaining > 0 {
+                    return self.fail(Error::Undecodable(
+                        "the request ended in the middle of a gRPC message".to_owned(),
+                    ));
+                }
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.failed || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A response body that holds its request's [`OpenStream`] until it is done.
+struct Tracked {
+    body: Body,
+    _open: Option<OpenStream>,
+}
+
+impl HttpBody for Tracked {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }

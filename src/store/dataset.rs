@@ -45,6 +45,8 @@ pub struct Dataset {
     schema: SchemaRef,
     version: u64,
     partitions: Vec<StoredPartition>,
+    /// Pays for the schema itself: names, types and metadata, which a client can make large.
+    schema_charge: Arc<Reservation>,
     /// `row_starts[i]` is the first row of partition i; the last entry is the row count.
     row_starts: Vec<u64>,
     memory_bytes: u64,
@@ -57,21 +59,27 @@ impl Dataset {
         schema: SchemaRef,
         version: u64,
         partitions: Vec<StoredPartition>,
+        schema_charge: Arc<Reservation>,
     ) -> Self {
         let mut row_starts = Vec::with_capacity(partitions.len() + 1);
         let mut rows = 0u64;
         row_starts.push(0);
         for partition in &partitions {
-            rows += partition.data.num_rows() as u64;
+            rows = rows.saturating_add(partition.data.num_rows() as u64);
             row_starts.push(rows);
         }
-        let memory_bytes = partitions.iter().map(|p| p.reservation.bytes()).sum();
+        let memory_bytes = partitions
+            .iter()
+            .map(|p| p.reservation.bytes())
+            .sum::<u64>()
+            + schema_charge.bytes();
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         Self {
             name,
             schema,
             version,
             partitions,
+            schema_charge,
             row_starts,
             memory_bytes,
             data_bytes,
@@ -115,6 +123,10 @@ impl Dataset {
         &self.partitions
     }
 
+    pub(crate) fn schema_charge(&self) -> &Arc<Reservation> {
+        &self.schema_charge
+    }
+
     /// Streams rows `rows` as host record batches of roughly `chunk_bytes` each, keeping up to
     /// `prefetch` chunk reads in flight so that device-to-host copies overlap with whatever the
     /// consumer does with the previous chunk. The stream holds the dataset alive.
@@ -132,7 +144,7 @@ impl Dataset {
                 rows: self.num_rows(),
             });
         }
-        let chunks = self.plan_chunks(rows, chunk_bytes.max(1));
+        let chunks = Chunks::new(Arc::clone(self), rows, chunk_bytes.max(1));
         let dataset = Arc::clone(self);
         let stream = futures::stream::iter(chunks)
             .map(move |chunk| {
@@ -144,38 +156,6 @@ impl Dataset {
             .buffered(prefetch.max(1));
         Ok(stream.boxed())
     }
-
-    /// Splits a row range into per-partition chunks of about `chunk_bytes`.
-    fn plan_chunks(&self, rows: Range<u64>, chunk_bytes: u64) -> Vec<Chunk> {
-        let mut chunks = Vec::new();
-        for (index, partition) in self.partitions.iter().enumerate() {
-            let first = self.row_starts[index];
-            let end = self.row_starts[index + 1];
-            let start = rows.start.max(first);
-            let stop = rows.end.min(end);
-            if start >= stop {
-                continue;
-            }
-            let partition_rows = (end - first).max(1);
-            let bytes_per_row = partition
-                .reservation
-                .bytes()
-                .div_ceil(partition_rows)
-                .max(1);
-            let rows_per_chunk = (chunk_bytes / bytes_per_row).max(1);
-            let mut offset = start;
-            while offset < stop {
-                let len = rows_per_chunk.min(stop - offset);
-                chunks.push(Chunk {
-                    partition: index,
-                    offset: (offset - first) as usize,
-                    len: len as usize,
-                });
-                offset += len;
-            }
-        }
-        chunks
-    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -183,4 +163,67 @@ struct Chunk {
     partition: usize,
     offset: usize,
     len: usize,
+}
+
+/// A row range split into per-partition chunks of about `chunk_bytes`, produced one at a time.
+///
+/// Lazily, because the number of chunks follows the rows a dataset declares: a partition is
+/// charged at least one bit a row (see `PendingPut::upload`), so a chunk never has more rows
+/// than `chunk_bytes * 8`, and a reader that stops early never pays for the rest of the plan.
+struct Chunks {
+    dataset: Arc<Dataset>,
+    rows: Range<u64>,
+    chunk_bytes: u64,
+    partition: usize,
+    next_row: u64,
+}
+
+impl Chunks {
+    fn new(dataset: Arc<Dataset>, rows: Range<u64>, chunk_bytes: u64) -> Self {
+        let next_row = rows.start;
+        Self {
+            dataset,
+            rows,
+            chunk_bytes,
+            partition: 0,
+            next_row,
+        }
+    }
+}
+
+impl Iterator for Chunks {
+    type Item = Chunk;
+
+    fn next(&mut self) -> Option<Chunk> {
+        let dataset = &self.dataset;
+        while self.partition < dataset.partitions.len() && self.next_row < self.rows.end {
+            let index = self.partition;
+            let first = dataset.row_starts[index];
+            let end = dataset.row_starts[index + 1];
+            let stop = self.rows.end.min(end);
+            let start = self.next_row.max(first);
+            if start >= stop {
+                self.partition += 1;
+                continue;
+            }
+            let partition_rows = (end - first).max(1);
+            let bytes_per_row = dataset.partitions[index]
+                .reservation
+                .bytes()
+                .div_ceil(partition_rows)
+                .max(1);
+            let rows_per_chunk = (self.chunk_bytes / bytes_per_row).max(1);
+            let len = rows_per_chunk.min(stop - start);
+            self.next_row = start + len;
+            if self.next_row >= stop {
+                self.partition += 1;
+            }
+            return Some(Chunk {
+                partition: index,
+                offset: (start - first) as usize,
+                len: len as usize,
+            });
+        }
+        None
+    }
 }

@@ -167,11 +167,14 @@ mod tests {
     use super::*;
 
     fn dataset(name: &str) -> Arc<Dataset> {
+        let budget = crate::store::memory::MemoryBudget::new(vec![None]);
+        let schema_charge = Arc::new(budget.try_reserve(0, 0).expect("unlimited"));
         Arc::new(Dataset::new(
             name.to_owned(),
             Arc::new(Schema::empty()),
             1,
             Vec::new(),
+            schema_charge,
         ))
     }
 

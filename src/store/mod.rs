@@ -34,10 +34,10 @@ use futures::{FutureExt, TryFutureExt};
 pub use dataset::Dataset;
 use dataset::StoredPartition;
 pub use lease::Lease;
-use memory::MemoryBudget;
+use memory::{MemoryBudget, Reservation};
 
 use crate::backend::{Backend, BackendError, DeviceInfo, PartitionExport};
-use crate::batch_size::batch_bytes;
+use crate::batch_size::{batch_bytes, schema_bytes};
 
 /// What can go wrong in the store.
 #[derive(Debug, thiserror::Error)]
@@ -295,12 +295,20 @@ impl Store {
             store: self.clone(),
             name,
             mode,
-            device: 0,
+            device: PUT_DEVICE,
             schema: None,
+            schema_charge: None,
             partitions: Vec::new(),
             rows: 0,
             data_bytes: 0,
         })
+    }
+
+    /// Reserves `bytes` for a `DoPut` message as its length prefix announces it, before the
+    /// message is received: bytes a client has sent but no dataset holds yet count against the
+    /// budget like any other.
+    pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
+        self.inner.budget.try_reserve(PUT_DEVICE, bytes)
     }
 
     pub fn status(&self) -> StoreStatus {
@@ -445,6 +453,7 @@ pub struct PendingPut {
     mode: PutMode,
     device: u32,
     schema: Option<SchemaRef>,
+    schema_charge: Option<Arc<Reservation>>,
     partitions: Vec<StoredPartition>,
     rows: u64,
     data_bytes: u64,
@@ -479,14 +488,26 @@ impl PendingPut {
         {
             check_append_schema(&existing, &schema)?;
         }
+        let charge = self
+            .store
+            .inner
+            .budget
+            .try_reserve(self.device, schema_bytes(&schema))?;
+        self.schema_charge = Some(Arc::new(charge));
         self.schema = Some(schema);
         Ok(())
     }
 
     /// Reserves memory for `batch` and starts uploading it. Returns `None` for an empty batch,
     /// which holds nothing. The reservation is made before the upload starts, so a batch that
-    /// does not fit fails here with nothing allocated.
-    pub fn upload(&mut self, batch: RecordBatch) -> Result<Option<Upload>, StoreError> {
+    /// does not fit fails here with nothing allocated. `message` paid for the message the batch
+    /// was decoded from, which the batch may still point into; it is released once the upload
+    /// is done with the batch.
+    pub fn upload(
+        &mut self,
+        batch: RecordBatch,
+        message: Option<Reservation>,
+    ) -> Result<Option<Upload>, StoreError> {
         if self.schema.is_none() {
             return Err(StoreError::MissingSchema);
         }
@@ -494,15 +515,16 @@ impl PendingPut {
             return Ok(None);
         }
         let backend = Arc::clone(&self.store.inner.backend);
-        let bytes = backend.stored_size(&batch)?;
+        let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64);
         let reservation = Arc::new(self.store.inner.budget.try_reserve(self.device, bytes)?);
         let data_bytes = batch_bytes(&batch);
-        self.rows += batch.num_rows() as u64;
-        self.data_bytes += data_bytes;
+        self.rows = self.rows.saturating_add(batch.num_rows() as u64);
+        self.data_bytes = self.data_bytes.saturating_add(data_bytes);
         let upload = backend
             .upload(self.device, batch)
             .map_err(StoreError::from)
             .map_ok(move |data| {
+                drop(message);
                 UploadedPartition(StoredPartition {
                     data,
                     reservation,
@@ -521,7 +543,7 @@ impl PendingPut {
     /// Compacts the put's partitions (with the dataset's, for `append`) and makes the result
     /// visible in one catalog operation, or fails leaving the catalog untouched.
     pub async fn commit(self) -> Result<PutSummary, StoreError> {
-        let Some(schema) = self.schema else {
+        let (Some(schema), Some(schema_charge)) = (self.schema, self.schema_charge) else {
             return Err(StoreError::MissingSchema);
         };
         let store = self.store;
@@ -570,12 +592,19 @@ impl PendingPut {
                     current.schema(),
                     version,
                     partitions,
+                    Arc::clone(current.schema_charge()),
                 ));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
             Entry::Occupied(mut entry) => {
-                let dataset = Arc::new(Dataset::new(self.name.clone(), schema, version, compacted));
+                let dataset = Arc::new(Dataset::new(
+                    self.name.clone(),
+                    schema,
+                    version,
+                    compacted,
+                    schema_charge,
+                ));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
@@ -587,8 +616,13 @@ impl PendingPut {
                 } else {
                     compacted
                 };
-                let dataset =
-                    Arc::new(Dataset::new(self.name.clone(), schema, version, partitions));
+                let dataset = Arc::new(Dataset::new(
+                    self.name.clone(),
+                    schema,
+                    version,
+                    partitions,
+                    schema_charge,
+                ));
                 entry.insert(Arc::clone(&dataset));
                 dataset
             }
@@ -623,7 +657,8 @@ impl Store {
             }
             Err(error) => return Err(error.into()),
         };
-        let reservation = self.inner.budget.try_reserve(device, size)?;
+        let rows = partitions.iter().map(|p| p.data.num_rows() as u64).sum();
+        let reservation = self.inner.budget.try_reserve(device, charge(size, rows))?;
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         let compacted = backend.concatenate(data).await?;
         Ok(vec![StoredPartition {
@@ -632,6 +667,17 @@ impl Store {
             data_bytes,
         }])
     }
+}
+
+/// Where puts place their data: the backend's first device.
+const PUT_DEVICE: u32 = 0;
+
+/// What a partition of `rows` rows whose backend memory is `bytes` is charged: never less than
+/// one bit a row. Null columns and zero-column batches hold no bytes yet may declare any
+/// number of rows, and reading, planning and listing a dataset all do work per row; charging
+/// the rows makes the memory limit bound that work too.
+fn charge(bytes: u64, rows: u64) -> u64 {
+    bytes.max(rows.div_ceil(8))
 }
 
 /// `append` needs the same fields (names, types, nullability, field metadata). Schema-level
@@ -665,7 +711,7 @@ mod tests {
         let mut pending = store.begin_put("t".to_owned(), mode).expect("begin");
         pending.declare_schema(batches[0].schema()).expect("schema");
         for b in batches {
-            if let Some(upload) = pending.upload(b).expect("reserve") {
+            if let Some(upload) = pending.upload(b, None).expect("reserve") {
                 pending.add(upload.await.expect("upload"));
             }
         }

@@ -1,0 +1,252 @@
+//! `DoPut` input: FlightData messages to Arrow schemas and record batches, trusting no number a
+//! client wrote in them.
+//!
+//! Arrow's IPC reader assumes well-formed input in places: a buffer that points past the end of
+//! the message body, a negative length or a row count of 2^62 makes it panic or allocate without
+//! bound. So every message's metadata is checked against the bytes that really arrived before
+//! Arrow reads it ([`check_batch`]); Arrow then builds the arrays with full validation
+//! (offsets, UTF-8, dictionary keys), and [`check_values`] adds what Arrow does not check
+//! (decimal precision). A panic that still escapes Arrow is caught here and reported as a
+//! server bug, never as the client's: the fuzzer in `tests/fuzz.rs` holds that line.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use arrow::array::{
+    ArrayData, ArrayRef, Decimal32Array, Decimal64Array, Decimal128Array, Decimal256Array,
+};
+use arrow::buffer::Buffer;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow::ipc::{self, MessageHeader};
+use arrow::record_batch::RecordBatch;
+use arrow_flight::FlightData;
+
+use crate::error::Error;
+
+/// Most rows a record batch, or any array in it, may declare. cuDF columns have the same limit,
+/// so a batch within it can always be handed to a GPU consumer as it is.
+pub const MAX_BATCH_ROWS: i64 = i32::MAX as i64;
+
+/// What one message contributed.
+#[derive(Debug)]
+pub(crate) enum Decoded {
+    Schema(SchemaRef),
+    Batch(RecordBatch),
+    /// A dictionary (kept for the batches that follow) or a message with no IPC content, such as
+    /// a descriptor alone.
+    Nothing,
+}
+
+/// Decodes one `DoPut` stream: remembers its schema and dictionaries between messages.
+#[derive(Debug, Default)]
+pub(crate) struct PutDecoder {
+    schema: Option<SchemaRef>,
+    dictionaries: HashMap<i64, ArrayRef>,
+}
+
+impl PutDecoder {
+    pub(crate) fn decode(&mut self, data: &FlightData) -> Result<Decoded, Error> {
+        if data.data_header.is_empty() {
+            if data.data_body.is_empty() {
+                return Ok(Decoded::Nothing);
+            }
+            return Err(invalid("a FlightData message has a body but no IPC header"));
+        }
+        let message = ipc::root_as_message(&data.data_header)
+            .map_err(|e| invalid(format!("unreadable IPC message header: {e}")))?;
+        let version = message.version();
+        let body_len = data.data_body.len();
+        match message.header_type() {
+            MessageHeader::Schema => {
+                let header = message
+                    .header_as_schema()
+                    .ok_or_else(|| invalid("an IPC schema message without its schema"))?;
+                let schema = guarded("reading a schema", || {
+                    ipc::convert::try_fb_to_schema(header)
+                })?
+                .map_err(|e| invalid(format!("invalid schema: {e}")))?;
+                check_schema(&schema)?;
+                let schema = Arc::new(schema);
+                if self.schema.is_none() {
+                    self.schema = Some(Arc::clone(&schema));
+                }
+                Ok(Decoded::Schema(schema))
+            }
+            MessageHeader::DictionaryBatch => {
+                let schema = self.schema()?;
+                let header = message
+                    .header_as_dictionary_batch()
+                    .ok_or_else(|| invalid("an IPC dictionary message without its batch"))?;
+                let batch = header
+                    .data()
+                    .ok_or_else(|| invalid("an IPC dictionary message without its data"))?;
+                check_batch(&batch, body_len)?;
+                let body = Buffer::from(data.data_body.clone());
+                let dictionaries = &mut self.dictionaries;
+                guarded("reading a dictionary", || {
+                    ipc::reader::read_dictionary(&body, header, &schema, dictionaries, &version)
+                })?
+                .map_err(|e| invalid(format!("invalid dictionary batch: {e}")))?;
+                Ok(Decoded::Nothing)
+            }
+            MessageHeader::RecordBatch => {
+                let schema = self.schema()?;
+                let header = message
+                    .header_as_record_batch()
+                    .ok_or_else(|| invalid("an IPC record batch message without its batch"))?;
+                check_batch(&header, body_len)?;
+                let body = Buffer::from(data.data_body.clone());
+                let dictionaries = &self.dictionaries;
+                let batch = guarded("reading a record batch", || {
+                    ipc::reader::read_record_batch(
+                        &body,
+                        header,
+                        schema,
+                        dictionaries,
+                        None,
+                        &version,
+                    )
+                })?
+                .map_err(|e| invalid(format!("invalid record batch: {e}")))?;
+                for column in batch.columns() {
+                    check_values(&column.to_data())?;
+                }
+                Ok(Decoded::Batch(batch))
+            }
+            other => Err(invalid(format!(
+                "unexpected IPC message type {other:?} in a DoPut stream; send a schema, then \
+                 dictionaries and record batches"
+            ))),
+        }
+    }
+
+    fn schema(&self) -> Result<SchemaRef, Error> {
+        self.schema
+            .clone()
+            .ok_or_else(|| invalid("the put sent data before its schema"))
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::InvalidIpc(message.into())
+}
+
+/// Runs Arrow code that should return errors for bad input but might panic instead; a panic is
+/// a bug (ours, for not checking the input first), reported as INTERNAL and logged.
+fn guarded<T>(what: &str, read: impl FnOnce() -> T) -> Result<T, Error> {
+    std::panic::catch_unwind(AssertUnwindSafe(read)).map_err(|panic| {
+        let reason = crate::error::panic_message(panic.as_ref());
+        tracing::error!(%reason, what, "Arrow panicked on DoPut input");
+        Error::Internal(format!("Arrow panicked {what}: {reason}"))
+    })
+}
+
+/// Checks a record batch's metadata against the body that arrived: counts in range, every
+/// buffer inside the body. Arrow slices buffers without checking and trusts the counts.
+fn check_batch(batch: &ipc::RecordBatch<'_>, body_len: usize) -> Result<(), Error> {
+    let rows = batch.length();
+    if !(0..=MAX_BATCH_ROWS).contains(&rows) {
+        return Err(invalid(format!(
+            "a record batch declares {rows} rows; gpu-flight accepts 0 to {MAX_BATCH_ROWS} \
+             rows a batch (split larger tables into several batches)"
+        )));
+    }
+    for node in batch.nodes().iter().flatten() {
+        let (length, nulls) = (node.length(), node.null_count());
+        if !(0..=MAX_BATCH_ROWS).contains(&length) {
+            return Err(invalid(format!(
+                "an array declares {length} values; gpu-flight accepts 0 to {MAX_BATCH_ROWS}"
+            )));
+        }
+        if !(0..=length).contains(&nulls) {
+            return Err(invalid(format!(
+                "an array of {length} values declares {nulls} nulls"
+            )));
+        }
+    }
+    let buffers = batch.buffers().map_or(0, |b| b.len());
+    for buffer in batch.buffers().iter().flatten() {
+        let (offset, length) = (buffer.offset(), buffer.length());
+        let end = offset.checked_add(length);
+        let inside = offset >= 0
+            && length >= 0
+            && end.is_some_and(|end| usize::try_from(end).is_ok_and(|end| end <= body_len));
+        if !inside {
+            return Err(invalid(format!(
+                "a buffer at offset {offset} of {length} bytes lies outside the message body of \
+                 {body_len} bytes"
+            )));
+        }
+    }
+    if let Some(counts) = batch.variadicBufferCounts() {
+        for count in counts {
+            if !usize::try_from(count).is_ok_and(|count| count <= buffers) {
+                return Err(invalid(format!(
+                    "a view array declares {count} data buffers; the batch has {buffers}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks what Arrow's schema conversion accepts but later code would trust: sizes that must
+/// not be negative.
+fn check_schema(schema: &Schema) -> Result<(), Error> {
+    fn check(field: &Field) -> Result<(), Error> {
+        match field.data_type() {
+            DataType::FixedSizeList(child, size) => {
+                if *size < 0 {
+                    return Err(invalid(format!(
+                        "field '{}' is a fixed-size list of {size} values",
+                        field.name()
+                    )));
+                }
+                check(child)
+            }
+            DataType::FixedSizeBinary(size) if *size < 0 => Err(invalid(format!(
+                "field '{}' is fixed-size binary of {size} bytes",
+                field.name()
+            ))),
+            DataType::List(child)
+            | DataType::LargeList(child)
+            | DataType::ListView(child)
+            | DataType::LargeListView(child)
+            | DataType::Map(child, _) => check(child),
+            DataType::Struct(fields) => fields.iter().try_for_each(|f| check(f)),
+            DataType::Union(fields, _) => fields.iter().try_for_each(|(_, f)| check(f)),
+            DataType::RunEndEncoded(ends, values) => {
+                check(ends)?;
+                check(values)
+            }
+            DataType::Dictionary(_, values) => {
+                check(&Field::new(field.name(), values.as_ref().clone(), true))
+            }
+            _ => Ok(()),
+        }
+    }
+    schema.fields().iter().try_for_each(|f| check(f))
+}
+
+/// What Arrow's validation leaves out: decimal values within their declared precision.
+fn check_values(data: &ArrayData) -> Result<(), Error> {
+    let precision = |result: Result<(), arrow::error::ArrowError>| {
+        result.map_err(|e| invalid(format!("invalid decimal value: {e}")))
+    };
+    match data.data_type() {
+        DataType::Decimal32(p, _) => {
+            precision(Decimal32Array::from(data.clone()).validate_decimal_precision(*p))
+        }
+        DataType::Decimal64(p, _) => {
+            precision(Decimal64Array::from(data.clone()).validate_decimal_precision(*p))
+        }
+        DataType::Decimal128(p, _) => {
+            precision(Decimal128Array::from(data.clone()).validate_decimal_precision(*p))
+        }
+        DataType::Decimal256(p, _) => {
+            precision(Decimal256Array::from(data.clone()).validate_decimal_precision(*p))
+        }
+        _ => data.child_data().iter().try_for_each(check_values),
+    }
+}
