@@ -52,10 +52,7 @@ async fn main() -> ExitCode {
     let _ = std::io::stdout().flush();
     tracing::info!(%address, backend = backend_name, "serving");
 
-    let options = ServeOptions {
-        flight: args.flight_options(),
-        grace: args.shutdown_grace(),
-    };
+    let options = connection_budget(args.serve_options());
     match server::run(listener, store, options, shutdown_signal()).await {
         Ok(()) => {
             tracing::info!("stopped");
@@ -66,6 +63,33 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// File descriptors kept for everything but client connections: the listener, logs, the
+/// driver's, the runtime's.
+const RESERVED_FILES: u64 = 64;
+
+/// Raises the open-file limit as far as the hard limit allows, and keeps `--max-connections`
+/// under it: a connection limit above the file limit does not limit anything.
+fn connection_budget(mut options: ServeOptions) -> ServeOptions {
+    let files = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(files) => files,
+        Err(error) => {
+            tracing::warn!(%error, "cannot read or raise the open-file limit");
+            return options;
+        }
+    };
+    let wanted = options.connections.max_connections as u64;
+    let possible = files.saturating_sub(RESERVED_FILES).max(1);
+    if wanted > possible {
+        tracing::warn!(
+            max_connections = wanted,
+            open_file_limit = files,
+            "--max-connections is above what the open-file limit allows; using {possible}"
+        );
+        options.connections.max_connections = usize::try_from(possible).unwrap_or(usize::MAX);
+    }
+    options
 }
 
 /// Completes on SIGINT or SIGTERM.

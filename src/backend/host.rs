@@ -2,16 +2,21 @@
 //!
 //! It is the default where no NVIDIA driver exists and what CI tests, so it implements the
 //! whole [`Backend`] contract with no shortcuts: sizes are real, reads honour row ranges, and
-//! memory is returned when the last [`Partition`] reference goes.
+//! memory is returned when the last [`Partition`] reference goes. Uploads copy each batch into
+//! buffers of its own ([`super::owned`]), so a dataset never keeps the message it came in.
+//!
+//! Its capacity is the machine's memory or the container's (cgroup) limit, whichever is lower;
+//! the default budget is three quarters of that, leaving the rest for the server's own buffers.
 
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef};
+use arrow::array::{Array, ArrayRef, make_array};
 use arrow::datatypes::DataType;
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
+use super::owned::owned;
 use super::{
     Backend, BackendError, DeviceInfo, Partition, PartitionExport, check_rows, dictionary,
     downcast_all,
@@ -26,9 +31,11 @@ pub struct HostBackend {
 
 impl HostBackend {
     pub fn new() -> Self {
-        Self {
-            total_bytes: physical_memory_bytes(),
-        }
+        let total_bytes = match (physical_memory_bytes(), cgroup_memory_limit()) {
+            (Some(physical), Some(cgroup)) => Some(physical.min(cgroup)),
+            (physical, cgroup) => physical.or(cgroup),
+        };
+        Self { total_bytes }
     }
 }
 
@@ -42,6 +49,7 @@ impl Backend for HostBackend {
             ordinal: 0,
             name: "host memory".to_owned(),
             total_bytes: self.total_bytes,
+            default_limit_bytes: self.total_bytes.map(|total| total / 4 * 3),
         }]
     }
 
@@ -54,9 +62,11 @@ impl Backend for HostBackend {
         _device: u32,
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let bytes = batch_bytes(&batch);
-        let partition: Arc<dyn Partition> = Arc::new(HostPartition { batch, bytes });
-        futures::future::ready(Ok(partition)).boxed()
+        let uploaded = owned_batch(&batch).map(|batch| {
+            let bytes = batch_bytes(&batch);
+            Arc::new(HostPartition { batch, bytes }) as Arc<dyn Partition>
+        });
+        futures::future::ready(uploaded).boxed()
     }
 
     fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
@@ -101,6 +111,20 @@ fn concatenate_batches(parts: &[&HostPartition]) -> Result<Arc<dyn Partition>, B
     Ok(Arc::new(HostPartition { batch, bytes }))
 }
 
+/// `batch` in buffers of its own (see [`super::owned`]).
+fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
+    let copy_failed =
+        |e: arrow::error::ArrowError| BackendError::Device(format!("copying a batch: {e}"));
+    let columns = batch
+        .columns()
+        .iter()
+        .map(|column| owned(&column.to_data()).map(make_array))
+        .collect::<Result<Vec<ArrayRef>, _>>()
+        .map_err(copy_failed)?;
+    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    RecordBatch::try_new_with_options(batch.schema(), columns, &options).map_err(copy_failed)
+}
+
 #[derive(Debug)]
 struct HostPartition {
     batch: RecordBatch,
@@ -135,11 +159,64 @@ impl Partition for HostPartition {
     }
 }
 
-/// Total physical memory from `/proc/meminfo`, where there is one; `status` reports it as the
-/// host "device" capacity.
+/// The memory limit of this process's cgroup (v2 `memory.max`, else v1
+/// `memory.limit_in_bytes`), where one is set.
+fn cgroup_memory_limit() -> Option<u64> {
+    let group = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    // v2: a line `0::/path`; v1: `N:memory:/path` (or `N:...,memory,...:/path`).
+    let v2 = group.lines().find_map(|line| line.strip_prefix("0::"));
+    let v1 = group.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let controllers = parts.nth(1)?;
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| parts.next())
+            .flatten()
+    });
+    let candidates = [
+        v2.map(|path| format!("/sys/fs/cgroup{path}/memory.max")),
+        Some("/sys/fs/cgroup/memory.max".to_owned()),
+        v1.map(|path| format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")),
+        Some("/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned()),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find_map(|file| parse_cgroup_limit(&std::fs::read_to_string(file).ok()?))
+}
+
+/// A cgroup limit file's value: bytes, or none for `max` (v2) or the huge number v1 uses.
+fn parse_cgroup_limit(text: &str) -> Option<u64> {
+    let bytes: u64 = text.trim().parse().ok()?;
+    (bytes < 1 << 60).then_some(bytes)
+}
+
+/// Total physical memory from `/proc/meminfo`, where there is one.
 fn physical_memory_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cgroup_limits_parse() {
+        assert_eq!(parse_cgroup_limit("536870912\n"), Some(512 << 20));
+        assert_eq!(parse_cgroup_limit("max\n"), None);
+        assert_eq!(parse_cgroup_limit("9223372036854771712\n"), None);
+    }
+
+    #[test]
+    fn the_default_budget_leaves_a_quarter() {
+        let devices = HostBackend {
+            total_bytes: Some(1 << 30),
+        }
+        .devices();
+        assert_eq!(devices[0].default_limit_bytes, Some(3 << 28));
+    }
 }

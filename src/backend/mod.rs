@@ -12,6 +12,7 @@ pub mod cuda;
 pub(crate) mod dictionary;
 pub mod export;
 pub mod host;
+pub(crate) mod owned;
 
 use std::fmt;
 use std::sync::Arc;
@@ -67,6 +68,9 @@ pub struct DeviceInfo {
     pub name: String,
     /// Capacity of the memory space, if known.
     pub total_bytes: Option<u64>,
+    /// The budget when `--memory-limit` is not given: what datasets may take of the capacity,
+    /// leaving the rest for the server's own work (buffers, messages in flight).
+    pub default_limit_bytes: Option<u64>,
 }
 
 /// A place to keep datasets: host memory or a GPU.

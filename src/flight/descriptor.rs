@@ -13,6 +13,28 @@ use crate::store::PutMode;
 /// Longest dataset name, in bytes of UTF-8.
 pub const MAX_NAME_BYTES: usize = 256;
 
+/// Longest JSON document in a CMD descriptor or an action body.
+pub const MAX_JSON_BYTES: usize = 16 << 10;
+
+/// Parses a JSON request document: an object (serde would also fill a struct from an array, so
+/// `["t", "create"]` would pass for `{"name": "t", "mode": "create"}`), of bounded size.
+/// `usage` says what the document should look like.
+pub fn parse_json_object<T: serde::de::DeserializeOwned>(
+    raw: &[u8],
+    usage: &str,
+) -> Result<T, Error> {
+    if raw.len() > MAX_JSON_BYTES {
+        return Err(Error::InvalidCommand(format!(
+            "{usage}; this document has {} bytes, over the limit of {MAX_JSON_BYTES}",
+            raw.len()
+        )));
+    }
+    let object: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(raw).map_err(|e| Error::InvalidCommand(format!("{usage}: {e}")))?;
+    T::deserialize(serde_json::Value::Object(object))
+        .map_err(|e| Error::InvalidCommand(format!("{usage}: {e}")))
+}
+
 /// Checks that `raw` is a valid dataset name: non-empty UTF-8 of at most [`MAX_NAME_BYTES`]
 /// bytes without control characters.
 pub fn parse_name(raw: &[u8]) -> Result<String, Error> {
@@ -73,11 +95,10 @@ pub fn put_target(descriptor: Option<&FlightDescriptor>) -> Result<(String, PutM
             fn create() -> PutMode {
                 PutMode::Create
             }
-            let command: PutCommand = serde_json::from_slice(&descriptor.cmd).map_err(|e| {
-                Error::InvalidCommand(format!(
-                    "DoPut CMD must be JSON {{\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\"}}: {e}"
-                ))
-            })?;
+            let command: PutCommand = parse_json_object(
+                &descriptor.cmd,
+                "DoPut CMD must be a JSON object {\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\"}",
+            )?;
             Ok((parse_name(command.name.as_bytes())?, command.mode))
         }
         _ => Ok((dataset_name(descriptor)?, PutMode::Create)),
@@ -117,6 +138,8 @@ mod tests {
             r#"{"name": "t", "mode": "upsert"}"#,
             "not json",
             r#"{"mode": "create"}"#,
+            r#"["t", "create"]"#,
+            r#"["t"]"#,
         ] {
             let cmd = FlightDescriptor::new_cmd(bad.to_owned());
             assert!(matches!(

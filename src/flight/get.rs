@@ -6,14 +6,22 @@
 //! as dictionaries, never hydrated. Messages stay zero-copy [`IpcMessage`]s until the codec
 //! writes them into gRPC frames.
 //!
+//! The size estimate is checked against each encoded message: a record batch message over the
+//! limit is split again, and where one row's metadata alone exceeds the limit (a schema of
+//! tens of thousands of columns) the read fails with an error that says so, rather than send a
+//! message the client's gRPC limit would refuse anyway.
+//!
 //! Reading (device-to-host copies, for a device backend), splitting and encoding run on their
 //! own task a few messages ahead of the connection task that writes frames to the socket. When
-//! the client goes away the receiver is dropped and that task stops at its next send.
+//! the client goes away the receiver is dropped and that task stops at its next send. If that
+//! task fails or panics, the client gets the error: a reply stream never just stops short.
+
+use std::panic::AssertUnwindSafe;
 
 use arrow::datatypes::{DataType, Field, SchemaRef};
 use arrow::record_batch::RecordBatch;
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc::Sender;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
@@ -21,7 +29,7 @@ use tonic::Status;
 use super::ipc_message::{IpcMessage, IpcMessageEncoder};
 
 use crate::batch_size::batch_bytes;
-use crate::error::Error;
+use crate::error::{Error, panic_message};
 use crate::store::StoreError;
 
 /// Messages encoded ahead of the connection task.
@@ -40,25 +48,52 @@ pub(crate) fn encode(
     let budget = body_budget(&schema, max_message_bytes);
     let (sender, receiver) = tokio::sync::mpsc::channel(ENCODE_AHEAD);
     tokio::spawn(async move {
-        if let Err(status) = produce(batches, &schema, budget, &sender).await {
-            let _ = sender.send(Err(status)).await;
-        }
+        let limits = Limits {
+            budget,
+            max_message_bytes,
+        };
+        let produced = AssertUnwindSafe(produce(batches, &schema, limits, &sender))
+            .catch_unwind()
+            .await;
+        let status = match produced {
+            Ok(Ok(())) => return,
+            Ok(Err(status)) => status,
+            Err(panic) => {
+                let reason = panic_message(panic.as_ref());
+                tracing::error!(reason = %reason.escape_debug(), "encoding a DoGet reply panicked");
+                Status::from(Error::Internal(format!(
+                    "encoding the reply panicked: {reason}"
+                )))
+            }
+        };
+        let _ = sender.send(Err(status)).await;
     });
     ReceiverStream::new(receiver).boxed()
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// Body bytes a record batch is first split to.
+    budget: usize,
+    /// What each message must fit, metadata included.
+    max_message_bytes: usize,
 }
 
 /// Reads, splits and encodes until the batches end or the receiver is gone.
 async fn produce(
     mut batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
     schema: &SchemaRef,
-    budget: usize,
+    limits: Limits,
     sender: &Sender<Result<IpcMessage, Status>>,
 ) -> Result<(), Status> {
     let mut encoder = IpcMessageEncoder::new(schema).map_err(encoding_error)?;
+    let mut messages = Vec::new();
+    let mut first = true;
     while let Some(batch) = batches.next().await {
         let batch = batch.map_err(|e| Status::from(Error::from(e)))?;
-        for piece in split_to_size(batch, budget) {
-            for message in encoder.encode(&piece).map_err(encoding_error)? {
+        for piece in split_to_size(batch, limits.budget) {
+            encode_within(&mut encoder, piece, limits, &mut first, &mut messages)?;
+            for message in messages.drain(..) {
                 if sender.send(Ok(message)).await.is_err() {
                     return Ok(()); // the client went away
                 }
@@ -66,9 +101,62 @@ async fn produce(
         }
     }
     for message in encoder.finish().map_err(encoding_error)? {
+        check_schema_message(&message, limits)?;
         if sender.send(Ok(message)).await.is_err() {
             break;
         }
+    }
+    Ok(())
+}
+
+/// Encodes `piece`, halving it until its record batch message fits the limit. Dictionaries are
+/// sent as they are (they cannot be split); the schema and a single row's metadata must fit.
+fn encode_within(
+    encoder: &mut IpcMessageEncoder,
+    piece: RecordBatch,
+    limits: Limits,
+    first: &mut bool,
+    out: &mut Vec<IpcMessage>,
+) -> Result<(), Status> {
+    let mut messages = encoder.encode(&piece).map_err(encoding_error)?;
+    if std::mem::take(first)
+        && let Some(schema) = messages.first()
+    {
+        check_schema_message(schema, limits)?;
+    }
+    let Some(batch) = messages.pop() else {
+        return Ok(());
+    };
+    out.append(&mut messages);
+    if batch.encoded_len() <= limits.max_message_bytes {
+        out.push(batch);
+        return Ok(());
+    }
+    let rows = piece.num_rows();
+    if rows <= 1 {
+        if batch.header_len() > limits.max_message_bytes {
+            return Err(Status::from(Error::ReplyTooLarge {
+                what: "the metadata of a one-row record batch",
+                needed: batch.header_len(),
+                limit: limits.max_message_bytes,
+            }));
+        }
+        // One row whose values alone exceed the limit: sent as it is, as documented.
+        out.push(batch);
+        return Ok(());
+    }
+    let half = rows / 2;
+    encode_within(encoder, piece.slice(0, half), limits, first, out)?;
+    encode_within(encoder, piece.slice(half, rows - half), limits, first, out)
+}
+
+fn check_schema_message(message: &IpcMessage, limits: Limits) -> Result<(), Status> {
+    if message.encoded_len() > limits.max_message_bytes {
+        return Err(Status::from(Error::ReplyTooLarge {
+            what: "the schema",
+            needed: message.encoded_len(),
+            limit: limits.max_message_bytes,
+        }));
     }
     Ok(())
 }

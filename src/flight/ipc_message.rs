@@ -56,6 +56,11 @@ impl IpcMessage {
         header + body
     }
 
+    /// Bytes of the IPC metadata (flatbuffer) alone.
+    pub fn header_len(&self) -> usize {
+        self.header.len()
+    }
+
     /// Writes the protobuf encoding of the equivalent `FlightData`.
     pub fn write_to(&self, out: &mut impl BufMut) {
         if !self.header.is_empty() {

@@ -44,6 +44,9 @@ use ipc_message::IpcMessage;
 pub use router::{ConnectionStreams, FlightRouter};
 use ticket::TicketRequest;
 
+/// Most endpoints one `GetFlightInfo` reply lists (about 100 bytes each).
+const MAX_ENDPOINTS: u64 = 4096;
+
 /// Protocol settings.
 #[derive(Debug, Clone)]
 pub struct FlightOptions {
@@ -160,7 +163,13 @@ impl Service {
 
     fn flight_info(&self, dataset: &Dataset) -> Result<FlightInfo, Error> {
         let rows = dataset.num_rows();
-        let step = self.options.rows_per_endpoint.max(1);
+        // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them: the
+        // reply must fit a client's 4 MiB message limit whatever row count a dataset declares.
+        let step = self
+            .options
+            .rows_per_endpoint
+            .max(rows.div_ceil(MAX_ENDPOINTS))
+            .max(1);
         let mut info = FlightInfo::new()
             .try_with_schema(&dataset.schema())
             .map_err(|e| Error::Internal(format!("encoding schema: {e}")))?
@@ -168,9 +177,9 @@ impl Service {
             .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
             .with_total_bytes(i64::try_from(dataset.data_bytes()).unwrap_or(i64::MAX))
             .with_ordered(true);
-        let mut start = 0;
+        let mut start = 0u64;
         loop {
-            let end = rows.min(start + step);
+            let end = rows.min(start.saturating_add(step));
             let ticket = ticket::encode(dataset.name(), dataset.version(), start..end);
             info = info.with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)));
             start = end;
@@ -226,7 +235,7 @@ impl Service {
         match action::parse(action)? {
             ActionRequest::Drop { name } => {
                 let dataset = self.store.remove(&name)?;
-                tracing::info!(dataset = %name, bytes = dataset.memory_bytes(), "dataset dropped");
+                tracing::info!(dataset = ?name, bytes = dataset.memory_bytes(), "dataset dropped");
                 Ok(serde_json::json!({
                     "name": name,
                     "rows": dataset.num_rows(),
@@ -259,7 +268,7 @@ impl Service {
             }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;
-                tracing::info!(lease = %lease, dataset = released.dataset.name(), "lease released");
+                tracing::info!(%lease, dataset = ?released.dataset.name(), "lease released");
                 Ok(serde_json::json!({
                     "lease": lease,
                     "name": released.dataset.name(),

@@ -232,7 +232,8 @@ impl Store {
             .iter()
             .map(|device| match (options.memory_limit, device.total_bytes) {
                 (Some(limit), Some(total)) => Some(limit.min(total)),
-                (limit, total) => limit.or(total),
+                (Some(limit), None) => Some(limit),
+                (None, _) => device.default_limit_bytes.or(device.total_bytes),
             })
             .collect();
         Self {

@@ -260,10 +260,9 @@ pub(super) fn allocation_bytes(used: usize) -> usize {
 /// A copy of `data` in buffers of its own, so that keeping it does not keep alive the message
 /// it was decoded from.
 fn owned_copy(data: &ArrayData) -> Result<ArrayRef, BackendError> {
-    let mut copy = MutableArrayData::new(vec![data], false, data.len());
-    copy.try_extend(0, 0, data.len())
-        .map_err(|e| BackendError::Device(format!("copying a dictionary: {e}")))?;
-    Ok(make_array(copy.freeze()))
+    crate::backend::owned::owned(data)
+        .map(make_array)
+        .map_err(|e| BackendError::Device(format!("copying a dictionary: {e}")))
 }
 
 /// The array itself if it is compact, else a fresh copy that is.

@@ -429,6 +429,7 @@ impl Backend for CudaBackend {
             ordinal: self.shared.context.ordinal() as u32,
             name: self.name.clone(),
             total_bytes: Some(self.total_bytes),
+            default_limit_bytes: Some(self.total_bytes),
         }]
     }
 

@@ -1,4 +1,5 @@
-//! The gRPC server: Flight plus the standard health service, with graceful shutdown.
+//! The gRPC server: Flight plus the standard health service, with connection limits and
+//! graceful shutdown.
 //!
 //! [`run`] serves until its `shutdown` future completes. Then new requests are refused
 //! (UNAVAILABLE, and health reports NOT_SERVING), streams already running get `grace` to
@@ -10,7 +11,10 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
+
+mod connection;
+
+pub use connection::ConnectionLimits;
 
 use crate::flight::{FlightOptions, Lifecycle, make_server};
 use crate::store::Store;
@@ -22,6 +26,13 @@ pub struct ServeOptions {
     pub flight: FlightOptions,
     /// How long running streams may take to finish after shutdown begins.
     pub grace: Duration,
+    pub connections: ConnectionLimits,
+    /// Streams a client may have open on one connection (HTTP/2 SETTINGS).
+    pub max_streams_per_connection: u32,
+    /// How often a connection is pinged, and how long an answer may take before the connection
+    /// is dropped: its puts abandoned, its reads stopped.
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
 }
 
 impl Default for ServeOptions {
@@ -29,6 +40,10 @@ impl Default for ServeOptions {
         Self {
             flight: FlightOptions::default(),
             grace: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
+            max_streams_per_connection: 100,
+            keepalive_interval: Duration::from_secs(20),
+            keepalive_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -42,8 +57,6 @@ const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
 const MAX_FRAME_BYTES: u32 = 1 << 20;
 /// Time clients get to read the end of their replies before connections close at shutdown.
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// How often expired `ipc-export` leases are looked for: a lease ends at most this late.
 const LEASE_REAPER_PERIOD: Duration = Duration::from_millis(250);
 
@@ -63,16 +76,18 @@ pub async fn run(
         .await;
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = connection::incoming(listener, options.connections.clone());
     let mut server = tokio::spawn(
         Server::builder()
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
             .max_frame_size(MAX_FRAME_BYTES)
-            // Pings find clients that vanished without closing their connection (a dead
-            // node, a cut network), so their puts are abandoned and their memory returned.
-            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .max_concurrent_streams(options.max_streams_per_connection)
+            // Pings find clients that vanished or froze without closing their connection (a
+            // dead node, a stopped process), so their puts are abandoned and what their reads
+            // held is returned.
+            .http2_keepalive_interval(Some(options.keepalive_interval))
+            .http2_keepalive_timeout(Some(options.keepalive_timeout))
             .add_service(health_service)
             .add_service(flight)
             .serve_with_incoming_shutdown(incoming, async {
