@@ -134,10 +134,13 @@ fn encode_within(
     }
     let rows = piece.num_rows();
     if rows <= 1 {
-        if batch.header_len() > limits.max_message_bytes {
+        // What the message carries besides the row's values: metadata and buffer padding,
+        // which grow with the number of columns and no split can reduce.
+        let overhead = (batch.encoded_len() as u64).saturating_sub(batch_bytes(&piece));
+        if overhead > limits.max_message_bytes as u64 {
             return Err(Status::from(Error::ReplyTooLarge {
-                what: "the metadata of a one-row record batch",
-                needed: batch.header_len(),
+                what: "the metadata and padding of a one-row record batch",
+                needed: usize::try_from(overhead).unwrap_or(usize::MAX),
                 limit: limits.max_message_bytes,
             }));
         }

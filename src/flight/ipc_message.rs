@@ -24,6 +24,8 @@ use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, k
 use tonic::Status;
 use tonic::codec::{Codec, EncodeBuf, Encoder};
 
+use super::router::StrictDecoder;
+
 /// `FlightData.data_header` and `FlightData.data_body` field numbers.
 const DATA_HEADER_TAG: u32 = 2;
 const DATA_BODY_TAG: u32 = 1000;
@@ -205,26 +207,26 @@ impl BufferCursor {
 
 /// The gRPC codec for `DoGet`: decodes the `Ticket` with prost, encodes [`IpcMessage`]s by hand.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct FlightDataCodec;
+pub(crate) struct FlightDataCodec;
 
 impl Codec for FlightDataCodec {
     type Encode = IpcMessage;
     type Decode = Ticket;
     type Encoder = IpcMessageFrameEncoder;
-    type Decoder = <tonic_prost::ProstCodec<FlightData, Ticket> as Codec>::Decoder;
+    type Decoder = StrictDecoder<Ticket>;
 
     fn encoder(&mut self) -> Self::Encoder {
         IpcMessageFrameEncoder
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstCodec::<FlightData, Ticket>::default().decoder()
+        StrictDecoder::default()
     }
 }
 
 /// Writes one [`IpcMessage`] into a gRPC frame, reserving its full size first.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct IpcMessageFrameEncoder;
+pub(crate) struct IpcMessageFrameEncoder;
 
 impl Encoder for IpcMessageFrameEncoder {
     type Item = IpcMessage;

@@ -8,10 +8,12 @@
 //!   reads each gRPC message's 5-byte prefix as it arrives and refuses a declared length over the
 //!   limit before tonic reserves a buffer for it; for `DoPut` it also reserves the declared bytes
 //!   against the memory budget ([`Inbound`]) before they are received.
-//! - **A clean end, or no end.** hyper reports a stream reset with NO_ERROR (which is also how
-//!   it abandons streams when a keepalive ping goes unanswered) as an ordinary end of the request
-//!   body. A put must not commit on that, so [`GuardedBody`] asks h2 whether END_STREAM really
-//!   arrived and fails the body otherwise.
+//! - **A clean end, or no end.** Two layers below us turn a broken request stream into an
+//!   ordinary end of it: hyper reports a stream reset with NO_ERROR (which is also how it
+//!   abandons streams when a keepalive ping goes unanswered) as the end of the body, and tonic
+//!   ends a request stream without error when its body fails with CANCELLED. A put would then
+//!   commit what it had. So [`GuardedBody`] asks h2 whether END_STREAM really arrived, and
+//!   reports every failure to tonic with a code tonic does not swallow.
 //! - **Codes.** Undecodable protobuf is INVALID_ARGUMENT ([`StrictCodec`]), not INTERNAL.
 //! - **Panics.** A handler that panics answers INTERNAL and logs an error; the server stays up.
 //! - **Connection activity.** Each request counts as an open stream on its connection
@@ -39,7 +41,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::body::Body;
 use tonic::codec::{Codec, DecodeBuf, Decoder};
 use tonic::server::{Grpc, NamedService, ServerStreamingService, StreamingService, UnaryService};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use super::Service;
 use super::ipc_message::FlightDataCodec;
@@ -450,7 +452,7 @@ fn panicked(panic: &(dyn std::any::Any + Send)) -> Status {
 }
 
 /// Prost decoding that calls undecodable bytes the client's mistake.
-struct StrictCodec<E, D>(PhantomData<fn(E) -> D>);
+pub(crate) struct StrictCodec<E, D>(PhantomData<fn(E) -> D>);
 
 impl<E, D> Codec for StrictCodec<E, D>
 where
@@ -471,7 +473,13 @@ where
     }
 }
 
-struct StrictDecoder<D>(PhantomData<fn() -> D>);
+pub(crate) struct StrictDecoder<D>(PhantomData<fn() -> D>);
+
+impl<D> Default for StrictDecoder<D> {
+    fn default() -> Self {
+        Self(PhantomData)
+    }
+}
 
 impl<D: prost::Message + Default> Decoder for StrictDecoder<D> {
     type Item = D;
@@ -536,7 +544,12 @@ struct GuardedBody {
 impl GuardedBody {
     fn fail(&mut self, error: Error) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         self.failed = true;
-        let status = error.quiet_status();
+        let mut status = error.quiet_status();
+        if status.code() == Code::Cancelled {
+            // tonic ends a request stream *cleanly* when its body fails with CANCELLED; the
+            // handler learns the real cause from `Inbound`.
+            status = Status::aborted(status.message());
+        }
         match &self.charge {
             Some((_, inbound)) => inbound.lock().failure = Some(error),
             None => {
@@ -607,7 +620,8 @@ impl HttpBody for GuardedBody {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Some(Err(status)) => Poll::Ready(Some(Err(status))),
+            // Whatever the transport says (tonic would take a CANCELLED here for a clean end).
+            Some(Err(status)) => self.fail(Error::ClientGone(status.message().to_owned())),
             None => {
                 if !self.inner.is_end_stream() {
                     return self.fail(Error::ClientGone(
@@ -658,5 +672,105 @@ impl HttpBody for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    /// A request body that yields `frames`, then ends; `end_stream` is what h2 would say about
+    /// whether END_STREAM arrived.
+    struct Scripted {
+        frames: VecDeque<Result<Bytes, Status>>,
+        end_stream: bool,
+    }
+
+    impl HttpBody for Scripted {
+        type Data = Bytes;
+        type Error = Status;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+            Poll::Ready(self.frames.pop_front().map(|f| f.map(Frame::data)))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.frames.is_empty() && self.end_stream
+        }
+    }
+
+    fn guarded(frames: Vec<Result<Bytes, Status>>, end_stream: bool) -> (GuardedBody, Inbound) {
+        let inbound = Inbound::default();
+        let store = Store::new(
+            Arc::new(crate::backend::HostBackend::new()),
+            crate::store::StoreOptions::default(),
+        );
+        let body = GuardedBody {
+            inner: Body::new(Scripted {
+                frames: frames.into(),
+                end_stream,
+            }),
+            limit: 1 << 20,
+            too_large: put_too_large,
+            charge: Some((store, inbound.clone())),
+            prefix: [0; 5],
+            prefix_len: 0,
+            remaining: 0,
+            failed: false,
+        };
+        (body, inbound)
+    }
+
+    fn message() -> Bytes {
+        Bytes::from_static(&[0, 0, 0, 0, 3, 1, 2, 3])
+    }
+
+    async fn drain(body: GuardedBody) -> Result<(), Status> {
+        body.collect().await.map(|_| ())
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_ends_without_end_stream_fails() {
+        let (body, inbound) = guarded(vec![Ok(message())], false);
+        let status = drain(body).await.expect_err("not a clean end");
+        // Not CANCELLED: tonic would take that for a clean end of the request stream.
+        assert_eq!(status.code(), Code::Aborted);
+        assert!(matches!(inbound.take_failure(), Some(Error::ClientGone(_))));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_transport_is_a_failure_not_an_end() {
+        let (body, inbound) = guarded(vec![Ok(message()), Err(Status::cancelled("h2"))], true);
+        let status = drain(body).await.expect_err("a failure");
+        assert_ne!(status.code(), Code::Cancelled);
+        assert!(matches!(inbound.take_failure(), Some(Error::ClientGone(_))));
+    }
+
+    #[tokio::test]
+    async fn a_clean_end_passes_and_each_message_is_charged() {
+        let (body, inbound) = guarded(vec![Ok(message()), Ok(message())], true);
+        drain(body).await.expect("clean");
+        assert_eq!(inbound.take_charge().map(|r| r.bytes()), Some(3));
+        assert_eq!(inbound.take_charge().map(|r| r.bytes()), Some(3));
+        assert!(inbound.take_failure().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_prefix_over_the_limit_fails_before_its_bytes_arrive() {
+        let prefix = Bytes::from_static(&[0, 0xff, 0xff, 0xff, 0xff]);
+        let (body, inbound) = guarded(vec![Ok(prefix)], false);
+        let status = drain(body).await.expect_err("too large");
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(matches!(
+            inbound.take_failure(),
+            Some(Error::MessageTooLarge { .. })
+        ));
     }
 }

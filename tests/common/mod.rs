@@ -2,6 +2,8 @@
 //! record batch makers shared by the suites.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod wire;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -529,6 +531,81 @@ impl KillableProxy {
     pub async fn kill(self) {
         self.task.abort();
         let _ = self.task.await;
+    }
+}
+
+/// A TCP proxy that can freeze: it stops forwarding in both directions but keeps every socket
+/// open, as a stopped client process or a hung node does. The server sees no error, only
+/// silence, and has to notice by itself.
+pub struct FreezableProxy {
+    pub addr: SocketAddr,
+    frozen: tokio::sync::watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl FreezableProxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy addr");
+        let (frozen, watch) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let (in_read, in_write) = inbound.into_split();
+                let (out_read, out_write) = outbound.into_split();
+                connections.spawn(forward(in_read, out_write, watch.clone()));
+                connections.spawn(forward(out_read, in_write, watch.clone()));
+            }
+        });
+        Self { addr, frozen, task }
+    }
+
+    pub async fn client(&self) -> FlightClient {
+        connect(self.addr).await
+    }
+
+    /// Stops forwarding, for good; the sockets stay open until the proxy is dropped.
+    pub fn freeze(&self) {
+        let _ = self.frozen.send(true);
+    }
+}
+
+impl Drop for FreezableProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn forward(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0u8; 64 << 10];
+    loop {
+        if *frozen.borrow() {
+            // Hold both sockets, read nothing, send nothing.
+            let _hold = (&from, &to);
+            std::future::pending::<()>().await;
+        }
+        tokio::select! {
+            read = from.read(&mut buffer) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if *frozen.borrow() {
+                        continue;
+                    }
+                    if to.write_all(&buffer[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            _ = frozen.changed() => {}
+        }
     }
 }
 

@@ -1,0 +1,695 @@
+//! What a faulty or hostile client can do, and what the server must do about it: nothing a
+//! client sends may crash it, panic a handler, commit part of a put, or hold memory the budget
+//! did not pay for. Each test here failed before the hardening it covers.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{ArrayRef, Decimal128Array, Int64Array, NullArray};
+use arrow::datatypes::{DataType, Field, Schema};
+use arrow::record_batch::{RecordBatch, RecordBatchOptions};
+use arrow_flight::{Action, FlightData, FlightDescriptor, Ticket};
+use bytes::Bytes;
+use common::wire::{self, End};
+use common::*;
+use futures::TryStreamExt;
+use gpu_flight::backend::{Backend, BackendError, DeviceInfo, HostBackend, Partition};
+use gpu_flight::server::{ConnectionLimits, ServeOptions};
+use gpu_flight::store::StoreOptions;
+use prost::Message;
+use tokio::io::AsyncReadExt;
+use tonic::Code;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn host() -> Arc<dyn Backend> {
+    Arc::new(HostBackend::new())
+}
+
+fn limited(bytes: u64) -> StoreOptions {
+    StoreOptions {
+        memory_limit: Some(bytes),
+    }
+}
+
+fn null_batch(rows: usize) -> RecordBatch {
+    let column: ArrayRef = Arc::new(NullArray::new(rows));
+    RecordBatch::try_from_iter([("n", column)]).expect("batch")
+}
+
+fn one_int64_schema() -> Schema {
+    Schema::new(vec![Field::new("x", DataType::Int64, false)])
+}
+
+/// Sends `messages` as a DoPut over a raw connection and returns the outcome.
+async fn raw_put(server: &TestServer, messages: &[FlightData], end: End) -> Option<wire::Outcome> {
+    let mut client = wire::h2_connect(server.addr).await;
+    wire::call(&mut client, "DoPut", wire::frames(messages), end, WAIT).await
+}
+
+#[tokio::test]
+async fn rows_without_bytes_are_paid_for_and_cannot_crash_planning() {
+    let server = TestServer::start_with(host(), limited(2 << 30), ServeOptions::default()).await;
+    let mut client = server.client().await;
+
+    // Nine batches of 2^31-1 null rows declare 2^34 rows in a few hundred bytes; at one bit a
+    // row that is over 2 GiB, over the budget.
+    let huge = vec![null_batch(i32::MAX as usize); 9];
+    let refused = put(&mut client, path("nulls"), huge)
+        .await
+        .expect_err("refused");
+    assert_eq!(code_of(&refused), Code::ResourceExhausted);
+    assert_eq!(used_bytes(&mut client).await, 0);
+
+    // Within the budget: accepted, charged, and every read path stays bounded.
+    let rows = 3 * (i32::MAX as usize);
+    let summary = put(
+        &mut client,
+        path("nulls"),
+        vec![null_batch(i32::MAX as usize); 3],
+    )
+    .await
+    .expect("put");
+    assert_eq!(summary["total_rows"], rows as u64);
+    assert!(used_bytes(&mut client).await >= rows as u64 / 8);
+    let info = client.get_flight_info(path("nulls")).await.expect("info");
+    assert!(
+        info.endpoint.len() <= 4096,
+        "{} endpoints",
+        info.endpoint.len()
+    );
+    assert_eq!(info.total_records, rows as i64);
+    let listed: Vec<_> = client
+        .list_flights("")
+        .await
+        .expect("list")
+        .try_collect()
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1);
+    let batches = get_by_name(&mut client, "nulls").await.expect("read");
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), rows);
+
+    // Zero columns, many rows: the same rule.
+    let empty = Arc::new(Schema::empty());
+    let options = RecordBatchOptions::new().with_row_count(Some(1 << 20));
+    let no_columns =
+        RecordBatch::try_new_with_options(Arc::clone(&empty), vec![], &options).expect("batch");
+    put_with_schema(&mut client, path("empty"), empty, vec![no_columns])
+        .await
+        .expect("zero-column put");
+    let read = get_by_name(&mut client, "empty").await.expect("read");
+    assert_eq!(read.iter().map(|b| b.num_rows()).sum::<usize>(), 1 << 20);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn impossible_lengths_are_invalid_argument() {
+    let server = TestServer::start(host()).await;
+    let schema = wire::schema_message(&one_int64_schema(), path("bad"));
+    let body = vec![0u8; 64];
+    let cases = [
+        (
+            "negative rows",
+            wire::batch_message(-1, &[(-1, 0)], &[(0, 0), (0, 8)], body.clone()),
+        ),
+        (
+            "more rows than a batch may hold",
+            wire::batch_message(1 << 40, &[(1 << 40, 0)], &[(0, 0), (0, 64)], body.clone()),
+        ),
+        (
+            "a buffer past the end of the body (truncated by 8 bytes)",
+            wire::batch_message(8, &[(8, 0)], &[(0, 0), (0, 72)], body.clone()),
+        ),
+        (
+            "a negative buffer offset",
+            wire::batch_message(1, &[(1, 0)], &[(0, 0), (-8, 8)], body.clone()),
+        ),
+        (
+            "more nulls than values",
+            wire::batch_message(1, &[(1, 5)], &[(0, 1), (8, 8)], body.clone()),
+        ),
+        (
+            "a buffer too short for its rows",
+            wire::batch_message(8, &[(8, 0)], &[(0, 0), (0, 16)], body.clone()),
+        ),
+    ];
+    for (what, batch) in cases {
+        let outcome = raw_put(&server, &[schema.clone(), batch], End::Clean)
+            .await
+            .unwrap_or_else(|| panic!("{what}: no answer"));
+        assert_eq!(
+            outcome.code,
+            Code::InvalidArgument as i32,
+            "{what}: {outcome:?}"
+        );
+    }
+    let mut client = server.client().await;
+    assert_eq!(used_bytes(&mut client).await, 0);
+    assert!(status(&mut client).await["datasets"] == 0);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn decimals_beyond_their_precision_are_refused() {
+    let server = TestServer::start(host()).await;
+    let mut client = server.client().await;
+    let values = Decimal128Array::from(vec![12345_i128])
+        .with_precision_and_scale(3, 0)
+        .expect("type");
+    let column: ArrayRef = Arc::new(values);
+    let batch = RecordBatch::try_from_iter([("d", column)]).expect("batch");
+    let error = put(&mut client, path("d"), vec![batch])
+        .await
+        .expect_err("refused");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+    assert!(error.to_string().contains("precision"), "{error}");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_put_reset_with_no_error_commits_nothing() {
+    let server = TestServer::start(host()).await;
+    let batch = int64_batch(1000, 2, 0);
+    let messages: Vec<FlightData> = arrow_flight::encode::FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("half")))
+        .build(futures::stream::iter([Ok(batch)]))
+        .try_collect()
+        .await
+        .expect("encode");
+    // Every message arrives whole, then the client resets the stream instead of ending it.
+    let outcome = raw_put(&server, &messages, End::ResetNoError).await;
+    assert!(
+        outcome.as_ref().is_none_or(|o| o.code != 0),
+        "a reset put must not succeed: {outcome:?}"
+    );
+    let mut client = server.client().await;
+    let addr = server.addr;
+    wait_until(|| async move { used_bytes(&mut connect(addr).await).await == 0 }).await;
+    let missing = client
+        .get_flight_info(path("half"))
+        .await
+        .expect_err("absent");
+    assert_eq!(code_of(&missing), Code::NotFound);
+    server.shutdown_and_wait().await;
+}
+
+fn quick_keepalive() -> ServeOptions {
+    ServeOptions {
+        keepalive_interval: Duration::from_secs(1),
+        keepalive_timeout: Duration::from_secs(1),
+        ..ServeOptions::default()
+    }
+}
+
+/// On several worker threads, as in the server binary: the handler and the task receiving its
+/// stream then race when a keepalive ping goes unanswered, and before the fix the put
+/// committed whenever the handler saw the stream's (NO_ERROR) end first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_client_never_gets_a_partial_put_committed() {
+    let server = TestServer::start_with(host(), StoreOptions::default(), quick_keepalive()).await;
+    let proxy = FreezableProxy::start(server.addr).await;
+    let mut frozen = proxy.client().await;
+    let (batches, receiver) = tokio::sync::mpsc::channel(4);
+    let input = tokio_stream::wrappers::ReceiverStream::new(receiver);
+    let data = arrow_flight::encode::FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("frozen")))
+        .build(input);
+    let put = tokio::spawn(async move { frozen.do_put(data).await.map(|_| ()) });
+    for seed in 0..4 {
+        batches
+            .send(Ok(int64_batch(100_000, 4, seed)))
+            .await
+            .expect("send");
+    }
+    let mut client = server.client().await;
+    let addr = server.addr;
+    wait_until(|| async move { used_bytes(&mut connect(addr).await).await > 0 }).await;
+    proxy.freeze();
+    // Keepalive gives up within a couple of seconds; what the put had uploaded is returned.
+    let addr = server.addr;
+    wait_until(|| async move { used_bytes(&mut connect(addr).await).await == 0 }).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let missing = client
+        .get_flight_info(path("frozen"))
+        .await
+        .expect_err("absent");
+    assert_eq!(code_of(&missing), Code::NotFound);
+    drop(batches);
+    put.abort();
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_reader_lets_go_of_a_dropped_dataset() {
+    let server = TestServer::start_with(host(), StoreOptions::default(), quick_keepalive()).await;
+    let mut client = server.client().await;
+    put(&mut client, path("big"), vec![int64_batch(1 << 20, 8, 0)])
+        .await
+        .expect("put");
+    let proxy = FreezableProxy::start(server.addr).await;
+    let mut reader = proxy.client().await;
+    let mut stream = reader.do_get(Ticket::new("big")).await.expect("do_get");
+    stream
+        .try_next()
+        .await
+        .expect("first batch")
+        .expect("a batch");
+    proxy.freeze();
+    action(&mut client, "drop", serde_json::json!({"name": "big"}))
+        .await
+        .expect("drop");
+    let addr = server.addr;
+    wait_until(|| async move { used_bytes(&mut connect(addr).await).await == 0 }).await;
+    drop(stream);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn oversized_messages_are_refused_at_their_length_prefix() {
+    let options = ServeOptions {
+        flight: gpu_flight::flight::FlightOptions {
+            max_put_message_bytes: 1 << 20,
+            ..Default::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(host(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+
+    let big = int64_batch(1 << 17, 4, 0); // 4 MiB in one message
+    let error = put(&mut client, path("big"), vec![big])
+        .await
+        .expect_err("refused");
+    assert_eq!(code_of(&error), Code::ResourceExhausted);
+    assert!(
+        error.to_string().contains("--max-put-message-bytes"),
+        "{error}"
+    );
+
+    // A prefix announcing 4 GiB, and nothing after it: refused at once, nothing reserved.
+    let mut raw = wire::h2_connect(server.addr).await;
+    let prefix = Bytes::from_static(&[0, 0xff, 0xff, 0xff, 0xff, 0]);
+    let outcome = wire::call(&mut raw, "DoPut", prefix, End::Open, WAIT)
+        .await
+        .expect("an answer without the body");
+    assert_eq!(outcome.code, Code::ResourceExhausted as i32, "{outcome:?}");
+
+    // Tickets and action bodies are small.
+    let ticket = client
+        .do_get(Ticket::new(vec![b'x'; 5 << 20]))
+        .await
+        .expect_err("refused");
+    assert_eq!(code_of(&ticket), Code::InvalidArgument);
+    assert!(
+        ticket.to_string().contains("--max-request-bytes"),
+        "{ticket}"
+    );
+    let body = match client
+        .do_action(Action::new("drop", vec![b' '; 1 << 20]))
+        .await
+    {
+        Ok(_) => panic!("a 1 MiB action body is refused"),
+        Err(error) => error,
+    };
+    assert_eq!(code_of(&body), Code::InvalidArgument);
+    assert_eq!(used_bytes(&mut client).await, 0);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn undecodable_requests_are_invalid_argument() {
+    let server = TestServer::start(host()).await;
+    let mut raw = wire::h2_connect(server.addr).await;
+    let garbage = wire::frame(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
+    for method in ["GetFlightInfo", "DoGet", "DoAction", "DoPut", "ListFlights"] {
+        let outcome = wire::call(&mut raw, method, garbage.clone(), End::Clean, WAIT)
+            .await
+            .unwrap_or_else(|| panic!("{method}: no answer"));
+        assert_eq!(
+            outcome.code,
+            Code::InvalidArgument as i32,
+            "{method}: {outcome:?}"
+        );
+    }
+    // A path element that is not UTF-8: protobuf strings must be.
+    let mut descriptor = FlightDescriptor::new_path(vec!["x".to_owned()]).encode_to_vec();
+    let last = descriptor.len() - 1;
+    descriptor[last] = 0xff;
+    let outcome = wire::call(
+        &mut raw,
+        "GetFlightInfo",
+        wire::frame(&descriptor),
+        End::Clean,
+        WAIT,
+    )
+    .await
+    .expect("answer");
+    assert_eq!(outcome.code, Code::InvalidArgument as i32, "{outcome:?}");
+    // JSON arrays are not commands.
+    let mut client = server.client().await;
+    let command = FlightDescriptor::new_cmd(r#"["t", "create"]"#);
+    let error = put(&mut client, command, vec![int64_batch(10, 1, 0)])
+        .await
+        .expect_err("refused");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+    assert_eq!(status(&mut client).await["datasets"], 0);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn silent_and_idle_connections_are_closed_and_the_limit_holds() {
+    let options = ServeOptions {
+        connections: ConnectionLimits {
+            max_connections: 4,
+            handshake_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(2),
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(host(), StoreOptions::default(), options).await;
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(
+            tokio::net::TcpStream::connect(server.addr)
+                .await
+                .expect("connect"),
+        );
+    }
+    // Over the limit: closed as soon as it is accepted.
+    let mut extra = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(WAIT, extra.read(&mut byte)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    // The silent ones never sent the HTTP/2 preface: closed after the handshake timeout.
+    for socket in &mut silent {
+        // The server's own HTTP/2 SETTINGS come first, then the end of the connection.
+        let mut received = Vec::new();
+        let closed = tokio::time::timeout(WAIT, socket.read_to_end(&mut received)).await;
+        assert!(closed.is_ok(), "closed within {WAIT:?}");
+    }
+    // Their slots are free again, and a connection with no call is closed once idle.
+    let mut client = server.client().await;
+    assert_eq!(status(&mut client).await["datasets"], 0);
+    let tcp = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    let (_h2, connection) = h2::client::handshake(tcp).await.expect("handshake");
+    let ended = tokio::time::timeout(WAIT, connection).await;
+    assert!(ended.is_ok(), "an idle connection is closed by the server");
+    server.shutdown_and_wait().await;
+}
+
+/// The host backend, except that reading panics: a stand-in for any bug below the protocol.
+#[derive(Debug)]
+struct PanickingReads(HostBackend);
+
+#[derive(Debug)]
+struct PanickingPartition(Arc<dyn Partition>);
+
+impl Partition for PanickingPartition {
+    fn num_rows(&self) -> usize {
+        self.0.num_rows()
+    }
+    fn bytes(&self) -> u64 {
+        self.0.bytes()
+    }
+    fn read(
+        &self,
+        _offset: usize,
+        _len: usize,
+    ) -> futures::future::BoxFuture<'static, Result<RecordBatch, BackendError>> {
+        panic!("a bug in a backend")
+    }
+    fn export(
+        &self,
+        columns: &[usize],
+    ) -> Result<gpu_flight::backend::PartitionExport, BackendError> {
+        self.0.export(columns)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Backend for PanickingReads {
+    fn name(&self) -> &'static str {
+        "panicking"
+    }
+    fn devices(&self) -> Vec<DeviceInfo> {
+        self.0.devices()
+    }
+    fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
+        self.0.stored_size(batch)
+    }
+    fn upload(
+        &self,
+        device: u32,
+        batch: RecordBatch,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        use futures::FutureExt;
+        self.0
+            .upload(device, batch)
+            .map(|uploaded| uploaded.map(|p| Arc::new(PanickingPartition(p)) as Arc<dyn Partition>))
+            .boxed()
+    }
+    fn concatenated_size(&self, _partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        Err(BackendError::CannotConcatenate {
+            reason: "not in this test".to_owned(),
+        })
+    }
+    fn concatenate(
+        &self,
+        _partitions: Vec<Arc<dyn Partition>>,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        unreachable!("concatenated_size refuses")
+    }
+}
+
+#[tokio::test]
+async fn a_panic_below_a_handler_is_internal_and_the_server_stays_up() {
+    let server = TestServer::start(Arc::new(PanickingReads(HostBackend::new()))).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(100, 1, 0)])
+        .await
+        .expect("put");
+    let error = get_by_name(&mut client, "t")
+        .await
+        .expect_err("the read fails");
+    assert_eq!(code_of(&error), Code::Internal, "{error}");
+    assert_eq!(status(&mut client).await["datasets"], 1, "still serving");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_one_row_batch_keeps_none_of_the_padding_it_came_with() {
+    let server = TestServer::start(host()).await;
+    let schema = wire::schema_message(&one_int64_schema(), path("padded"));
+    // One int64 value, then 16 MiB the batch does not use; and a buffer declared 16 MiB long.
+    let mut trailing = vec![0u8; 16 << 20];
+    trailing[..8].copy_from_slice(&42_i64.to_le_bytes());
+    let padded = wire::batch_message(1, &[(1, 0)], &[(0, 0), (0, 8)], trailing.clone());
+    let oversized = wire::batch_message(1, &[(1, 0)], &[(0, 0), (0, 16 << 20)], trailing);
+    let outcome = raw_put(&server, &[schema, padded, oversized], End::Clean)
+        .await
+        .expect("answer");
+    assert_eq!(outcome.code, 0, "{outcome:?}");
+    let mut client = server.client().await;
+    let used = used_bytes(&mut client).await;
+    assert!(used < 4096, "the dataset is charged {used} bytes");
+    let batches = get_by_name(&mut client, "padded").await.expect("read");
+    let values: Vec<i64> = batches
+        .iter()
+        .flat_map(|b| {
+            let column = b
+                .column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .expect("int64");
+            column.values().to_vec()
+        })
+        .collect();
+    assert_eq!(values, vec![42, 42]);
+    server.shutdown_and_wait().await;
+}
+
+/// The real binary, for what only a separate process shows: its resident memory.
+struct Binary {
+    process: std::process::Child,
+    addr: std::net::SocketAddr,
+}
+
+impl Binary {
+    fn start(flags: &[&str]) -> Self {
+        use std::io::BufRead;
+        let mut process = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-flight"))
+            .args(["serve", "--backend", "host", "--listen", "127.0.0.1:0"])
+            .args(flags)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start gpu-flight");
+        let stdout = process.stdout.take().expect("stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("first line");
+        let addr = line
+            .split("grpc://")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|addr| addr.parse().ok())
+            .unwrap_or_else(|| panic!("no address in {line:?}"));
+        Self { process, addr }
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.process.id()))
+            .expect("/proc status");
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kib| kib.parse().ok())
+            .expect("VmRSS");
+        kib * 1024
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// Resident memory the server may use beyond its budget: the runtime, the allocator's pools,
+/// and messages being decoded (stated in the README's Configuration section).
+const FIXED_OVERHEAD: u64 = 96 << 20;
+
+#[tokio::test]
+async fn padding_attacks_stay_within_the_memory_limit() {
+    const LIMIT: u64 = 64 << 20;
+    let server = Binary::start(&["--memory-limit", "64MiB"]);
+    let baseline = server.resident_bytes();
+    let mut raw = wire::h2_connect(server.addr).await;
+    // Forty one-row batches, each carrying 8 MiB the row does not need: 320 MiB sent.
+    for index in 0..40 {
+        let schema = wire::schema_message(&one_int64_schema(), path(&format!("pad{index}")));
+        let batch = wire::batch_message(1, &[(1, 0)], &[(0, 0), (0, 8)], vec![1u8; 8 << 20]);
+        let outcome = wire::call(
+            &mut raw,
+            "DoPut",
+            wire::frames(&[schema, batch]),
+            End::Clean,
+            WAIT,
+        )
+        .await
+        .expect("answer");
+        assert_eq!(outcome.code, 0, "{outcome:?}");
+    }
+    // Schemas with 4 MiB of metadata each: charged, so refused once the budget is full.
+    let mut refused = 0;
+    for index in 0..40 {
+        let metadata = std::collections::HashMap::from([("junk".to_owned(), "m".repeat(4 << 20))]);
+        let schema = one_int64_schema().with_metadata(metadata);
+        let message = wire::schema_message(&schema, path(&format!("meta{index}")));
+        let outcome = wire::call(
+            &mut raw,
+            "DoPut",
+            wire::frames(&[message]),
+            End::Clean,
+            WAIT,
+        )
+        .await
+        .expect("answer");
+        if outcome.code == Code::ResourceExhausted as i32 {
+            refused += 1;
+        } else {
+            assert_eq!(outcome.code, 0, "{outcome:?}");
+        }
+    }
+    assert!(refused > 0, "64 MiB cannot hold 160 MiB of schema metadata");
+    let resident = server.resident_bytes();
+    println!(
+        "resident {} MiB after the attacks (baseline {} MiB, limit 64 MiB)",
+        resident >> 20,
+        baseline >> 20
+    );
+    assert!(
+        resident <= baseline.max(32 << 20) + LIMIT + FIXED_OVERHEAD,
+        "resident {} MiB (baseline {} MiB) with a 64 MiB limit",
+        resident >> 20,
+        baseline >> 20
+    );
+}
+
+fn wide_batch(columns: usize, rows: usize) -> RecordBatch {
+    let arrays: Vec<(String, ArrayRef)> = (0..columns)
+        .map(|c| {
+            let values =
+                arrow::array::Int8Array::from_iter_values((0..rows).map(|r| (r + c) as i8));
+            (format!("c{c}"), Arc::new(values) as ArrayRef)
+        })
+        .collect();
+    RecordBatch::try_from_iter(arrays).expect("wide batch")
+}
+
+#[tokio::test]
+async fn wide_schemas_keep_the_reply_ceiling_or_say_why_they_cannot() {
+    const CEILING: usize = 256 << 10;
+    let options = ServeOptions {
+        flight: gpu_flight::flight::FlightOptions {
+            max_message_bytes: CEILING,
+            ..Default::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(host(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+
+    // 2,000 columns: each message's metadata and padding are large, but a few rows fit.
+    put(&mut client, path("wide"), vec![wide_batch(2_000, 500)])
+        .await
+        .expect("put");
+    let mut raw = server.raw_client().await;
+    let mut replies = raw
+        .do_get(Ticket::new("wide"))
+        .await
+        .expect("do_get")
+        .into_inner();
+    let mut rows = 0;
+    while let Some(message) = replies.message().await.expect("message") {
+        assert!(
+            message.encoded_len() <= CEILING,
+            "a message of {} bytes",
+            message.encoded_len()
+        );
+        rows += 1;
+    }
+    assert!(rows > 2, "the batch was split");
+    assert_eq!(
+        get_by_name(&mut client, "wide")
+            .await
+            .expect("read")
+            .iter()
+            .map(|b| b.num_rows())
+            .sum::<usize>(),
+        500
+    );
+
+    // 10,000 columns: one row's metadata alone is over the ceiling, and the error says so.
+    put(&mut client, path("wider"), vec![wide_batch(10_000, 2)])
+        .await
+        .expect("put");
+    let error = get_by_name(&mut client, "wider")
+        .await
+        .expect_err("too wide");
+    assert_eq!(code_of(&error), Code::FailedPrecondition);
+    assert!(error.to_string().contains("--max-message-bytes"), "{error}");
+    server.shutdown_and_wait().await;
+}
