@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
+use arrow_flight::FlightData;
 use arrow_flight::flight_service_server::FlightService;
-use arrow_flight::{Action, Criteria, Empty, FlightData, FlightDescriptor, HandshakeRequest};
 use bytes::{Buf, Bytes};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryFutureExt};
@@ -87,7 +87,7 @@ impl Default for ConnectionStreams {
 }
 
 impl ConnectionStreams {
-    /// Whether no stream has been open on the connection since `since` ago.
+    /// When the connection's last stream ended (or it was opened), if no stream is open now.
     pub fn idle_since(&self) -> Option<Instant> {
         if self.open.load(Ordering::Acquire) > 0 {
             return None;
@@ -175,135 +175,138 @@ async fn route(
     method: Method,
     request: http::Request<Body>,
 ) -> http::Response<Body> {
-    let request_limit = service.options.max_request_bytes;
+    let service = &service;
     match method {
         Method::DoPut => {
             let inbound = Inbound::default();
-            let store = service.store.clone();
             let limit = service.options.max_put_message_bytes;
-            let mut request = guard(
-                request,
-                limit,
-                put_too_large,
-                Some((store, inbound.clone())),
-            );
+            let charge = Some((service.store.clone(), inbound.clone()));
+            let mut request = guard(request, limit, put_too_large, charge);
             request.extensions_mut().insert(inbound);
-            let mut grpc = grpc::<arrow_flight::PutResult, FlightData>(limit);
-            grpc.streaming(
-                stream_handler(&service, |service, request| {
-                    async move { service.do_put(request).await }.boxed()
-                }),
-                request,
-            )
-            .await
+            grpc::<arrow_flight::PutResult, FlightData>(limit)
+                .streaming(
+                    stream_handler(service, |s, r| async move { s.do_put(r).await }.boxed()),
+                    request,
+                )
+                .await
         }
         Method::DoGet => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = Grpc::new(FlightDataCodec)
-                .apply_max_message_size_config(Some(request_limit), Some(usize::MAX));
-            grpc.server_streaming(
-                stream_handler(&service, |service, request| {
-                    async move { Ok(Response::new(service.do_get_stream(request.get_ref())?)) }
-                        .boxed()
-                }),
-                request,
-            )
-            .await
+            let limit = service.options.max_request_bytes;
+            let request = guard(request, limit, request_too_large, None);
+            Grpc::new(FlightDataCodec)
+                .apply_max_message_size_config(Some(limit), Some(usize::MAX))
+                .server_streaming(
+                    stream_handler(service, |s, r| {
+                        async move { Ok(Response::new(s.do_get_stream(r.get_ref())?)) }.boxed()
+                    }),
+                    request,
+                )
+                .await
         }
         Method::GetFlightInfo => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::FlightInfo, FlightDescriptor>(request_limit);
-            grpc.unary(
-                handler(&service, |service, request| {
-                    async move { service.get_flight_info(request).await }.boxed()
-                }),
-                request,
-            )
+            unary(service, request, |s, r| {
+                async move { s.get_flight_info(r).await }.boxed()
+            })
             .await
         }
         Method::PollFlightInfo => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::PollInfo, FlightDescriptor>(request_limit);
-            grpc.unary(
-                handler(&service, |service, request| {
-                    async move { service.poll_flight_info(request).await }.boxed()
-                }),
-                request,
-            )
+            unary(service, request, |s, r| {
+                async move { s.poll_flight_info(r).await }.boxed()
+            })
             .await
         }
         Method::GetSchema => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::SchemaResult, FlightDescriptor>(request_limit);
-            grpc.unary(
-                handler(&service, |service, request| {
-                    async move { service.get_schema(request).await }.boxed()
-                }),
-                request,
-            )
+            unary(service, request, |s, r| {
+                async move { s.get_schema(r).await }.boxed()
+            })
             .await
         }
         Method::ListFlights => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::FlightInfo, Criteria>(request_limit);
-            grpc.server_streaming(
-                stream_handler(&service, |service, request| {
-                    async move { service.list_flights(request).await }.boxed()
-                }),
-                request,
-            )
+            listing(service, request, |s, r| {
+                async move { s.list_flights(r).await }.boxed()
+            })
             .await
         }
         Method::DoAction => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::Result, Action>(request_limit);
-            grpc.server_streaming(
-                stream_handler(&service, |service, request| {
-                    async move { service.do_action(request).await }.boxed()
-                }),
-                request,
-            )
+            listing(service, request, |s, r| {
+                async move { s.do_action(r).await }.boxed()
+            })
             .await
         }
         Method::ListActions => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::ActionType, Empty>(request_limit);
-            grpc.server_streaming(
-                stream_handler(&service, |service, request| {
-                    async move { service.list_actions(request).await }.boxed()
-                }),
-                request,
-            )
+            listing(service, request, |s, r| {
+                async move { s.list_actions(r).await }.boxed()
+            })
             .await
         }
         Method::Handshake => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<arrow_flight::HandshakeResponse, HandshakeRequest>(request_limit);
-            grpc.streaming(
-                stream_handler(&service, |service, request| {
-                    async move { service.handshake(request).await }.boxed()
-                }),
-                request,
-            )
+            exchange(service, request, |s, r| {
+                async move { s.handshake(r).await }.boxed()
+            })
             .await
         }
         Method::DoExchange => {
-            let request = guard(request, request_limit, request_too_large, None);
-            let mut grpc = grpc::<FlightData, FlightData>(request_limit);
-            grpc.streaming(
-                stream_handler(&service, |service, request| {
-                    async move { service.do_exchange(request).await }.boxed()
-                }),
-                request,
-            )
+            exchange(service, request, |s, r| {
+                async move { s.do_exchange(r).await }.boxed()
+            })
             .await
         }
-        Method::Unknown => Status::unimplemented(format!(
-            "no such method; gpu-flight serves {}",
-            "the Arrow Flight protocol (arrow.flight.protocol.FlightService)"
-        ))
+        Method::Unknown => Status::unimplemented(
+            "no such method; gpu-flight serves arrow.flight.protocol.FlightService",
+        )
         .into_http(),
     }
+}
+
+/// A unary method, its request bounded by `--max-request-bytes`.
+async fn unary<Req, Res>(
+    service: &Arc<Service>,
+    request: http::Request<Body>,
+    call: Call<Req, Res>,
+) -> http::Response<Body>
+where
+    Req: prost::Message + Default + Send + 'static,
+    Res: prost::Message + Send + 'static,
+{
+    let limit = service.options.max_request_bytes;
+    let request = guard(request, limit, request_too_large, None);
+    grpc::<Res, Req>(limit)
+        .unary(handler(service, call), request)
+        .await
+}
+
+/// A method with one small request and a stream of replies.
+async fn listing<Req, T>(
+    service: &Arc<Service>,
+    request: http::Request<Body>,
+    call: Call<Req, ReplyStream<T>>,
+) -> http::Response<Body>
+where
+    Req: prost::Message + Default + Send + 'static,
+    T: prost::Message + Send + 'static,
+{
+    let limit = service.options.max_request_bytes;
+    let request = guard(request, limit, request_too_large, None);
+    grpc::<T, Req>(limit)
+        .server_streaming(stream_handler(service, call), request)
+        .await
+}
+
+/// A method streaming both ways, other than `DoPut`: its messages are small.
+async fn exchange<Req, T>(
+    service: &Arc<Service>,
+    request: http::Request<Body>,
+    call: Call<Streaming<Req>, ReplyStream<T>>,
+) -> http::Response<Body>
+where
+    Req: prost::Message + Default + Send + 'static,
+    T: prost::Message + Send + 'static,
+{
+    let limit = service.options.max_request_bytes;
+    let request = guard(request, limit, request_too_large, None);
+    grpc::<T, Req>(limit)
+        .streaming(stream_handler(service, call), request)
+        .await
 }
 
 /// A tonic server for one method, with decoding bounded by `limit` (which [`GuardedBody`] has
@@ -359,20 +362,17 @@ fn guard(
 /// prove `Send` for futures holding closures or `dyn` types among these generics.
 struct Handler<Req, Res> {
     service: Arc<Service>,
-    call: fn(Arc<Service>, Request<Req>) -> Reply<Res>,
+    call: Call<Req, Res>,
 }
 
 /// [`Handler`] for methods that reply with a stream of `T`, whose polling must not unwind into
 /// tonic either.
 struct StreamHandler<Req, T> {
     service: Arc<Service>,
-    call: fn(Arc<Service>, Request<Req>) -> Reply<ReplyStream<T>>,
+    call: Call<Req, ReplyStream<T>>,
 }
 
-fn handler<Req, Res>(
-    service: &Arc<Service>,
-    call: fn(Arc<Service>, Request<Req>) -> Reply<Res>,
-) -> Handler<Req, Res> {
+fn handler<Req, Res>(service: &Arc<Service>, call: Call<Req, Res>) -> Handler<Req, Res> {
     Handler {
         service: Arc::clone(service),
         call,
@@ -381,7 +381,7 @@ fn handler<Req, Res>(
 
 fn stream_handler<Req, T>(
     service: &Arc<Service>,
-    call: fn(Arc<Service>, Request<Req>) -> Reply<ReplyStream<T>>,
+    call: Call<Req, ReplyStream<T>>,
 ) -> StreamHandler<Req, T> {
     StreamHandler {
         service: Arc::clone(service),
@@ -391,6 +391,8 @@ fn stream_handler<Req, T>(
 
 type ReplyStream<T> = futures::stream::BoxStream<'static, Result<T, Status>>;
 type Reply<Res> = BoxFuture<'static, Result<Response<Res>, Status>>;
+/// A handler: what runs for one request, given the service.
+type Call<Req, Res> = fn(Arc<Service>, Request<Req>) -> Reply<Res>;
 
 fn contain_panics<Res: 'static>(future: Reply<Res>) -> Reply<Res> {
     AssertUnwindSafe(future)
