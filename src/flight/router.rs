@@ -181,7 +181,7 @@ async fn route(
             let inbound = Inbound::default();
             let limit = service.options.max_put_message_bytes;
             let charge = Some((service.store.clone(), inbound.clone()));
-            let mut request = guard(request, limit, put_too_large, charge);
+            let mut request = guard(request, limit, put_too_large, charge, false);
             request.extensions_mut().insert(inbound);
             grpc::<arrow_flight::PutResult, FlightData>(limit)
                 .streaming(
@@ -192,7 +192,7 @@ async fn route(
         }
         Method::DoGet => {
             let limit = service.options.max_request_bytes;
-            let request = guard(request, limit, request_too_large, None);
+            let request = guard(request, limit, request_too_large, None, true);
             Grpc::new(FlightDataCodec)
                 .apply_max_message_size_config(Some(limit), Some(usize::MAX))
                 .server_streaming(
@@ -269,7 +269,7 @@ where
     Res: prost::Message + Send + 'static,
 {
     let limit = service.options.max_request_bytes;
-    let request = guard(request, limit, request_too_large, None);
+    let request = guard(request, limit, request_too_large, None, true);
     grpc::<Res, Req>(limit)
         .unary(handler(service, call), request)
         .await
@@ -286,7 +286,7 @@ where
     T: prost::Message + Send + 'static,
 {
     let limit = service.options.max_request_bytes;
-    let request = guard(request, limit, request_too_large, None);
+    let request = guard(request, limit, request_too_large, None, true);
     grpc::<T, Req>(limit)
         .server_streaming(stream_handler(service, call), request)
         .await
@@ -303,7 +303,7 @@ where
     T: prost::Message + Send + 'static,
 {
     let limit = service.options.max_request_bytes;
-    let request = guard(request, limit, request_too_large, None);
+    let request = guard(request, limit, request_too_large, None, false);
     grpc::<T, Req>(limit)
         .streaming(stream_handler(service, call), request)
         .await
@@ -342,6 +342,7 @@ fn guard(
     limit: usize,
     too_large: fn(usize, usize) -> Error,
     charge: Option<(Store, Inbound)>,
+    needs_message: bool,
 ) -> http::Request<Body> {
     request.map(|body| {
         Body::new(GuardedBody {
@@ -349,6 +350,8 @@ fn guard(
             limit,
             too_large,
             charge,
+            needs_message,
+            messages: 0,
             prefix: [0; 5],
             prefix_len: 0,
             remaining: 0,
@@ -536,6 +539,10 @@ struct GuardedBody {
     limit: usize,
     too_large: fn(usize, usize) -> Error,
     charge: Option<(Store, Inbound)>,
+    /// Whether the method needs at least one message (unary requests): tonic reports a body
+    /// without one as INTERNAL.
+    needs_message: bool,
+    messages: usize,
     prefix: [u8; 5],
     prefix_len: usize,
     /// Bytes of the current message still to come.
@@ -596,6 +603,7 @@ impl GuardedBody {
                 let reservation = store.reserve_message(declared as u64)?;
                 inbound.lock().charges.push_back(reservation);
             }
+            self.messages += 1;
             self.remaining = declared;
         }
         Ok(())
@@ -635,6 +643,11 @@ impl HttpBody for GuardedBody {
                 if self.prefix_len > 0 || self.remaining > 0 {
                     return self.fail(Error::Undecodable(
                         "the request ended in the middle of a gRPC message".to_owned(),
+                    ));
+                }
+                if self.needs_message && self.messages == 0 {
+                    return self.fail(Error::Undecodable(
+                        "the request carried no message".to_owned(),
                     ));
                 }
                 Poll::Ready(None)
@@ -722,6 +735,8 @@ mod tests {
             limit: 1 << 20,
             too_large: put_too_large,
             charge: Some((store, inbound.clone())),
+            needs_message: false,
+            messages: 0,
             prefix: [0; 5],
             prefix_len: 0,
             remaining: 0,
