@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import resource
 import subprocess
 import time
 
@@ -21,20 +22,36 @@ BACKEND = os.environ.get("GPU_FLIGHT_BACKEND", "host")
 
 
 class Server:
-    """One gpu-flight process; `location` is its grpc:// address."""
+    """One gpu-flight process; `location` is its grpc:// address.
 
-    def __init__(self, *flags):
-        self.process = subprocess.Popen(
-            [BINARY, "serve", "--listen", "127.0.0.1:0", "--backend", BACKEND, *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+    Options (all default to the plain server): `log`, a path its stderr (the log) is written to
+    instead of being discarded; `env`, extra environment variables; `nofile`, a limit on its
+    open files (RLIMIT_NOFILE), set in the child before it starts.
+    """
+
+    def __init__(self, *flags, log=None, env=None, nofile=None):
+        self.log = log
+        stderr = subprocess.DEVNULL if log is None else open(log, "wb")
+        preexec = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        try:
+            self.process = subprocess.Popen(
+                [BINARY, "serve", "--listen", "127.0.0.1:0", "--backend", BACKEND, *flags],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=None if env is None else {**os.environ, **env},
+                preexec_fn=preexec,
+            )
+        finally:
+            if log is not None:
+                stderr.close()
         line = self.process.stdout.readline()
         match = re.search(r"serving on (grpc://\S+)", line)
         if not match:
             self.process.kill()
-            raise RuntimeError(f"gpu-flight did not start: {line!r}")
+            self.process.wait()
+            said = "" if log is None else pathlib.Path(log).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"gpu-flight did not start: {line!r} {said}")
         self.location = match.group(1)
 
     def client(self, **kwargs):
@@ -79,11 +96,12 @@ def client(server):
 
 @pytest.fixture
 def make_server():
-    """Starts extra servers with their own flags; stops them after the test."""
+    """Starts extra servers with their own flags (and `Server`'s options); stops them after
+    the test."""
     started = []
 
-    def start(*flags):
-        started.append(Server(*flags))
+    def start(*flags, **options):
+        started.append(Server(*flags, **options))
         return started[-1]
 
     yield start
