@@ -359,17 +359,49 @@ async fn undecodable_requests_are_invalid_argument() {
     server.shutdown_and_wait().await;
 }
 
-#[tokio::test]
-async fn silent_and_idle_connections_are_closed_and_the_limit_holds() {
-    let options = ServeOptions {
+fn connection_limits(max_connections: usize, handshake_seconds: u64) -> ServeOptions {
+    ServeOptions {
         connections: ConnectionLimits {
-            max_connections: 4,
-            handshake_timeout: Duration::from_secs(1),
+            max_connections,
+            handshake_timeout: Duration::from_secs(handshake_seconds),
             idle_timeout: Duration::from_secs(2),
         },
         ..ServeOptions::default()
-    };
+    }
+}
+
+/// Waits for the server to close `socket`, reading past the SETTINGS it sends first.
+async fn closed_by_server(socket: &mut tokio::net::TcpStream) -> bool {
+    let mut received = Vec::new();
+    tokio::time::timeout(WAIT, socket.read_to_end(&mut received))
+        .await
+        .is_ok()
+}
+
+#[tokio::test]
+async fn silent_and_idle_connections_are_closed() {
+    let options = connection_limits(100, 1);
     let server = TestServer::start_with(host(), StoreOptions::default(), options).await;
+    // Never sends the HTTP/2 preface: closed after the handshake timeout.
+    let mut silent = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    assert!(closed_by_server(&mut silent).await);
+    // Handshakes, then makes no call: closed after the idle timeout.
+    let tcp = tokio::net::TcpStream::connect(server.addr)
+        .await
+        .expect("connect");
+    let (_h2, connection) = h2::client::handshake(tcp).await.expect("handshake");
+    let ended = tokio::time::timeout(WAIT, connection).await;
+    assert!(ended.is_ok(), "an idle connection is closed by the server");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn silent_sockets_cannot_lock_clients_out_and_busy_connections_are_kept() {
+    // A long handshake timeout: only eviction can make room here.
+    let server =
+        TestServer::start_with(host(), StoreOptions::default(), connection_limits(4, 60)).await;
     let mut silent = Vec::new();
     for _ in 0..4 {
         silent.push(
@@ -378,29 +410,64 @@ async fn silent_and_idle_connections_are_closed_and_the_limit_holds() {
                 .expect("connect"),
         );
     }
-    // Over the limit: closed as soon as it is accepted.
-    let mut extra = tokio::net::TcpStream::connect(server.addr)
+    // Every slot is held by a socket that said nothing; a real client still gets in, at the
+    // expense of the oldest of them.
+    let mut client = server.client().await;
+    assert_eq!(status(&mut client).await["datasets"], 0);
+    assert!(
+        closed_by_server(&mut silent[0]).await,
+        "the oldest silent socket was evicted"
+    );
+    drop(silent);
+    drop(client);
+
+    // Four connections, each with a put in progress: nothing to evict, so a fifth is refused.
+    let mut senders = Vec::new();
+    let mut puts = Vec::new();
+    for index in 0..4 {
+        let mut busy = connect(server.addr).await;
+        let (sender, receiver) = tokio::sync::mpsc::channel(1);
+        let data = arrow_flight::encode::FlightDataEncoderBuilder::new()
+            .with_flight_descriptor(Some(path(&format!("busy{index}"))))
+            .build(tokio_stream::wrappers::ReceiverStream::new(receiver));
+        sender
+            .send(Ok(int64_batch(10, 1, index)))
+            .await
+            .expect("send");
+        puts.push(tokio::spawn(
+            async move { busy.do_put(data).await.map(|_| ()) },
+        ));
+        senders.push(sender);
+    }
+    // All four have uploaded their batch and wait for more: exactly four batches, their
+    // messages and four schemas are charged. (Asked of the store directly: a status call would
+    // need a connection of its own.)
+    let store = server.store.clone();
+    let batch = int64_batch(10, 1, 0);
+    let encoded: Vec<FlightData> = arrow_flight::encode::FlightDataEncoderBuilder::new()
+        .build(futures::stream::iter([Ok(batch.clone())]))
+        .try_collect()
+        .await
+        .expect("encode");
+    let message = encoded.last().expect("a batch message").encoded_len() as u64;
+    let one_put = 80 + message + gpu_flight::batch_size::schema_bytes(&batch.schema());
+    wait_until(|| {
+        let used = store.status().devices[0].used_bytes;
+        async move { used == 4 * one_put }
+    })
+    .await;
+    let mut refused = tokio::net::TcpStream::connect(server.addr)
         .await
         .expect("connect");
     let mut byte = [0u8; 1];
-    let closed = tokio::time::timeout(WAIT, extra.read(&mut byte)).await;
+    let closed = tokio::time::timeout(WAIT, refused.read(&mut byte)).await;
     assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
-    // The silent ones never sent the HTTP/2 preface: closed after the handshake timeout.
-    for socket in &mut silent {
-        // The server's own HTTP/2 SETTINGS come first, then the end of the connection.
-        let mut received = Vec::new();
-        let closed = tokio::time::timeout(WAIT, socket.read_to_end(&mut received)).await;
-        assert!(closed.is_ok(), "closed within {WAIT:?}");
+    drop(senders);
+    for put in puts {
+        put.await
+            .expect("task")
+            .expect("the busy puts were not disturbed");
     }
-    // Their slots are free again, and a connection with no call is closed once idle.
-    let mut client = server.client().await;
-    assert_eq!(status(&mut client).await["datasets"], 0);
-    let tcp = tokio::net::TcpStream::connect(server.addr)
-        .await
-        .expect("connect");
-    let (_h2, connection) = h2::client::handshake(tcp).await.expect("handshake");
-    let ended = tokio::time::timeout(WAIT, connection).await;
-    assert!(ended.is_ok(), "an idle connection is closed by the server");
     server.shutdown_and_wait().await;
 }
 

@@ -4,8 +4,11 @@
 //! that opens a thousand idle sockets exhausts the process's file descriptors and the accept
 //! loop then spins on EMFILE. [`incoming`] instead:
 //!
-//! - holds one permit of a semaphore per open connection, and closes connections beyond
-//!   `max_connections` as soon as they are accepted (a warning, at most one a minute);
+//! - holds one permit of a semaphore per open connection. When all are taken, a new connection
+//!   evicts the least useful one: one that has not finished its HTTP/2 preface (the oldest),
+//!   else the one idle longest (no call open; gRPC clients reconnect by themselves). Only when
+//!   every connection has a call in progress is the new one closed (a warning, at most one a
+//!   minute). Silent or idle sockets therefore never lock real clients out;
 //! - logs accept errors once per burst and backs off (10 ms, doubling to 1 s) until accept
 //!   works again.
 //!
@@ -23,6 +26,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
+use std::sync::Weak;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -37,6 +44,8 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// Connections refused at the limit are logged at most this often.
 const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(60);
+/// How long a new connection waits for the slot of the connection it evicted.
+const EVICTION_WAIT: Duration = Duration::from_secs(1);
 
 /// Bounds on connections.
 #[derive(Debug, Clone)]
@@ -72,6 +81,7 @@ pub(crate) fn incoming(
         backoff: None,
         last_refusal_log: None,
         refused: 0,
+        open: Vec::new(),
     };
     futures::stream::unfold(state, |mut state| async move {
         let connection = state.next().await;
@@ -88,6 +98,8 @@ struct Acceptor {
     last_refusal_log: Option<Instant>,
     /// Connections refused since the last log line about them.
     refused: u64,
+    /// The connections handed out, for eviction; dead entries are pruned as they are found.
+    open: Vec<Weak<Shared>>,
 }
 
 impl Acceptor {
@@ -106,10 +118,56 @@ impl Acceptor {
                     "accepting connections again"
                 );
             }
-            match Arc::clone(&self.permits).try_acquire_owned() {
-                Ok(permit) => return Connection::new(socket, peer, permit, &self.limits),
-                Err(_) => self.refuse(socket, peer),
+            let permit = match Arc::clone(&self.permits).try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) if self.evict_one() => {
+                    tokio::time::timeout(EVICTION_WAIT, Arc::clone(&self.permits).acquire_owned())
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                }
+                Err(_) => None,
+            };
+            match permit {
+                Some(permit) => {
+                    let connection = Connection::new(socket, peer, permit, &self.limits);
+                    self.open.retain(|c| c.strong_count() > 0);
+                    self.open.push(Arc::downgrade(&connection.shared));
+                    return connection;
+                }
+                None => self.refuse(socket, peer),
             }
+        }
+    }
+
+    /// Closes the open connection a new one is most worth more than: the oldest that has not
+    /// finished its preface, else the one idle longest. False when every connection is busy.
+    fn evict_one(&mut self) -> bool {
+        self.open.retain(|c| c.strong_count() > 0);
+        let open: Vec<Arc<Shared>> = self.open.iter().filter_map(Weak::upgrade).collect();
+        let victim = open
+            .iter()
+            .filter(|c| !c.evicted.load(Ordering::Acquire))
+            .filter_map(|c| {
+                let silent = !c.handshaken.load(Ordering::Acquire);
+                let since = if silent {
+                    Some(c.accepted)
+                } else {
+                    c.streams.idle_since().map(Instant::from_std)
+                };
+                // Silent connections go before idle ones, older before newer.
+                since.map(|since| ((!silent, since), c))
+            })
+            .min_by_key(|(key, _)| *key)
+            .map(|(_, c)| c);
+        match victim {
+            Some(victim) => {
+                tracing::debug!(peer = %victim.peer, "evicting a connection to admit a new one");
+                victim.evicted.store(true, Ordering::Release);
+                victim.waker.wake();
+                true
+            }
+            None => false,
         }
     }
 
@@ -161,15 +219,27 @@ impl Acceptor {
     }
 }
 
-/// An accepted connection that closes itself when its client stays silent too long.
+/// What the acceptor knows of a connection it handed out, and how it asks one to close.
+#[derive(Debug)]
+struct Shared {
+    streams: Arc<ConnectionStreams>,
+    peer: SocketAddr,
+    accepted: Instant,
+    /// The client has sent the HTTP/2 preface.
+    handshaken: AtomicBool,
+    evicted: AtomicBool,
+    /// Wakes the connection's reads, so that an eviction takes effect at once.
+    waker: AtomicWaker,
+}
+
+/// An accepted connection that closes itself when its client stays silent too long, or when
+/// the acceptor evicts it.
 #[derive(Debug)]
 pub(crate) struct Connection {
     socket: TcpStream,
-    streams: Arc<ConnectionStreams>,
+    shared: Arc<Shared>,
     _permit: OwnedSemaphorePermit,
-    peer: SocketAddr,
     bytes_read: usize,
-    accepted: Instant,
     handshake_timeout: Duration,
     idle_timeout: Duration,
     /// Fires at the next moment a timeout could have been reached.
@@ -188,11 +258,16 @@ impl Connection {
         let accepted = Instant::now();
         Self {
             socket,
-            streams: Arc::default(),
+            shared: Arc::new(Shared {
+                streams: Arc::default(),
+                peer,
+                accepted,
+                handshaken: AtomicBool::new(false),
+                evicted: AtomicBool::new(false),
+                waker: AtomicWaker::new(),
+            }),
             _permit: permit,
-            peer,
             bytes_read: 0,
-            accepted,
             handshake_timeout: limits.handshake_timeout,
             idle_timeout: limits.idle_timeout,
             check: Box::pin(tokio::time::sleep_until(
@@ -204,12 +279,19 @@ impl Connection {
     /// An error once the connection has been silent past its timeout; otherwise arms the timer
     /// for the next moment that could happen.
     fn poll_timeouts(&mut self, cx: &mut Context<'_>) -> Result<(), io::Error> {
+        self.shared.waker.register(cx.waker());
+        if self.shared.evicted.load(Ordering::Acquire) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to admit a new connection (--max-connections)",
+            ));
+        }
         loop {
             let now = Instant::now();
             let deadline = if self.bytes_read < PREFACE_BYTES {
-                let deadline = self.accepted + self.handshake_timeout;
+                let deadline = self.shared.accepted + self.handshake_timeout;
                 if now >= deadline {
-                    tracing::debug!(peer = %self.peer, "closing a connection that sent no HTTP/2 preface");
+                    tracing::debug!(peer = %self.shared.peer, "closing a connection that sent no HTTP/2 preface");
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
                         "no HTTP/2 preface within the handshake timeout",
@@ -217,11 +299,11 @@ impl Connection {
                 }
                 deadline
             } else {
-                match self.streams.idle_since() {
+                match self.shared.streams.idle_since() {
                     Some(since) => {
                         let deadline = Instant::from_std(since) + self.idle_timeout;
                         if now >= deadline {
-                            tracing::debug!(peer = %self.peer, "closing an idle connection");
+                            tracing::debug!(peer = %self.shared.peer, "closing an idle connection");
                             return Err(io::Error::new(
                                 io::ErrorKind::TimedOut,
                                 "no stream within the idle timeout",
@@ -248,7 +330,7 @@ impl Connected for Connection {
     type ConnectInfo = Arc<ConnectionStreams>;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        Arc::clone(&self.streams)
+        Arc::clone(&self.shared.streams)
     }
 }
 
@@ -262,6 +344,9 @@ impl AsyncRead for Connection {
         let result = Pin::new(&mut self.socket).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = result {
             self.bytes_read = self.bytes_read.saturating_add(buf.filled().len() - before);
+            if self.bytes_read >= PREFACE_BYTES {
+                self.shared.handshaken.store(true, Ordering::Release);
+            }
             return Poll::Ready(Ok(()));
         }
         if result.is_pending()
