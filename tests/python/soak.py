@@ -432,7 +432,7 @@ class Worker:
             if code_of(error) != "NOT_FOUND":
                 self.violation(op, f"GetFlightInfo({name}) after the fault: {code_of(error)}")
             return
-        self.violation(op, f"{name} exists after a {op} put, which must never commit")
+        self.violation(op, f"{name} exists after {op}, which must never commit")
 
     def op_malformed(self):
         int32s = lambda *v: pa.py_buffer(np.array(v, dtype=np.int32).tobytes())  # noqa: E731
