@@ -36,7 +36,11 @@
 //! `GPU_FLIGHT_FUZZ_CASES=20000 cargo test --release --test fuzz -- --nocapture`.
 //! `GPU_FLIGHT_FUZZ_KEEP_GOING=1` records failures and goes on, then summarizes them by class;
 //! `GPU_FLIGHT_FUZZ_VERBOSE=1` prints each case before sending it, which is how to find the
-//! case behind a process abort (an allocation failure aborts; it is not a panic).
+//! case behind a process abort (an allocation failure aborts; it is not a panic). A call that
+//! hangs ends the whole test process (exit status 101) after the report: the stuck handler
+//! would otherwise go on consuming memory. Progress lines go to stderr uncaptured, so they
+//! survive an abort; running under `ulimit -v` keeps a runaway allocation from reaching the
+//! OOM killer.
 
 mod common;
 
@@ -335,6 +339,12 @@ impl Campaign {
             "replay with GPU_FLIGHT_FUZZ_SEED={} GPU_FLIGHT_FUZZ_CASE=<index>",
             self.config.seed
         ));
+        if self.failures.iter().any(|f| f.failure.fatal) {
+            // A hung handler keeps running on its thread, usually allocating as it goes; only
+            // ending the process stops it before it takes the machine's memory.
+            announce(&summary);
+            std::process::exit(101);
+        }
         panic!("{summary}");
     }
 }
@@ -1218,11 +1228,12 @@ fn mutate_ipc(rng: &mut StdRng, messages: &mut Vec<FlightData>, corpus: &[Stream
         }
         6 => {
             // Row counts the buffers may not back: consistent (every word that held the count)
-            // or not (one of them).
+            // or not (one of them), in one batch or in every batch (sums of counts can overflow
+            // where one count alone cannot).
             let batches: Vec<(usize, i64)> = (0..n)
                 .filter_map(|i| declared_rows(&messages[i].data_header).map(|r| (i, r)))
                 .collect();
-            let Some(&(i, rows)) = batches.choose(rng) else {
+            let Some(&(chosen, rows)) = batches.choose(rng) else {
                 return log.push("rows: no batch to rewrite");
             };
             let to = match rng.random_range(0..3) {
@@ -1231,14 +1242,21 @@ fn mutate_ipc(rng: &mut StdRng, messages: &mut Vec<FlightData>, corpus: &[Stream
                 _ => (rows as u64).saturating_mul(1 << rng.random_range(1..40)),
             };
             let all = rng.random_bool(0.6);
-            let header = &mut messages[i].data_header;
+            let every_batch = rng.random_bool(0.3);
             let mut count = 0;
-            *header = edit(header, |b| {
-                count = rewrite_words(b, rows as u64, to, all, rng)
-            });
+            for (i, declared) in batches {
+                if i != chosen && !every_batch {
+                    continue;
+                }
+                let header = &mut messages[i].data_header;
+                *header = edit(header, |b| {
+                    count += rewrite_words(b, declared as u64, to, all, rng)
+                });
+            }
             log.push(format!(
-                "message {i}: declared rows {rows} -> {to:#x} ({count} word(s), {})",
-                if all { "all" } else { "one" }
+                "message {chosen}: declared rows {rows} -> {to:#x} ({count} word(s), {}{})",
+                if all { "all" } else { "one" },
+                if every_batch { ", every batch" } else { "" }
             ));
         }
         7 if n >= 2 => {
@@ -1534,7 +1552,9 @@ struct PutRig {
 }
 
 impl PutRig {
-    async fn put_stream(&self, stream: &Stream) -> Checked<()> {
+    /// Puts `stream` unmutated under [`NAME`]; returns whether the dataset now exists (a type
+    /// the server does not support may be refused, nothing else).
+    async fn put_stream(&self, stream: &Stream) -> Checked<bool> {
         let mut messages = stream.messages.clone();
         let descriptor = path(NAME);
         match messages.first_mut() {
@@ -1545,15 +1565,14 @@ impl PutRig {
             .iter()
             .map(|m| Bytes::from(m.encode_to_vec()))
             .collect();
-        timed("DoPut", raw_do_put(self.channel.clone(), encoded))
-            .await?
-            .map(|_| ())
-            .map_err(|s| {
-                Failure::new(
-                    "valid put refused",
-                    format!("{} put first: {}", stream.label, status_summary(&s)),
-                )
-            })
+        match timed("DoPut", raw_do_put(self.channel.clone(), encoded)).await? {
+            Ok(_) => Ok(true),
+            Err(status) if !stream.supported && status.code() == Code::InvalidArgument => Ok(false),
+            Err(status) => Err(Failure::new(
+                "valid put refused",
+                format!("{} put first: {}", stream.label, status_summary(&status)),
+            )),
+        }
     }
 
     async fn run(
@@ -1562,9 +1581,10 @@ impl PutRig {
         expect_ok: bool,
         outcomes: &mut BTreeMap<String, u64>,
     ) -> Checked<()> {
-        if let Some(existing) = case.existing {
-            self.put_stream(&self.corpus[existing]).await?;
-        }
+        let existing = match case.existing {
+            Some(existing) if self.put_stream(&self.corpus[existing]).await? => Some(existing),
+            _ => None,
+        };
         let outcome = timed(
             "DoPut",
             raw_do_put(self.channel.clone(), case.messages.clone()),
@@ -1578,8 +1598,7 @@ impl PutRig {
                 let allowed = matches!(
                     status.code(),
                     Code::InvalidArgument | Code::ResourceExhausted
-                ) || (status.code() == Code::AlreadyExists
-                    && case.existing.is_some());
+                ) || (status.code() == Code::AlreadyExists && existing.is_some());
                 if !allowed || expect_ok {
                     return Err(Failure::new(
                         status_class("DoPut", status),
@@ -1596,8 +1615,8 @@ impl PutRig {
             reads.insert(*name, read_back(&mut self.client, name).await?);
         }
         match &summary {
-            None => self.check_untouched(case, &names, &reads)?,
-            Some(summary) => self.check_committed(case, summary, &names, &reads)?,
+            None => self.check_untouched(existing, &names, &reads)?,
+            Some(summary) => self.check_committed(case, existing, summary, &names, &reads)?,
         }
         server_status(&self.channel).await?;
         for name in &names {
@@ -1609,18 +1628,18 @@ impl PutRig {
     /// A failed put leaves the catalog as it was.
     fn check_untouched(
         &self,
-        case: &PutCase,
+        existing: Option<usize>,
         names: &BTreeSet<&str>,
         reads: &BTreeMap<&str, ReadBack>,
     ) -> Checked<()> {
-        let expected: BTreeSet<&str> = case.existing.iter().map(|_| NAME).collect();
+        let expected: BTreeSet<&str> = existing.iter().map(|_| NAME).collect();
         if *names != expected {
             return Err(Failure::new(
                 "failed put left a trace",
                 format!("datasets {names:?}, expected {expected:?}"),
             ));
         }
-        if let (Some(existing), Some(read)) = (case.existing, reads.get(NAME)) {
+        if let (Some(existing), Some(read)) = (existing, reads.get(NAME)) {
             same_data(&self.corpus[existing], read)
                 .map_err(|e| Failure::new("failed put changed the dataset", e))?;
         }
@@ -1631,6 +1650,7 @@ impl PutRig {
     fn check_committed(
         &self,
         case: &PutCase,
+        existing: Option<usize>,
         summary: &serde_json::Value,
         names: &BTreeSet<&str>,
         reads: &BTreeMap<&str, ReadBack>,
@@ -1652,14 +1672,14 @@ impl PutRig {
         }
         let extra: Vec<&&str> = names
             .iter()
-            .filter(|n| **n != name && !(case.existing.is_some() && **n == NAME))
+            .filter(|n| **n != name && !(existing.is_some() && **n == NAME))
             .collect();
         if !extra.is_empty() {
             return Err(fail("put created more than one dataset"));
         }
         let mode = summary["mode"].as_str();
         if name == NAME
-            && let Some(existing) = case.existing
+            && let Some(existing) = existing
         {
             let before = self.corpus[existing].rows() as u64;
             let rows = summary["rows"].as_u64().unwrap_or(u64::MAX);
@@ -1700,6 +1720,8 @@ fn put_summary(replies: &[Bytes]) -> Checked<serde_json::Value> {
 /// Empties the catalog after a failed case so the next one starts clean, and takes what memory
 /// stays held as the new baseline (the leak has been reported).
 async fn recover(channel: &Channel, client: &mut FlightClient) -> Option<u64> {
+    // By name first: listing is what may have failed.
+    let _ = drop_dataset(channel, NAME).await;
     if let Ok(datasets) = list_datasets(client).await {
         for name in datasets.keys() {
             let _ = drop_dataset(channel, name).await;
@@ -1775,6 +1797,10 @@ fn fixtures() -> Vec<(&'static str, Vec<RecordBatch>)> {
         ("types", vec![all_types_batch(40)]),
         ("d", vec![dictionary_batch(70, 1)]),
         ("é/ü 2024", vec![int64_batch(10, 1, 5)]),
+        // Nested, Null-type and zero-column data over several endpoints (64 rows each).
+        ("l", vec![lists_batch(100, 2)]),
+        ("n", vec![null_column_batch(150)]),
+        ("z", vec![zero_column_batch(130)]),
     ]
 }
 
@@ -1796,6 +1822,8 @@ struct UnaryCase {
     id: String,
     method: &'static str,
     requests: Vec<Bytes>,
+    /// The rows an unmutated DoGet must return: a short stream is data lost without an error.
+    expected_rows: Option<usize>,
     log: Log,
 }
 
@@ -1840,11 +1868,16 @@ impl UnaryRig {
             .expect("methods")
             .0;
         log.push(method.rsplit('/').next().unwrap_or(method));
+        let mut expected_rows = None;
         let mut request = match method {
             raw::GET_FLIGHT_INFO | raw::GET_SCHEMA | raw::POLL_FLIGHT_INFO => {
                 self.descriptor(rng, &mut log).encode_to_vec()
             }
-            raw::DO_GET => Ticket::new(self.ticket(rng, &mut log).await?).encode_to_vec(),
+            raw::DO_GET => {
+                let (ticket, rows) = self.ticket(rng, &mut log).await?;
+                expected_rows = rows;
+                Ticket::new(ticket).encode_to_vec()
+            }
             raw::DO_ACTION => self.action(rng, &mut log).encode_to_vec(),
             raw::LIST_FLIGHTS => {
                 let expression: Vec<u8> = match rng.random_range(0..5) {
@@ -1878,6 +1911,9 @@ impl UnaryRig {
         };
         // Mostly none: undecodable requests stop in tonic, before the server's own parsing.
         let protobuf_mutations = *[0, 0, 0, 0, 1, 2].choose(rng).expect("counts");
+        if protobuf_mutations > 0 {
+            expected_rows = None;
+        }
         for _ in 0..protobuf_mutations {
             if rng.random_bool(0.25) {
                 let needle = ["t", "s", "types", "drop", "status", "é"]
@@ -1903,6 +1939,7 @@ impl UnaryRig {
             id,
             method,
             requests,
+            expected_rows,
             log,
         })
     }
@@ -1928,7 +1965,13 @@ impl UnaryRig {
     }
 
     /// A server-issued ticket, a bare name or a forged ticket, perhaps mutated.
-    async fn ticket(&mut self, rng: &mut StdRng, log: &mut Log) -> Checked<Vec<u8>> {
+    /// The ticket, and the rows it must return if it was left intact.
+    async fn ticket(
+        &mut self,
+        rng: &mut StdRng,
+        log: &mut Log,
+    ) -> Checked<(Vec<u8>, Option<usize>)> {
+        let mut expected_rows = None;
         let mut ticket = match rng.random_range(0..10) {
             0..=4 => {
                 let name = self.fixture_name(rng);
@@ -1937,11 +1980,18 @@ impl UnaryRig {
                     .map_err(|e| Failure::new("fixture unreadable", e.to_string()))?;
                 let endpoint = info.endpoint.choose(rng).expect("an endpoint");
                 log.push(format!("issued ticket of {name}"));
-                endpoint.ticket.clone().expect("a ticket").ticket.to_vec()
+                let ticket = endpoint.ticket.clone().expect("a ticket").ticket.to_vec();
+                expected_rows = issued_rows(&ticket);
+                ticket
             }
             5 | 6 => {
                 let name = self.some_name(rng);
                 log.push(format!("bare name {:?}", abbreviate(&name)));
+                expected_rows = self
+                    .fixtures
+                    .iter()
+                    .find(|(fixture, _)| *fixture == name)
+                    .map(|(_, batches)| batches.iter().map(RecordBatch::num_rows).sum());
                 name.into_bytes()
             }
             _ => {
@@ -1955,13 +2005,14 @@ impl UnaryRig {
             }
         };
         if rng.random_bool(0.5) {
+            expected_rows = None;
             if rng.random_bool(0.5) {
                 rewrite_number(rng, &mut ticket, log);
             } else {
                 mutate_bytes(rng, &mut ticket, log, "ticket");
             }
         }
-        Ok(ticket)
+        Ok((ticket, expected_rows))
     }
 
     fn action(&self, rng: &mut StdRng, log: &mut Log) -> Action {
@@ -2079,7 +2130,17 @@ impl UnaryRig {
         let code = outcome.as_ref().err().map_or(Code::Ok, tonic::Status::code);
         *outcomes.entry(format!("{method} {code:?}")).or_default() += 1;
         match outcome {
-            Ok(replies) => check_replies(case.method, &replies).await?,
+            Ok(replies) => {
+                let rows = check_replies(case.method, &replies).await?;
+                if let Some(expected) = case.expected_rows
+                    && rows != expected
+                {
+                    return Err(Failure::new(
+                        "DoGet returned the wrong number of rows",
+                        format!("{rows} rows, the ticket asks for {expected}"),
+                    ));
+                }
+            }
             Err(status) => {
                 let allowed = matches!(
                     status.code(),
@@ -2200,6 +2261,14 @@ fn forged_ticket(rng: &mut StdRng, name: &str) -> Vec<u8> {
     format!("\0gpu-flight-ticket/{format_line}\n{body}").into_bytes()
 }
 
+/// The row range of a server-issued ticket (the JSON after the format line), as a count.
+fn issued_rows(ticket: &[u8]) -> Option<usize> {
+    let newline = ticket.iter().position(|&b| b == b'\n')?;
+    let body: serde_json::Value = serde_json::from_slice(&ticket[newline + 1..]).ok()?;
+    let (start, end) = (body["start"].as_u64()?, body["end"].as_u64()?);
+    usize::try_from(end.checked_sub(start)?).ok()
+}
+
 /// Replaces one run of digits with an edge value (row ranges and versions live in those).
 fn rewrite_number(rng: &mut StdRng, bytes: &mut Vec<u8>, log: &mut Log) {
     let mut runs = Vec::new();
@@ -2237,8 +2306,9 @@ fn rewrite_number(rng: &mut StdRng, bytes: &mut Vec<u8>, log: &mut Log) {
     log.push(format!("ticket: number {old} -> {value}"));
 }
 
-/// What an OK reply holds must decode as the method's reply type.
-async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<()> {
+/// What an OK reply holds must decode as the method's reply type; returns the rows of a DoGet.
+async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<usize> {
+    let mut rows = 0;
     let fail = |e: String| Failure::new(format!("undecodable {method} reply"), e);
     match method {
         raw::GET_FLIGHT_INFO | raw::LIST_FLIGHTS => {
@@ -2268,10 +2338,11 @@ async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<()> {
             let stream = FlightRecordBatchStream::new_from_flight_data(futures::stream::iter(
                 data.into_iter().map(Ok),
             ));
-            let _: Vec<RecordBatch> = stream
+            let batches: Vec<RecordBatch> = stream
                 .try_collect()
                 .await
                 .map_err(|e| fail(e.to_string()))?;
+            rows = batches.iter().map(RecordBatch::num_rows).sum();
         }
         raw::DO_ACTION => {
             for reply in replies {
@@ -2295,7 +2366,7 @@ async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<()> {
             }
         }
     }
-    Ok(())
+    Ok(rows)
 }
 
 #[test]
@@ -2356,7 +2427,11 @@ async fn unary_campaign(config: Config, addr: SocketAddr) -> Campaign {
             }
         }
     }
-    if campaign.failures.is_empty() {
+    // After a failure without KEEP_GOING the fixtures were not restored; after a hang the
+    // server cannot be trusted.
+    let fatal = campaign.failures.iter().any(|f| f.failure.fatal);
+    if campaign.failures.is_empty() || (campaign.config.keep_going && !fatal) {
+        campaign.begin("final fixture check", "none");
         let panics = panic_count();
         let outcome = rig.check_fixtures().await;
         campaign.end("final fixture check".into(), "none".into(), outcome, panics);
