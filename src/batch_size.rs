@@ -91,8 +91,8 @@ pub fn schema_bytes(schema: &Schema) -> u64 {
 
 fn list_bytes<O: arrow::array::OffsetSizeTrait>(data: &ArrayData) -> u64 {
     let len = data.len();
-    let offsets = data.buffer::<O>(0);
-    let offsets = &offsets[data.offset()..=data.offset() + len];
+    // `ArrayData::buffer` already starts at the array's offset.
+    let offsets = &data.buffer::<O>(0)[..=len];
     let start = offsets[0].as_usize();
     let end = offsets[len].as_usize();
     let own = ((len + 1) * std::mem::size_of::<O>()) as u64;
@@ -133,5 +133,12 @@ mod tests {
         assert_eq!(whole, 101 * 4 + 1000 * 8);
         let slice: Arc<dyn Array> = Arc::new(list.slice(50, 2));
         assert_eq!(array_bytes(&slice.to_data()), 3 * 4 + 20 * 8);
+        // Sliced as `ArrayData` (as the children of nested lists are), the offset lives in the
+        // data and must be applied once: twice read past the end.
+        assert_eq!(array_bytes(&list.to_data().slice(60, 40)), 41 * 4 + 400 * 8);
+        let lengths = ListArray::from_iter_primitive::<Int64Type, _, _>(
+            (0..10).map(|i| Some(vec![Some(i); i as usize])),
+        );
+        assert_eq!(array_bytes(&lengths.to_data().slice(9, 1)), 2 * 4 + 9 * 8);
     }
 }
