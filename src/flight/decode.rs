@@ -96,6 +96,7 @@ impl PutDecoder {
                     .header_as_record_batch()
                     .ok_or_else(|| invalid("an IPC record batch message without its batch"))?;
                 check_batch(&header, body_len)?;
+                check_unions(&schema, &header, version)?;
                 let body = Buffer::from(data.data_body.clone());
                 let dictionaries = &self.dictionaries;
                 let batch = guarded("reading a record batch", || {
@@ -189,6 +190,136 @@ fn check_batch(batch: &ipc::RecordBatch<'_>, body_len: usize) -> Result<(), Erro
         }
     }
     Ok(())
+}
+
+/// Checks union columns' type-id and offset buffers against their lengths: Arrow's reader slices
+/// those before validating anything. Walks the schema in the order the reader consumes field
+/// nodes and buffers (depth first, one node a field, a fixed number of buffers a layout).
+fn check_unions(
+    schema: &Schema,
+    batch: &ipc::RecordBatch<'_>,
+    version: ipc::MetadataVersion,
+) -> Result<(), Error> {
+    /// Lengths of the field nodes and buffers, consumed in order.
+    struct Walk {
+        nodes: std::vec::IntoIter<i64>,
+        buffers: std::vec::IntoIter<i64>,
+        variadic: std::collections::VecDeque<i64>,
+        legacy_union_validity: bool,
+    }
+    impl Walk {
+        fn node(&mut self) -> Result<i64, Error> {
+            self.nodes.next().ok_or_else(|| {
+                invalid("the record batch has fewer field nodes than its schema needs")
+            })
+        }
+        fn buffer(&mut self) -> Result<i64, Error> {
+            self.buffers
+                .next()
+                .ok_or_else(|| invalid("the record batch has fewer buffers than its schema needs"))
+        }
+        fn skip(&mut self, buffers: usize) -> Result<(), Error> {
+            (0..buffers).try_for_each(|_| self.buffer().map(drop))
+        }
+        fn field(&mut self, field: &Field) -> Result<(), Error> {
+            let length = self.node()?;
+            match field.data_type() {
+                DataType::Null => Ok(()),
+                DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
+                    self.skip(3)
+                }
+                DataType::Utf8View | DataType::BinaryView => {
+                    let count = self.variadic.pop_front().unwrap_or(0);
+                    self.skip(usize::try_from(count).unwrap_or(0).saturating_add(2))
+                }
+                DataType::List(child) | DataType::LargeList(child) | DataType::Map(child, _) => {
+                    self.skip(2)?;
+                    self.field(child)
+                }
+                DataType::ListView(child) | DataType::LargeListView(child) => {
+                    self.skip(3)?;
+                    self.field(child)
+                }
+                DataType::FixedSizeList(child, _) => {
+                    self.skip(1)?;
+                    self.field(child)
+                }
+                DataType::Struct(fields) => {
+                    self.skip(1)?;
+                    fields.iter().try_for_each(|f| self.field(f))
+                }
+                DataType::RunEndEncoded(ends, values) => {
+                    self.field(ends)?;
+                    self.field(values)
+                }
+                DataType::Union(fields, mode) => {
+                    if self.legacy_union_validity {
+                        self.skip(1)?;
+                    }
+                    let ids = self.buffer()?;
+                    let offsets = match mode {
+                        arrow::datatypes::UnionMode::Dense => Some(self.buffer()?),
+                        arrow::datatypes::UnionMode::Sparse => None,
+                    };
+                    let short = ids < length
+                        || offsets.is_some_and(|offsets| offsets < length.saturating_mul(4));
+                    if short {
+                        return Err(invalid(format!(
+                            "union column '{}' of {length} values has too short a type-id or \
+                             offset buffer",
+                            field.name()
+                        )));
+                    }
+                    fields.iter().try_for_each(|(_, f)| self.field(f))
+                }
+                // Primitives, booleans, fixed-size binary, dictionary keys: validity and values.
+                _ => self.skip(2),
+            }
+        }
+    }
+    if !schema.fields().iter().any(|f| has_union(f.data_type())) {
+        return Ok(());
+    }
+    let mut walk = Walk {
+        nodes: batch
+            .nodes()
+            .iter()
+            .flatten()
+            .map(|n| n.length())
+            .collect::<Vec<_>>()
+            .into_iter(),
+        buffers: batch
+            .buffers()
+            .iter()
+            .flatten()
+            .map(|b| b.length())
+            .collect::<Vec<_>>()
+            .into_iter(),
+        variadic: batch
+            .variadicBufferCounts()
+            .map(|counts| counts.iter().collect())
+            .unwrap_or_default(),
+        legacy_union_validity: version < ipc::MetadataVersion::V5,
+    };
+    schema.fields().iter().try_for_each(|f| walk.field(f))
+}
+
+fn has_union(data_type: &DataType) -> bool {
+    match data_type {
+        DataType::Union(_, _) => true,
+        DataType::List(child)
+        | DataType::LargeList(child)
+        | DataType::ListView(child)
+        | DataType::LargeListView(child)
+        | DataType::FixedSizeList(child, _)
+        | DataType::Map(child, _) => has_union(child.data_type()),
+        DataType::Struct(fields) => fields.iter().any(|f| has_union(f.data_type())),
+        DataType::RunEndEncoded(ends, values) => {
+            has_union(ends.data_type()) || has_union(values.data_type())
+        }
+        DataType::Dictionary(_, values) => has_union(values),
+        _ => false,
+    }
 }
 
 /// Checks what Arrow's schema conversion accepts but later code would trust: sizes that must
