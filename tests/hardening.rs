@@ -593,7 +593,10 @@ struct Binary {
 impl Binary {
     fn start(flags: &[&str]) -> Self {
         use std::io::BufRead;
-        let mut process = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-flight"))
+        // GPU_FLIGHT_BIN where the test binary runs away from its build (the GPU machine).
+        let binary = std::env::var("GPU_FLIGHT_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_gpu-flight").to_owned());
+        let mut process = std::process::Command::new(binary)
             .args(["serve", "--backend", "host", "--listen", "127.0.0.1:0"])
             .args(flags)
             .stdout(std::process::Stdio::piped())
