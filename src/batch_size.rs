@@ -41,6 +41,23 @@ pub fn array_bytes(data: &ArrayData) -> u64 {
                 .map(|child| array_bytes(&child.slice(data.offset(), len)))
                 .sum(),
         ),
+        // Views: 16 bytes each, plus the bytes of the values too long to be inline. Arrow's own
+        // measure counts every data buffer a slice can reach, whole.
+        DataType::Utf8View | DataType::BinaryView => {
+            let start = data.offset() * 16;
+            let views = data
+                .buffers()
+                .first()
+                .and_then(|views| views.as_slice().get(start..start + len * 16))
+                .unwrap_or_default();
+            let out_of_line: u64 = views
+                .chunks_exact(16)
+                .map(|view| u32::from_le_bytes([view[0], view[1], view[2], view[3]]))
+                .filter(|&length| length > 12)
+                .map(u64::from)
+                .sum();
+            Some(16 * len as u64 + out_of_line)
+        }
         DataType::Dictionary(key_type, _) => {
             let keys = (len * key_type.primitive_width().unwrap_or(8)) as u64;
             let values: u64 = data.child_data().iter().map(array_bytes).sum();
@@ -57,6 +74,15 @@ pub fn array_bytes(data: &ArrayData) -> u64 {
             .map(|b| b as u64)
             .unwrap_or_else(|_| data.get_buffer_memory_size() as u64),
     }
+}
+
+/// Arrays in the batch, children included: each costs its headers (`ArrayData`, buffers,
+/// `Arc`s) whatever its length.
+pub fn array_count(batch: &RecordBatch) -> u64 {
+    fn count(data: &ArrayData) -> u64 {
+        1 + data.child_data().iter().map(count).sum::<u64>()
+    }
+    batch.columns().iter().map(|c| count(&c.to_data())).sum()
 }
 
 /// Bytes a schema holds in memory, approximately: names, metadata and a fixed cost per field.
@@ -86,7 +112,11 @@ pub fn schema_bytes(schema: &Schema) -> u64 {
         };
         FIELD_OVERHEAD + field.name().len() as u64 + metadata_bytes(field.metadata()) + children
     }
-    metadata_bytes(schema.metadata()) + schema.fields().iter().map(|f| field_bytes(f)).sum::<u64>()
+    /// The dataset itself: its catalog entry, name and bookkeeping.
+    const DATASET_OVERHEAD: u64 = 1024;
+    DATASET_OVERHEAD
+        + metadata_bytes(schema.metadata())
+        + schema.fields().iter().map(|f| field_bytes(f)).sum::<u64>()
 }
 
 fn list_bytes<O: arrow::array::OffsetSizeTrait>(data: &ArrayData) -> u64 {

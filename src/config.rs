@@ -140,6 +140,11 @@ impl ServeArgs {
                 max_connections: usize::try_from(self.max_connections).unwrap_or(usize::MAX),
                 handshake_timeout: Duration::from_secs(self.handshake_timeout_seconds),
                 idle_timeout: Duration::from_secs(self.idle_timeout_seconds),
+                // A client that answers no ping for this long is gone; one that reads nothing
+                // for as long is too.
+                write_stall_timeout: Duration::from_secs(
+                    self.keepalive_interval_seconds + self.keepalive_timeout_seconds,
+                ),
             },
             max_streams_per_connection: self.max_streams_per_connection,
             keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),

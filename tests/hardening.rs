@@ -196,6 +196,56 @@ async fn a_put_reset_with_no_error_commits_nothing() {
     server.shutdown_and_wait().await;
 }
 
+#[tokio::test]
+async fn trailers_in_the_middle_of_a_message_commit_nothing() {
+    let server = TestServer::start(host()).await;
+    let batch = int64_batch(1000, 2, 0);
+    let messages: Vec<FlightData> = arrow_flight::encode::FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("cut")))
+        .build(futures::stream::iter([Ok(batch.clone()), Ok(batch)]))
+        .try_collect()
+        .await
+        .expect("encode");
+    // Whole messages, then half of the last one, then trailers (which tonic takes for the end).
+    let mut body = wire::frames(&messages).to_vec();
+    let last = wire::frame(&messages[messages.len() - 1].encode_to_vec());
+    body.truncate(body.len() - last.len() / 2);
+    let mut raw = wire::h2_connect(server.addr).await;
+    let outcome = wire::call(&mut raw, "DoPut", body.into(), End::Trailers, WAIT)
+        .await
+        .expect("answer");
+    assert_eq!(outcome.code, Code::InvalidArgument as i32, "{outcome:?}");
+    let mut client = server.client().await;
+    assert_eq!(status(&mut client).await["datasets"], 0);
+    assert_eq!(used_bytes(&mut client).await, 0);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn requests_without_a_body_are_invalid_argument() {
+    let server = TestServer::start(host()).await;
+    let mut raw = wire::h2_connect(server.addr).await;
+    for method in [
+        "GetFlightInfo",
+        "GetSchema",
+        "DoGet",
+        "DoAction",
+        "ListFlights",
+    ] {
+        for end in [End::OnHeaders, End::Trailers] {
+            let outcome = wire::call(&mut raw, method, Bytes::new(), end, WAIT)
+                .await
+                .unwrap_or_else(|| panic!("{method}: no answer"));
+            assert_eq!(
+                outcome.code,
+                Code::InvalidArgument as i32,
+                "{method} {end:?}: {outcome:?}"
+            );
+        }
+    }
+    server.shutdown_and_wait().await;
+}
+
 fn quick_keepalive() -> ServeOptions {
     ServeOptions {
         keepalive_interval: Duration::from_secs(1),
@@ -365,6 +415,7 @@ fn connection_limits(max_connections: usize, handshake_seconds: u64) -> ServeOpt
             max_connections,
             handshake_timeout: Duration::from_secs(handshake_seconds),
             idle_timeout: Duration::from_secs(2),
+            ..ConnectionLimits::default()
         },
         ..ServeOptions::default()
     }
@@ -439,18 +490,14 @@ async fn silent_sockets_cannot_lock_clients_out_and_busy_connections_are_kept() 
         ));
         senders.push(sender);
     }
-    // All four have uploaded their batch and wait for more: exactly four batches, their
-    // messages and four schemas are charged. (Asked of the store directly: a status call would
-    // need a connection of its own.)
+    // All four have uploaded their batch and wait for more: exactly four batches and four
+    // schemas are charged. (Asked of the store directly: a status call would need a connection
+    // of its own.)
     let store = server.store.clone();
     let batch = int64_batch(10, 1, 0);
-    let encoded: Vec<FlightData> = arrow_flight::encode::FlightDataEncoderBuilder::new()
-        .build(futures::stream::iter([Ok(batch.clone())]))
-        .try_collect()
-        .await
-        .expect("encode");
-    let message = encoded.last().expect("a batch message").encoded_len() as u64;
-    let one_put = 80 + message + gpu_flight::batch_size::schema_bytes(&batch.schema());
+    let one_put = 80
+        + gpu_flight::store::ARRAY_OVERHEAD
+        + gpu_flight::batch_size::schema_bytes(&batch.schema());
     wait_until(|| {
         let used = store.status().devices[0].used_bytes;
         async move { used == 4 * one_put }
@@ -662,10 +709,10 @@ async fn padding_attacks_stay_within_the_memory_limit() {
         .expect("answer");
         assert_eq!(outcome.code, 0, "{outcome:?}");
     }
-    // Schemas with 4 MiB of metadata each: charged, so refused once the budget is full.
+    // Schemas with 1.5 MiB of metadata each: charged, so refused once the budget is full.
     let mut refused = 0;
-    for index in 0..40 {
-        let metadata = std::collections::HashMap::from([("junk".to_owned(), "m".repeat(4 << 20))]);
+    for index in 0..60 {
+        let metadata = std::collections::HashMap::from([("junk".to_owned(), "m".repeat(3 << 19))]);
         let schema = one_int64_schema().with_metadata(metadata);
         let message = wire::schema_message(&schema, path(&format!("meta{index}")));
         let outcome = wire::call(
@@ -683,7 +730,7 @@ async fn padding_attacks_stay_within_the_memory_limit() {
             assert_eq!(outcome.code, 0, "{outcome:?}");
         }
     }
-    assert!(refused > 0, "64 MiB cannot hold 160 MiB of schema metadata");
+    assert!(refused > 0, "64 MiB cannot hold 90 MiB of schema metadata");
     let resident = server.resident_bytes();
     println!(
         "resident {} MiB after the attacks (baseline {} MiB, limit 64 MiB)",
@@ -711,7 +758,7 @@ fn wide_batch(columns: usize, rows: usize) -> RecordBatch {
 
 #[tokio::test]
 async fn wide_schemas_keep_the_reply_ceiling_or_say_why_they_cannot() {
-    const CEILING: usize = 256 << 10;
+    const CEILING: usize = 1 << 20;
     let options = ServeOptions {
         flight: gpu_flight::flight::FlightOptions {
             max_message_bytes: CEILING,
@@ -752,8 +799,9 @@ async fn wide_schemas_keep_the_reply_ceiling_or_say_why_they_cannot() {
         500
     );
 
-    // 10,000 columns: one row's metadata alone is over the ceiling, and the error says so.
-    put(&mut client, path("wider"), vec![wide_batch(10_000, 2)])
+    // 15,000 columns: the schema fits, but one row's metadata and padding alone are over the
+    // ceiling, and the error says so.
+    put(&mut client, path("wider"), vec![wide_batch(15_000, 2)])
         .await
         .expect("put");
     let error = get_by_name(&mut client, "wider")

@@ -5,21 +5,32 @@
 //! whatever else the client sent alongside. A backend that keeps host arrays keeps copies made
 //! here instead, so the memory it holds is what the budget charged for.
 
-use arrow::array::{ArrayData, MutableArrayData};
+use arrow::array::{Array, ArrayData, BinaryViewArray, MutableArrayData, StringViewArray};
 use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
 
 /// `data` copied into fresh buffers holding exactly its rows (rounded up to Arrow's 64-byte
-/// allocation granularity), dictionaries included.
+/// allocation granularity), dictionaries and view data included.
 pub(crate) fn owned(data: &ArrayData) -> Result<ArrayData, ArrowError> {
     let mut copy = MutableArrayData::new(vec![data], false, data.len());
     copy.try_extend(0, 0, data.len())?;
-    own_dictionaries(copy.freeze())
+    own_shared(copy.freeze())
 }
 
-/// `MutableArrayData` copies keys but shares the dictionary of its single input; copy those too,
-/// at any depth.
-fn own_dictionaries(data: ArrayData) -> Result<ArrayData, ArrowError> {
+/// `data` with the data buffers of its string and binary views holding only what its views
+/// point at.
+pub(crate) fn compact_views(data: ArrayData) -> ArrayData {
+    match data.data_type() {
+        DataType::Utf8View => StringViewArray::from(data).gc().into_data(),
+        DataType::BinaryView => BinaryViewArray::from(data).gc().into_data(),
+        _ => data,
+    }
+}
+
+/// `MutableArrayData` copies keys and views but shares the dictionary and the view data
+/// buffers of its single input; copy those too, at any depth.
+fn own_shared(data: ArrayData) -> Result<ArrayData, ArrowError> {
+    let data = compact_views(data);
     let is_dictionary = matches!(data.data_type(), DataType::Dictionary(_, _));
     if data.child_data().is_empty() {
         return Ok(data);
@@ -31,7 +42,7 @@ fn own_dictionaries(data: ArrayData) -> Result<ArrayData, ArrowError> {
             if is_dictionary {
                 owned(child)
             } else {
-                own_dictionaries(child.clone())
+                own_shared(child.clone())
             }
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -42,7 +53,7 @@ fn own_dictionaries(data: ArrayData) -> Result<ArrayData, ArrowError> {
 mod tests {
     use std::sync::Arc;
 
-    use arrow::array::{Array, ArrayRef, DictionaryArray, Int64Array, ListArray, StringArray};
+    use arrow::array::{ArrayRef, DictionaryArray, Int64Array, ListArray, StringArray};
     use arrow::buffer::Buffer;
     use arrow::datatypes::{Int32Type, Int64Type};
 
@@ -74,6 +85,20 @@ mod tests {
 
         let list = ListArray::from_iter_primitive::<Int64Type, _, _>(vec![Some(vec![Some(1)])]);
         assert_eq!(owned(&list.to_data()).expect("copy"), list.to_data());
+    }
+
+    #[test]
+    fn view_data_is_copied_down_to_what_the_views_use() {
+        let long = "x".repeat(100);
+        let array = StringViewArray::from_iter_values([long.as_str(); 1000]);
+        let one = array.slice(10, 1).to_data();
+        let copy = owned(&one).expect("copy");
+        let data_bytes: usize = copy.buffers()[1..].iter().map(|b| b.capacity()).sum();
+        assert!(
+            data_bytes < 1024,
+            "{data_bytes} bytes of view data kept for one string"
+        );
+        assert_eq!(StringViewArray::from(copy).value(0), long);
     }
 
     #[test]

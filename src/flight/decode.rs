@@ -33,19 +33,30 @@ pub const MAX_BATCH_ROWS: i64 = i32::MAX as i64;
 pub(crate) enum Decoded {
     Schema(SchemaRef),
     Batch(RecordBatch),
-    /// A dictionary (kept for the batches that follow) or a message with no IPC content, such as
-    /// a descriptor alone.
+    /// A dictionary, kept for the batches that follow.
+    Dictionary,
+    /// A message with no IPC content, such as a descriptor alone.
     Nothing,
 }
 
 /// Decodes one `DoPut` stream: remembers its schema and dictionaries between messages.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct PutDecoder {
     schema: Option<SchemaRef>,
     dictionaries: HashMap<i64, ArrayRef>,
+    /// Largest schema message accepted: one `DoGet` could not send back is refused up front.
+    max_schema_bytes: usize,
 }
 
 impl PutDecoder {
+    pub(crate) fn new(max_schema_bytes: usize) -> Self {
+        Self {
+            schema: None,
+            dictionaries: HashMap::new(),
+            max_schema_bytes,
+        }
+    }
+
     pub(crate) fn decode(&mut self, data: &FlightData) -> Result<Decoded, Error> {
         if data.data_header.is_empty() {
             if data.data_body.is_empty() {
@@ -59,6 +70,14 @@ impl PutDecoder {
         let body_len = data.data_body.len();
         match message.header_type() {
             MessageHeader::Schema => {
+                if data.data_header.len() > self.max_schema_bytes {
+                    return Err(invalid(format!(
+                        "the schema message has {} bytes, over the {}-byte message limit \
+                         (--max-message-bytes) that DoGet replies keep to",
+                        data.data_header.len(),
+                        self.max_schema_bytes
+                    )));
+                }
                 let header = message
                     .header_as_schema()
                     .ok_or_else(|| invalid("an IPC schema message without its schema"))?;
@@ -78,6 +97,14 @@ impl PutDecoder {
                 let header = message
                     .header_as_dictionary_batch()
                     .ok_or_else(|| invalid("an IPC dictionary message without its batch"))?;
+                if header.isDelta() {
+                    // Each delta re-concatenates the whole dictionary: quadratic work a client
+                    // could ask for with a few bytes a message.
+                    return Err(invalid(
+                        "delta dictionary batches are not accepted; send each dictionary whole \
+                         (pyarrow does unless emit_dictionary_deltas is set)",
+                    ));
+                }
                 let batch = header
                     .data()
                     .ok_or_else(|| invalid("an IPC dictionary message without its data"))?;
@@ -88,7 +115,7 @@ impl PutDecoder {
                     ipc::reader::read_dictionary(&body, header, &schema, dictionaries, &version)
                 })?
                 .map_err(|e| invalid(format!("invalid dictionary batch: {e}")))?;
-                Ok(Decoded::Nothing)
+                Ok(Decoded::Dictionary)
             }
             MessageHeader::RecordBatch => {
                 let schema = self.schema()?;

@@ -28,6 +28,7 @@ use tonic::Status;
 
 use super::ipc_message::{IpcMessage, IpcMessageEncoder};
 
+use crate::backend::owned;
 use crate::batch_size::batch_bytes;
 use crate::error::{Error, panic_message};
 use crate::store::StoreError;
@@ -92,6 +93,7 @@ async fn produce(
     while let Some(batch) = batches.next().await {
         let batch = batch.map_err(|e| Status::from(Error::from(e)))?;
         for piece in split_to_size(batch, limits.budget) {
+            let piece = compact_views(piece)?;
             encode_within(&mut encoder, piece, limits, &mut first, &mut messages)?;
             for message in messages.drain(..) {
                 if sender.send(Ok(message)).await.is_err() {
@@ -151,6 +153,25 @@ fn encode_within(
     let half = rows / 2;
     encode_within(encoder, piece.slice(0, half), limits, first, out)?;
     encode_within(encoder, piece.slice(half, rows - half), limits, first, out)
+}
+
+/// A slice of a view column still points at all of its data buffers, and Arrow's IPC writer
+/// sends every one of them with each slice: keep only what the slice's views use.
+fn compact_views(piece: RecordBatch) -> Result<RecordBatch, Status> {
+    let has_views = piece
+        .schema()
+        .fields()
+        .iter()
+        .any(|f| matches!(f.data_type(), DataType::Utf8View | DataType::BinaryView));
+    if !has_views {
+        return Ok(piece);
+    }
+    let columns = piece
+        .columns()
+        .iter()
+        .map(|column| arrow::array::make_array(owned::compact_views(column.to_data())))
+        .collect();
+    RecordBatch::try_new(piece.schema(), columns).map_err(encoding_error)
 }
 
 fn check_schema_message(message: &IpcMessage, limits: Limits) -> Result<(), Status> {

@@ -371,7 +371,7 @@ impl FlightService for Service {
     ) -> Result<Response<Self::DoPutStream>, Status> {
         self.ensure_serving()?;
         let _running = self.lifecycle.track();
-        let summary = put::receive(&self.store, request, self.options.put_pipeline_depth).await?;
+        let summary = put::receive(&self.store, request, &self.options).await?;
         let metadata = serde_json::to_vec(&summary)
             .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?;
         Ok(Response::new(one(PutResult {

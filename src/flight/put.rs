@@ -17,10 +17,11 @@
 //! cores. If the put fails, the receiving task is aborted and its request stream dropped.
 
 use arrow_flight::FlightData;
-use futures::StreamExt;
 use futures::stream::FuturesOrdered;
+use futures::{FutureExt, StreamExt};
 use tonic::{Code, Request, Status, Streaming};
 
+use super::FlightOptions;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor;
 use super::router::Inbound;
@@ -44,8 +45,9 @@ enum Received {
 pub(crate) async fn receive(
     store: &Store,
     request: Request<Streaming<FlightData>>,
-    depth: usize,
+    options: &FlightOptions,
 ) -> Result<PutSummary, Error> {
+    let depth = options.put_pipeline_depth.max(1);
     let inbound = request
         .extensions()
         .get::<Inbound>()
@@ -82,7 +84,7 @@ pub(crate) async fn receive(
         }
     }));
 
-    let mut decoder = PutDecoder::default();
+    let mut decoder = PutDecoder::new(options.max_message_bytes);
     let mut uploads = FuturesOrdered::new();
     // Dictionaries stay referenced by the decoder until the put ends; so do their charges.
     let mut dictionary_charges = Vec::new();
@@ -107,13 +109,19 @@ pub(crate) async fn receive(
                 if let Some(upload) = pending.upload(batch, charge)? {
                     uploads.push_back(upload);
                 }
-                while uploads.len() >= depth.max(1) {
+                // Finished uploads return their message's charge now, not when the pipeline
+                // next fills up.
+                while let Some(Some(uploaded)) = uploads.next().now_or_never() {
+                    pending.add(uploaded?);
+                }
+                while uploads.len() >= depth {
                     if let Some(uploaded) = uploads.next().await {
                         pending.add(uploaded?);
                     }
                 }
             }
-            Decoded::Nothing => dictionary_charges.extend(charge),
+            Decoded::Dictionary => dictionary_charges.extend(charge),
+            Decoded::Nothing => {}
         }
     }
     while let Some(uploaded) = uploads.next().await {

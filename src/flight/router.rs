@@ -352,6 +352,8 @@ fn guard(
             charge,
             needs_message,
             messages: 0,
+            receiving: None,
+            done: false,
             prefix: [0; 5],
             prefix_len: 0,
             remaining: 0,
@@ -543,6 +545,11 @@ struct GuardedBody {
     /// without one as INTERNAL.
     needs_message: bool,
     messages: usize,
+    /// `DoPut`: the bytes received of the current message, grown as they arrive (a length
+    /// prefix alone reserves nothing: a client pays for what it really sent).
+    receiving: Option<Reservation>,
+    /// The body has returned its last frame (or error).
+    done: bool,
     prefix: [u8; 5],
     prefix_len: usize,
     /// Bytes of the current message still to come.
@@ -568,13 +575,18 @@ impl GuardedBody {
         Poll::Ready(Some(Err(status)))
     }
 
-    /// Follows the message framing through `data`, checking each prefix as it completes.
+    /// Follows the message framing through `data`, checking each prefix as it completes and
+    /// charging each message's bytes as they arrive.
     fn scan(&mut self, mut data: &[u8]) -> Result<(), Error> {
         while !data.is_empty() {
             if self.remaining > 0 {
                 let n = self.remaining.min(data.len());
                 self.remaining -= n;
                 data.advance(n);
+                if let Some(receiving) = &mut self.receiving {
+                    receiving.try_grow(n as u64)?;
+                }
+                self.message_complete();
                 continue;
             }
             let n = (5 - self.prefix_len).min(data.len());
@@ -599,12 +611,38 @@ impl GuardedBody {
             if declared > self.limit {
                 return Err((self.too_large)(declared, self.limit));
             }
-            if let Some((store, inbound)) = &self.charge {
-                let reservation = store.reserve_message(declared as u64)?;
-                inbound.lock().charges.push_back(reservation);
+            if let Some((store, _)) = &self.charge {
+                self.receiving = Some(store.reserve_message(0)?);
             }
             self.messages += 1;
             self.remaining = declared;
+            self.message_complete();
+        }
+        Ok(())
+    }
+
+    /// Hands a fully received message's charge to the handler, in arrival order.
+    fn message_complete(&mut self) {
+        if self.remaining == 0
+            && let Some(receiving) = self.receiving.take()
+            && let Some((_, inbound)) = &self.charge
+        {
+            inbound.lock().charges.push_back(receiving);
+        }
+    }
+
+    /// What a body that ends here (END_STREAM, or trailers) must have been: whole messages,
+    /// and at least one where the method needs it.
+    fn check_end(&self) -> Result<(), Error> {
+        if self.prefix_len > 0 || self.remaining > 0 {
+            return Err(Error::Undecodable(
+                "the request ended in the middle of a gRPC message".to_owned(),
+            ));
+        }
+        if self.needs_message && self.messages == 0 {
+            return Err(Error::Undecodable(
+                "the request carried no message".to_owned(),
+            ));
         }
         Ok(())
     }
@@ -618,7 +656,7 @@ impl HttpBody for GuardedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        if self.failed {
+        if self.failed || self.done {
             return Poll::Ready(None);
         }
         match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
@@ -627,6 +665,14 @@ impl HttpBody for GuardedBody {
                     && let Err(error) = self.scan(data)
                 {
                     return self.fail(error);
+                }
+                // Trailers end a request as END_STREAM does (tonic stops reading there), so
+                // they must find it whole too.
+                if frame.is_trailers() {
+                    if let Err(error) = self.check_end() {
+                        return self.fail(error);
+                    }
+                    self.done = true;
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -640,23 +686,20 @@ impl HttpBody for GuardedBody {
                             .to_owned(),
                     ));
                 }
-                if self.prefix_len > 0 || self.remaining > 0 {
-                    return self.fail(Error::Undecodable(
-                        "the request ended in the middle of a gRPC message".to_owned(),
-                    ));
+                if let Err(error) = self.check_end() {
+                    return self.fail(error);
                 }
-                if self.needs_message && self.messages == 0 {
-                    return self.fail(Error::Undecodable(
-                        "the request carried no message".to_owned(),
-                    ));
-                }
+                self.done = true;
                 Poll::Ready(None)
             }
         }
     }
 
+    /// Only once this body has said its last word: tonic skips polling a body that claims to
+    /// be over from the start (END_STREAM on the request headers), and the checks at the end
+    /// must still run.
     fn is_end_stream(&self) -> bool {
-        self.failed || self.inner.is_end_stream()
+        self.failed || self.done
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -737,6 +780,8 @@ mod tests {
             charge: Some((store, inbound.clone())),
             needs_message: false,
             messages: 0,
+            receiving: None,
+            done: false,
             prefix: [0; 5],
             prefix_len: 0,
             remaining: 0,

@@ -56,6 +56,10 @@ pub struct ConnectionLimits {
     pub handshake_timeout: Duration,
     /// Time a connection may stay open with no stream.
     pub idle_timeout: Duration,
+    /// Time a write to the client may stay blocked (a peer that reads nothing: a stopped
+    /// process, a dead node) before the connection is dropped. Keepalive alone cannot do it:
+    /// closing a connection needs a write too.
+    pub write_stall_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
@@ -64,6 +68,7 @@ impl Default for ConnectionLimits {
             max_connections: 1000,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
+            write_stall_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -244,6 +249,10 @@ pub(crate) struct Connection {
     idle_timeout: Duration,
     /// Fires at the next moment a timeout could have been reached.
     check: Pin<Box<Sleep>>,
+    write_stall_timeout: Duration,
+    /// Since when writes have been blocked, if they are.
+    write_blocked_since: Option<Instant>,
+    write_check: Pin<Box<Sleep>>,
 }
 
 impl Connection {
@@ -273,6 +282,54 @@ impl Connection {
             check: Box::pin(tokio::time::sleep_until(
                 accepted + limits.handshake_timeout,
             )),
+            write_stall_timeout: limits.write_stall_timeout,
+            write_blocked_since: None,
+            write_check: Box::pin(tokio::time::sleep_until(
+                accepted + limits.write_stall_timeout,
+            )),
+        }
+    }
+
+    /// After a write could not proceed: an error once the connection was evicted or writes have
+    /// been blocked past the stall timeout; otherwise arms the timer for that moment.
+    fn poll_write_blocked(&mut self, cx: &mut Context<'_>) -> Result<(), io::Error> {
+        self.shared.waker.register(cx.waker());
+        if self.shared.evicted.load(Ordering::Acquire) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to admit a new connection (--max-connections)",
+            ));
+        }
+        let deadline =
+            *self.write_blocked_since.get_or_insert_with(Instant::now) + self.write_stall_timeout;
+        if self.write_check.deadline() != deadline {
+            self.write_check.as_mut().reset(deadline);
+        }
+        if Instant::now() >= deadline || self.write_check.as_mut().poll(cx).is_ready() {
+            tracing::debug!(peer = %self.shared.peer, "closing a connection whose client reads nothing");
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client has read nothing within the write stall timeout",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Passes a write's result on, tracking whether writes are blocked.
+    fn write_result<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        result: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        match result {
+            Poll::Ready(result) => {
+                self.write_blocked_since = None;
+                Poll::Ready(result)
+            }
+            Poll::Pending => match self.poll_write_blocked(cx) {
+                Ok(()) => Poll::Pending,
+                Err(error) => Poll::Ready(Err(error)),
+            },
         }
     }
 
@@ -364,7 +421,8 @@ impl AsyncWrite for Connection {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.socket).poll_write(cx, buf)
+        let result = Pin::new(&mut self.socket).poll_write(cx, buf);
+        self.write_result(cx, result)
     }
 
     fn poll_write_vectored(
@@ -372,7 +430,8 @@ impl AsyncWrite for Connection {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.socket).poll_write_vectored(cx, bufs)
+        let result = Pin::new(&mut self.socket).poll_write_vectored(cx, bufs);
+        self.write_result(cx, result)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -380,10 +439,12 @@ impl AsyncWrite for Connection {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.socket).poll_flush(cx)
+        let result = Pin::new(&mut self.socket).poll_flush(cx);
+        self.write_result(cx, result)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.socket).poll_shutdown(cx)
+        let result = Pin::new(&mut self.socket).poll_shutdown(cx);
+        self.write_result(cx, result)
     }
 }

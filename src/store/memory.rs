@@ -105,6 +105,15 @@ impl Reservation {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Adds `bytes` to the reservation, or fails leaving it as it was.
+    pub fn try_grow(&mut self, bytes: u64) -> Result<(), StoreError> {
+        let more = self.budget.try_reserve(self.device, bytes)?;
+        // The two now count as one: `more` must not give its bytes back when it goes.
+        self.bytes += more.bytes;
+        std::mem::forget(more);
+        Ok(())
+    }
 }
 
 impl Drop for Reservation {
@@ -135,6 +144,17 @@ mod tests {
         drop(a);
         assert_eq!(budget.used(0), 0);
         let _b = budget.try_reserve(0, 100).expect("fits after release");
+    }
+
+    #[test]
+    fn reservations_grow_within_the_limit() {
+        let budget = MemoryBudget::new(vec![Some(100)]);
+        let mut a = budget.try_reserve(0, 10).expect("fits");
+        a.try_grow(80).expect("fits");
+        assert!(a.try_grow(20).is_err());
+        assert_eq!((a.bytes(), budget.used(0)), (90, 90));
+        drop(a);
+        assert_eq!(budget.used(0), 0);
     }
 
     #[test]

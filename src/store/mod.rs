@@ -37,7 +37,7 @@ pub use lease::Lease;
 use memory::{MemoryBudget, Reservation};
 
 use crate::backend::{Backend, BackendError, DeviceInfo, PartitionExport};
-use crate::batch_size::{batch_bytes, schema_bytes};
+use crate::batch_size::{array_count, batch_bytes, schema_bytes};
 
 /// What can go wrong in the store.
 #[derive(Debug, thiserror::Error)]
@@ -516,7 +516,8 @@ impl PendingPut {
             return Ok(None);
         }
         let backend = Arc::clone(&self.store.inner.backend);
-        let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64);
+        let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64)
+            .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(&batch)));
         let reservation = Arc::new(self.store.inner.budget.try_reserve(self.device, bytes)?);
         let data_bytes = batch_bytes(&batch);
         self.rows = self.rows.saturating_add(batch.num_rows() as u64);
@@ -669,6 +670,10 @@ impl Store {
         }])
     }
 }
+
+/// What each array of a stored batch costs beyond its buffers (headers, `Arc`s, allocator
+/// rounding): a batch of ten thousand one-row columns is not ten thousand bytes.
+pub const ARRAY_OVERHEAD: u64 = 256;
 
 /// Where puts place their data: the backend's first device.
 const PUT_DEVICE: u32 = 0;

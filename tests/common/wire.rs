@@ -83,6 +83,10 @@ pub enum End {
     ResetNoError,
     /// Nothing: the stream stays open (the caller drops it later).
     Open,
+    /// A trailers frame, which also ends the stream.
+    Trailers,
+    /// END_STREAM on the request headers: no body at all (`body` is ignored).
+    OnHeaders,
 }
 
 /// A raw HTTP/2 connection to the server.
@@ -120,11 +124,20 @@ pub async fn call(
         .header("te", "trailers")
         .body(())
         .expect("request");
-    let (response, mut stream) = client.send_request(request, false).expect("send");
-    stream.reserve_capacity(body.len());
-    stream
-        .send_data(body, end == End::Clean)
-        .expect("send body");
+    let (response, mut stream) = client
+        .send_request(request, end == End::OnHeaders)
+        .expect("send");
+    if end != End::OnHeaders {
+        stream.reserve_capacity(body.len());
+        stream
+            .send_data(body, end == End::Clean)
+            .expect("send body");
+    }
+    if end == End::Trailers {
+        stream
+            .send_trailers(http::HeaderMap::new())
+            .expect("send trailers");
+    }
     if end == End::ResetNoError {
         // Let the data go out first, as a client that reset after sending would.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

@@ -829,3 +829,24 @@ def test_offsets_pyarrow_will_not_send_are_invalid(make_server, case):
     assert server.used_bytes() == baseline
     assert_serving(server)
 
+
+
+def test_delta_dictionaries_are_refused(make_server):
+    """Each delta re-concatenates the whole dictionary: refused, with what to do instead."""
+    server = make_server()
+    schema = pa.schema([("d", pa.dictionary(pa.int32(), pa.string()))])
+    first = pa.record_batch([pa.array(["a", "b"]).dictionary_encode()], schema=schema)
+    extended = pa.DictionaryArray.from_arrays(pa.array([0, 1, 2], pa.int32()), pa.array(["a", "b", "c"]))
+    second = pa.record_batch([extended], schema=schema)
+    options = flight.FlightCallOptions(write_options=pa.ipc.IpcWriteOptions(emit_dictionary_deltas=True))
+    baseline = server.used_bytes()
+    with server.client() as client:
+        with raises_code("INVALID_ARGUMENT", "delta"):
+            writer, reader = client.do_put(flight.FlightDescriptor.for_path("delta"), schema, options=options)
+            writer.write_batch(first)
+            writer.write_batch(second)
+            writer.done_writing()
+            reader.read()
+            writer.close()
+        assert_absent(client, "delta")
+    assert server.used_bytes() == baseline
