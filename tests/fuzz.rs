@@ -77,8 +77,8 @@ use rand::{Rng, SeedableRng};
 use tonic::Code;
 use tonic::transport::Channel;
 
-/// Cases per test when `GPU_FLIGHT_FUZZ_CASES` is unset: a few seconds each in a debug build
-/// on two cores.
+/// Cases per test when `GPU_FLIGHT_FUZZ_CASES` is unset: about 10 s of DoPut cases and 3 s of
+/// unary ones in a debug build on two cores.
 const DEFAULT_CASES: u64 = 300;
 /// Longest any single call may take; beyond it the server is considered hung.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
