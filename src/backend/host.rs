@@ -3,7 +3,7 @@
 //! It is the default where no NVIDIA driver exists and what CI tests, so it implements the
 //! whole [`Backend`] contract with no shortcuts: sizes are real, reads honour row ranges, and
 //! memory is returned when the last [`Partition`] reference goes. Uploads copy each batch into
-//! buffers of its own ([`super::owned`]), so a dataset never keeps the message it came in.
+//! buffers of its own (`backend::owned`), so a dataset never keeps the message it came in.
 //!
 //! Its capacity is the machine's memory or the container's (cgroup) limit, whichever is lower;
 //! the default budget is three quarters of that, leaving the rest for the server's own buffers.

@@ -4,7 +4,7 @@
 //! space: once when the IPC writer concatenates the buffers into `FlightData.data_body`, once when
 //! prost copies that into the gRPC frame; growing those buffers costs more copies. On the hot
 //! path of a data server that is most of the CPU. Here arrow-ipc's [`StreamEncoder`] produces
-//! each message as zero-copy [`Buffer`]s that point into the arrays, and [`FlightDataCodec`]
+//! each message as zero-copy [`Buffer`]s that point into the arrays, and `FlightDataCodec`
 //! writes the protobuf framing of `FlightData` itself and copies those buffers straight into the
 //! frame: one copy, into a buffer reserved once at its final size.
 //!

@@ -3,9 +3,9 @@
 //! Uploads are pipelined: up to `depth` batches are being copied into backend memory while the
 //! next messages are received and decoded. When `depth` uploads are outstanding the loop waits
 //! for the oldest before reading more, which is the backpressure that bounds memory: gRPC flow
-//! control then slows the client. Every message was paid for against the memory budget when its
-//! length prefix arrived (see `router`); that reservation follows the message until its batch is
-//! uploaded.
+//! control then slows the client. Every message was paid for against the memory budget as its
+//! bytes arrived (see `router`); that reservation follows the message until its batch is
+//! uploaded (or, for a dictionary, until the put ends).
 //!
 //! **A put commits only on a clean end**: the receiving task must report [`Received::End`],
 //! which it does only when the request stream ended with END_STREAM. A transport error, a reset,

@@ -6,8 +6,9 @@
 //! - **Message limits, checked at the length prefix.** Each method has a limit (`DoPut`:
 //!   `--max-put-message-bytes`; every other request: `--max-request-bytes`). [`GuardedBody`]
 //!   reads each gRPC message's 5-byte prefix as it arrives and refuses a declared length over the
-//!   limit before tonic reserves a buffer for it; for `DoPut` it also reserves the declared bytes
-//!   against the memory budget ([`Inbound`]) before they are received.
+//!   limit before tonic reserves a buffer for it; for `DoPut` it also charges each message's
+//!   bytes to the memory budget as they arrive, and hands the charge to the handler with the
+//!   message ([`Inbound`]).
 //! - **A clean end, or no end.** Two layers below us turn a broken request stream into an
 //!   ordinary end of it: hyper reports a stream reset with NO_ERROR (which is also how it
 //!   abandons streams when a keepalive ping goes unanswered) as the end of the body, and tonic

@@ -305,9 +305,9 @@ impl Store {
         })
     }
 
-    /// Reserves `bytes` for a `DoPut` message as its length prefix announces it, before the
-    /// message is received: bytes a client has sent but no dataset holds yet count against the
-    /// budget like any other.
+    /// Reserves `bytes` for a `DoPut` message being received (grown with
+    /// [`Reservation::try_grow`] as its bytes arrive): bytes a client has sent but no dataset
+    /// holds yet count against the budget like any other.
     pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
         self.inner.budget.try_reserve(PUT_DEVICE, bytes)
     }
