@@ -591,13 +591,7 @@ async fn list_flights_and_actions(make: MakeBackend) {
             .iter()
             .all(|i| i.total_records == 100 && i.total_bytes > 0)
     );
-    let all: Vec<_> = client
-        .list_flights("")
-        .await
-        .expect("list")
-        .try_collect()
-        .await
-        .expect("list");
+    let all = list_all(&mut client).await;
     assert_eq!(all.len(), 3);
 
     let actions: Vec<_> = client

@@ -81,13 +81,7 @@ async fn rows_without_bytes_are_paid_for_and_cannot_crash_planning() {
         info.endpoint.len()
     );
     assert_eq!(info.total_records, rows as i64);
-    let listed: Vec<_> = client
-        .list_flights("")
-        .await
-        .expect("list")
-        .try_collect()
-        .await
-        .expect("list");
+    let listed = list_all(&mut client).await;
     assert_eq!(listed.len(), 1);
     let batches = get_by_name(&mut client, "nulls").await.expect("read");
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), rows);

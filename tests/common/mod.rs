@@ -164,6 +164,17 @@ pub async fn get_all(
     Ok(batches)
 }
 
+/// Every dataset's FlightInfo, through ListFlights.
+pub async fn list_all(client: &mut FlightClient) -> Vec<arrow_flight::FlightInfo> {
+    client
+        .list_flights("")
+        .await
+        .expect("list")
+        .try_collect()
+        .await
+        .expect("list")
+}
+
 /// Reads a dataset with a bare-name ticket.
 pub async fn get_by_name(
     client: &mut FlightClient,
