@@ -84,7 +84,7 @@ async fn main() {
         for _ in 0..args.repeat.max(1) {
             let start = Instant::now();
             let mut put = store
-                .begin_put(name.to_owned(), PutMode::Replace)
+                .begin_put(name.to_owned(), PutMode::Replace, "bench")
                 .expect("begin");
             put.declare_schema(batches[0].schema()).expect("schema");
             let uploads: Vec<_> = batches

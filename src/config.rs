@@ -1,11 +1,12 @@
 //! Command-line flags, each also readable from a `GPU_FLIGHT_*` environment variable.
 
-use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bytesize::ByteSize;
 use clap::{Args, Parser, Subcommand};
 
+use crate::auth::Role;
 use crate::backend::BackendChoice;
 use crate::flight::FlightOptions;
 use crate::server::{ConnectionLimits, ServeOptions};
@@ -26,24 +27,70 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve Arrow Flight (the default).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// Print an argon2 hash of the password read from standard input, for a `[[users]]`
+    /// entry of the `--auth-tokens` file.
+    HashPassword,
+    /// Print a `[[tokens]]` entry for the `--auth-tokens` file, with a new random bearer token
+    /// (the token itself goes to standard error: give it to the client; the file keeps only
+    /// its hash).
+    NewToken {
+        /// Who the token stands for, as logs and `status` show it.
+        #[arg(long)]
+        principal: String,
+        /// What the token may do.
+        #[arg(long, value_enum)]
+        role: RoleArg,
+    },
+}
+
+/// A role, as `new-token` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoleArg {
+    Read,
+    Write,
+    Admin,
+}
+
+impl From<RoleArg> for Role {
+    fn from(role: RoleArg) -> Self {
+        match role {
+            RoleArg::Read => Role::Read,
+            RoleArg::Write => Role::Write,
+            RoleArg::Admin => Role::Admin,
+        }
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines; coloured only on a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
 }
 
 impl Cli {
-    /// The serve flags, whichever way they were given.
-    pub fn into_serve_args(self) -> ServeArgs {
+    /// The serve flags, whichever way they were given; `Err` with the command otherwise.
+    pub fn into_serve_args(self) -> Result<ServeArgs, Box<Command>> {
         match self.command {
-            Some(Command::Serve(args)) => args,
-            None => self.serve,
+            Some(Command::Serve(args)) => Ok(*args),
+            Some(other) => Err(Box::new(other)),
+            None => Ok(self.serve),
         }
     }
 }
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// Address to listen on; port 0 picks a free port (the chosen address is printed).
-    #[arg(long, env = "GPU_FLIGHT_LISTEN", default_value = "127.0.0.1:8815")]
-    pub listen: SocketAddr,
+    /// Address to listen on, `HOST:PORT` (a host name listens on every address it resolves
+    /// to; IPv6 in brackets). May be given more than once, or comma-separated in the
+    /// environment. Port 0 picks a free port (the chosen address is printed).
+    #[arg(long, env = "GPU_FLIGHT_LISTEN", default_value = "127.0.0.1:8815",
+          value_delimiter = ',', action = clap::ArgAction::Append)]
+    pub listen: Vec<String>,
 
     /// Where datasets live: `auto` picks cuda where a driver and a device exist, else host.
     #[arg(long, env = "GPU_FLIGHT_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
@@ -55,7 +102,7 @@ pub struct ServeArgs {
 
     /// Most bytes of datasets each device may hold, e.g. `8GiB` or `1000000`; default: the
     /// device's capacity. A put beyond it fails with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT")]
+    #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT", value_parser = size)]
     pub memory_limit: Option<ByteSize>,
 
     /// Rows per endpoint in GetFlightInfo; clients read endpoints in parallel.
@@ -64,7 +111,7 @@ pub struct ServeArgs {
     pub rows_per_endpoint: u64,
 
     /// Largest FlightData message DoGet sends (keep it under clients' 4 MiB gRPC default).
-    #[arg(long, env = "GPU_FLIGHT_MAX_MESSAGE_BYTES", default_value = "2MiB")]
+    #[arg(long, env = "GPU_FLIGHT_MAX_MESSAGE_BYTES", default_value = "2MiB", value_parser = size)]
     pub max_message_bytes: ByteSize,
 
     /// Seconds running streams get to finish after SIGINT/SIGTERM before the server exits.
@@ -73,12 +120,12 @@ pub struct ServeArgs {
 
     /// Largest DoPut message (one record batch, as pyarrow sends it); larger ones are refused
     /// with RESOURCE_EXHAUSTED before they are received.
-    #[arg(long, env = "GPU_FLIGHT_MAX_PUT_MESSAGE_BYTES", default_value = "1GiB")]
+    #[arg(long, env = "GPU_FLIGHT_MAX_PUT_MESSAGE_BYTES", default_value = "1GiB", value_parser = size)]
     pub max_put_message_bytes: ByteSize,
 
     /// Largest message of any other request (tickets, descriptors, action bodies); larger
     /// ones are refused with INVALID_ARGUMENT.
-    #[arg(long, env = "GPU_FLIGHT_MAX_REQUEST_BYTES", default_value = "64KiB")]
+    #[arg(long, env = "GPU_FLIGHT_MAX_REQUEST_BYTES", default_value = "64KiB", value_parser = size)]
     pub max_request_bytes: ByteSize,
 
     /// Connections open at once; more are closed as soon as they are accepted.
@@ -112,6 +159,48 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_KEEPALIVE_TIMEOUT_SECONDS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub keepalive_timeout_seconds: u64,
+
+    /// Serve TLS with this certificate chain (PEM); needs `--tls-key`.
+    #[arg(long, env = "GPU_FLIGHT_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of `--tls-cert`.
+    #[arg(long, env = "GPU_FLIGHT_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Mutual TLS: accept only clients with a certificate signed by a CA in this PEM file.
+    #[arg(long, env = "GPU_FLIGHT_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Require a bearer token on every call: a TOML file of tokens and users with their roles
+    /// (read, write, admin), read again on SIGHUP. See the README's Security section.
+    #[arg(long, env = "GPU_FLIGHT_AUTH_TOKENS")]
+    pub auth_tokens: Option<PathBuf>,
+
+    /// Hours a session token from Handshake (Basic credentials) stays valid.
+    #[arg(long, env = "GPU_FLIGHT_SESSION_HOURS", default_value_t = 12,
+          value_parser = clap::value_parser!(u64).range(1..=8760))]
+    pub session_hours: u64,
+
+    /// Listen on addresses other hosts can reach without `--auth-tokens` or
+    /// `--tls-client-ca`: anyone who can connect may then read, replace and drop every
+    /// dataset. Without this flag such a listen address is refused.
+    #[arg(long, env = "GPU_FLIGHT_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+
+    /// Serve Prometheus metrics over plain HTTP at `http://ADDR/metrics` (no authentication:
+    /// bind it where only the monitoring system can reach it).
+    #[arg(long, env = "GPU_FLIGHT_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+
+    /// Log line format. Colours are used only when standard error is a terminal.
+    #[arg(long, env = "GPU_FLIGHT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Seconds between progress lines of a long DoPut or DoGet.
+    #[arg(long, env = "GPU_FLIGHT_PROGRESS_SECONDS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub progress_seconds: u64,
 }
 
 impl ServeArgs {
@@ -127,6 +216,7 @@ impl ServeArgs {
             max_message_bytes: bytes(self.max_message_bytes),
             max_put_message_bytes: bytes(self.max_put_message_bytes),
             max_request_bytes: bytes(self.max_request_bytes),
+            progress_interval: Duration::from_secs(self.progress_seconds),
             ..FlightOptions::default()
         }
     }
@@ -149,8 +239,19 @@ impl ServeArgs {
             max_streams_per_connection: self.max_streams_per_connection,
             keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),
             keepalive_timeout: Duration::from_secs(self.keepalive_timeout_seconds),
+            // Files and the token file are read by `main`, which reports their errors.
+            ..ServeOptions::default()
         }
     }
+}
+
+/// Parses a size flag, with an error that says what a size looks like.
+fn size(text: &str) -> Result<ByteSize, String> {
+    text.trim().parse::<ByteSize>().map_err(|_| {
+        "expected a size such as 8GiB, 512MiB, 512MB or 1048576 (bytes); units: B, KB, MB, \
+         GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
+            .to_owned()
+    })
 }
 
 /// gRPC messages are at most 4 GiB (a 32-bit length prefix).
@@ -164,8 +265,11 @@ mod tests {
 
     #[test]
     fn bare_invocation_serves_with_defaults() {
-        let args = Cli::parse_from(["gpu-flight"]).into_serve_args();
-        assert_eq!(args.listen.port(), 8815);
+        let args = Cli::parse_from(["gpu-flight"])
+            .into_serve_args()
+            .expect("serve");
+        assert_eq!(args.listen, ["127.0.0.1:8815"]);
+        assert!(args.auth_tokens.is_none() && !args.allow_unauthenticated);
         assert_eq!(args.backend, BackendChoice::Auto);
         assert_eq!(args.flight_options().max_message_bytes, 2 << 20);
         let serve = args.serve_options();
@@ -187,10 +291,39 @@ mod tests {
             "--max-message-bytes",
             "1048576",
         ])
-        .into_serve_args();
+        .into_serve_args()
+        .expect("serve");
         assert_eq!(args.store_options().memory_limit, Some(1 << 30));
         assert_eq!(args.backend, BackendChoice::Host);
         assert_eq!(args.flight_options().max_message_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn listen_takes_names_and_repeats() {
+        let args = Cli::parse_from([
+            "gpu-flight",
+            "--listen",
+            "localhost:8815",
+            "--listen",
+            "[::1]:9000",
+        ])
+        .into_serve_args()
+        .expect("serve");
+        assert_eq!(args.listen, ["localhost:8815", "[::1]:9000"]);
+    }
+
+    #[test]
+    fn size_errors_say_what_a_size_is() {
+        let error = Cli::try_parse_from(["gpu-flight", "--memory-limit", "8 gigs"])
+            .expect_err("refused")
+            .to_string();
+        assert!(error.contains("8GiB") && error.contains("512MB"), "{error}");
+    }
+
+    #[test]
+    fn tls_key_needs_a_certificate() {
+        assert!(Cli::try_parse_from(["gpu-flight", "--tls-key", "k.pem"]).is_err());
+        assert!(Cli::try_parse_from(["gpu-flight", "--tls-client-ca", "ca.pem"]).is_err());
     }
 
     #[test]

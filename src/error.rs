@@ -7,6 +7,7 @@
 
 use tonic::{Code, Status};
 
+use crate::auth::AuthError;
 use crate::backend::BackendError;
 use crate::store::StoreError;
 
@@ -63,6 +64,8 @@ pub enum Error {
     #[error("internal error (a bug in gpu-flight, please report it): {0}")]
     Internal(String),
     #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error(transparent)]
     Store(#[from] StoreError),
 }
 
@@ -92,8 +95,16 @@ impl Error {
             Self::ClientGone(_) => Code::Cancelled,
             Self::ShuttingDown => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
+            Self::Auth(error) => auth_code(error),
             Self::Store(error) => store_code(error),
         }
+    }
+}
+
+fn auth_code(error: &AuthError) -> Code {
+    match error {
+        AuthError::Missing | AuthError::Rejected(_) => Code::Unauthenticated,
+        AuthError::Denied { .. } => Code::PermissionDenied,
     }
 }
 
@@ -138,7 +149,8 @@ impl From<Error> for Status {
             Code::Internal | Code::Unknown | Code::DataLoss => {
                 tracing::warn!(message = %logged, ?code, "request failed")
             }
-            _ => tracing::info!(message = %logged, ?code, "request refused"),
+            // The call's log line says it too, with who asked and for what.
+            _ => tracing::debug!(message = %logged, ?code, "request refused"),
         }
         Status::new(code, message)
     }

@@ -4,12 +4,14 @@
 //! budget) → [`backend`] (host or CUDA memory). [`server`] wires them to gRPC; [`consumer`] is
 //! the Rust side of `ipc-export` for processes on the server's node.
 
+pub mod auth;
 pub mod backend;
 pub mod batch_size;
 pub mod config;
 pub mod consumer;
 pub mod error;
 pub mod flight;
+pub mod metrics;
 pub mod server;
 pub mod store;
 mod task;

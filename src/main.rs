@@ -1,12 +1,19 @@
-//! The `gpu-flight` binary: flags → tracing → backend → store → server.
+//! The `gpu-flight` binary: flags → tracing → credentials and TLS → listeners → backend →
+//! store → server.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
-use gpu_flight::config::Cli;
-use gpu_flight::server::{self, ServeOptions};
+use gpu_flight::auth::{self, Auth, Authenticator};
+use gpu_flight::config::{Cli, Command, LogFormat, ServeArgs};
+use gpu_flight::metrics::{self, Metrics};
+use gpu_flight::server::{self, ServeOptions, TlsFiles};
 use gpu_flight::store::Store;
+use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
 /// Flight streams allocate and free megabyte-sized message buffers continuously; mimalloc
@@ -17,51 +24,290 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Cli::parse().into_serve_args();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-
-    let backend = match gpu_flight::backend::select(args.backend, args.device) {
-        Ok(backend) => backend,
-        Err(error) => {
-            eprintln!(
-                "gpu-flight: cannot start the {:?} backend: {error}",
-                args.backend
-            );
-            return ExitCode::from(2);
-        }
+    let args = match Cli::parse().into_serve_args() {
+        Ok(args) => args,
+        Err(command) => return tool(*command),
     };
-    let listener = match tokio::net::TcpListener::bind(args.listen).await {
-        Ok(listener) => listener,
-        Err(error) => {
-            eprintln!("gpu-flight: cannot listen on {}: {error}", args.listen);
-            return ExitCode::from(2);
-        }
-    };
-    let address = listener
-        .local_addr()
-        .map_or_else(|_| args.listen.to_string(), |a| a.to_string());
-    let backend_name = backend.name();
-    let store = Store::new(backend, args.store_options());
-    // Scripts and tests read this line to learn the port when listening on port 0.
-    println!("gpu-flight serving on grpc://{address} (backend: {backend_name})");
-    let _ = std::io::stdout().flush();
-    tracing::info!(%address, backend = backend_name, "serving");
-
-    let options = connection_budget(args.serve_options());
-    match server::run(listener, store, options, shutdown_signal()).await {
+    init_tracing(args.log_format);
+    match serve(args).await {
         Ok(()) => {
             tracing::info!("stopped");
             ExitCode::SUCCESS
         }
-        Err(error) => {
-            eprintln!("gpu-flight: server failed: {error}");
+        Err(Failure::Start(message)) => {
+            eprintln!("gpu-flight: {message}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Serve(message)) => {
+            eprintln!("gpu-flight: server failed: {message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+enum Failure {
+    /// The configuration cannot be served (exit code 2).
+    Start(String),
+    Serve(String),
+}
+
+async fn serve(args: ServeArgs) -> Result<(), Failure> {
+    // Everything that can be wrong with the configuration is found before anything listens.
+    let auth = match &args.auth_tokens {
+        Some(path) => {
+            let ttl = Duration::from_secs(args.session_hours * 3600);
+            let authenticator =
+                Authenticator::load(path, ttl).map_err(|e| Failure::Start(e.to_string()))?;
+            let loaded = authenticator.loaded();
+            tracing::info!(
+                path = %path.display(),
+                tokens = loaded.tokens,
+                users = loaded.users,
+                "authentication on"
+            );
+            Auth::Tokens(Arc::new(authenticator))
+        }
+        None => Auth::Off,
+    };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            Some(TlsFiles::load(cert, key, args.tls_client_ca.as_deref()).map_err(Failure::Start)?)
+        }
+        _ => None,
+    };
+    let mutual = tls.as_ref().is_some_and(TlsFiles::is_mutual);
+    let addresses = resolve(&args.listen).await.map_err(Failure::Start)?;
+    check_exposure(&args, &addresses, auth.is_on() || mutual, tls.is_some())?;
+
+    let backend = gpu_flight::backend::select(args.backend, args.device).map_err(|error| {
+        Failure::Start(format!(
+            "cannot start the {:?} backend: {error}",
+            args.backend
+        ))
+    })?;
+    let mut listeners = Vec::new();
+    for address in &addresses {
+        let listener = TcpListener::bind(address)
+            .await
+            .map_err(|error| Failure::Start(format!("cannot listen on {address}: {error}")))?;
+        listeners.push(listener);
+    }
+    let metrics_listener = match &args.metrics_listen {
+        Some(spec) => {
+            let address = *resolve(std::slice::from_ref(spec))
+                .await
+                .map_err(Failure::Start)?
+                .first()
+                .ok_or_else(|| {
+                    Failure::Start(format!("--metrics-listen {spec} resolves to no address"))
+                })?;
+            Some(TcpListener::bind(address).await.map_err(|error| {
+                Failure::Start(format!(
+                    "cannot listen on {address} (--metrics-listen): {error}"
+                ))
+            })?)
+        }
+        None => None,
+    };
+
+    let backend_name = backend.name();
+    let store = Store::new(backend, args.store_options());
+    let metrics = Metrics::new(store.clone());
+    let scheme = if tls.is_some() { "grpc+tls" } else { "grpc" };
+    for listener in &listeners {
+        let address = listener
+            .local_addr()
+            .map_err(|e| Failure::Start(e.to_string()))?;
+        // Scripts and tests read this line to learn the port when listening on port 0.
+        println!("gpu-flight serving on {scheme}://{address} (backend: {backend_name})");
+        tracing::info!(%address, backend = backend_name, tls = tls.is_some(), mutual_tls = mutual, "serving");
+    }
+    let _metrics_task = metrics_listener.map(|listener| {
+        if let Ok(address) = listener.local_addr() {
+            println!("gpu-flight metrics on http://{address}/metrics");
+        }
+        let metrics = Arc::clone(&metrics);
+        tokio::spawn(metrics::serve(listener, metrics, std::future::pending()))
+    });
+    let _ = std::io::stdout().flush();
+    let _reloader = match &auth {
+        Auth::Tokens(authenticator) => reload_on_hangup(Arc::clone(authenticator)),
+        Auth::Off => None,
+    };
+
+    let options = ServeOptions {
+        tls,
+        auth,
+        metrics: Some(metrics),
+        ..connection_budget(args.serve_options())
+    };
+    server::run(listeners, store, options, shutdown_signal())
+        .await
+        .map_err(|error| Failure::Serve(error.to_string()))
+}
+
+/// The subcommands that help set up authentication.
+fn tool(command: Command) -> ExitCode {
+    match command {
+        Command::Serve(_) => ExitCode::SUCCESS,
+        Command::HashPassword => {
+            let mut password = String::new();
+            if std::io::stdin().is_terminal() {
+                eprintln!("password (echoed; pipe it in to avoid that):");
+            }
+            if let Err(error) = std::io::stdin().read_line(&mut password) {
+                eprintln!("gpu-flight: cannot read the password: {error}");
+                return ExitCode::from(2);
+            }
+            let password = password.trim_end_matches(['\r', '\n']);
+            if password.is_empty() {
+                eprintln!("gpu-flight: the password is empty");
+                return ExitCode::from(2);
+            }
+            match auth::hash_password(password) {
+                Ok(hash) => {
+                    println!("{hash}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("gpu-flight: cannot hash the password: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::NewToken { principal, role } => match auth::new_token() {
+            Ok((token, digest)) => {
+                let role = auth::Role::from(role);
+                println!(
+                    "[[tokens]]\nprincipal = {principal:?}\nrole = \"{role}\"\nsha256 = \"{digest}\""
+                );
+                eprintln!(
+                    "bearer token for {principal:?} (shown once; the file keeps only its hash):"
+                );
+                eprintln!("{token}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("gpu-flight: cannot make a token: {error}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Colour codes are for people at a terminal; in files and `kubectl logs` they are noise.
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Every address the `--listen` values name, in order, without repeats.
+async fn resolve(specs: &[String]) -> Result<Vec<SocketAddr>, String> {
+    let mut addresses = Vec::new();
+    for spec in specs {
+        let resolved = tokio::net::lookup_host(spec.as_str()).await.map_err(|error| {
+            format!(
+                "cannot resolve the listen address {spec:?} ({error}); it is HOST:PORT, such as \
+                 127.0.0.1:8815, localhost:8815 or [::1]:8815"
+            )
+        })?;
+        for address in resolved {
+            if !addresses.contains(&address) {
+                addresses.push(address);
+            }
+        }
+    }
+    if addresses.is_empty() {
+        return Err("no address to listen on".to_owned());
+    }
+    Ok(addresses)
+}
+
+/// Redis' protected mode, for Flight: without authentication, only loopback addresses,
+/// unless the operator says otherwise (and then a warning).
+fn check_exposure(
+    args: &ServeArgs,
+    addresses: &[SocketAddr],
+    authenticated: bool,
+    tls: bool,
+) -> Result<(), Failure> {
+    let exposed: Vec<String> = addresses
+        .iter()
+        .filter(|address| !address.ip().is_loopback())
+        .map(ToString::to_string)
+        .collect();
+    if exposed.is_empty() {
+        return Ok(());
+    }
+    let exposed = exposed.join(", ");
+    if !authenticated {
+        if !args.allow_unauthenticated {
+            return Err(Failure::Start(format!(
+                "refusing to listen on {exposed} without authentication: anyone who can connect \
+                 could read, replace and drop every dataset. Give --auth-tokens FILE (or \
+                 --tls-client-ca for mutual TLS), listen on a loopback address (127.0.0.1, \
+                 [::1], localhost), or add --allow-unauthenticated if a firewall or network \
+                 policy already limits who can connect."
+            )));
+        }
+        tracing::warn!(
+            addresses = %exposed,
+            "serving WITHOUT authentication on addresses other hosts may reach \
+             (--allow-unauthenticated): anyone who can connect may read, replace and drop every \
+             dataset"
+        );
+    } else if !tls {
+        tracing::warn!(
+            addresses = %exposed,
+            "authentication without TLS: tokens and passwords cross the network in clear text; \
+             give --tls-cert and --tls-key"
+        );
+    }
+    Ok(())
+}
+
+/// Reads the token file again on each SIGHUP. A file that fails to load is logged and the
+/// previous one stays in force.
+fn reload_on_hangup(authenticator: Arc<Authenticator>) -> Option<tokio::task::JoinHandle<()>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hangups = match signal(SignalKind::hangup()) {
+            Ok(hangups) => hangups,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGHUP; the token file will not be reloaded");
+                return None;
+            }
+        };
+        Some(tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                match authenticator.reload() {
+                    Ok(loaded) => tracing::info!(
+                        path = %authenticator.path().display(),
+                        tokens = loaded.tokens,
+                        users = loaded.users,
+                        "token file reloaded"
+                    ),
+                    Err(error) => tracing::error!(
+                        %error,
+                        "token file NOT reloaded; the previous one stays in force"
+                    ),
+                }
+            }
+        }))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = authenticator;
+        None
     }
 }
 

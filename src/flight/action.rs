@@ -1,11 +1,12 @@
 //! Custom `DoAction` actions: their names, descriptions, request bodies and JSON results.
 
 use arrow_flight::{Action, ActionType};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::descriptor::{parse_json_object, parse_name};
+use crate::auth::{Principal, Role};
 use crate::error::Error;
-use crate::store::StoreStatus;
+use crate::store::{PutMode, StoreStatus};
 
 /// The actions this server understands, as `ListActions` reports them.
 pub const ACTIONS: &[(&str, &str)] = &[
@@ -18,7 +19,8 @@ pub const ACTIONS: &[(&str, &str)] = &[
         "status",
         "Describe the server. Body: empty. Result: JSON {\"version\", \"backend\", \"devices\": \
          [{\"ordinal\", \"name\", \"total_bytes\", \"limit_bytes\", \"used_bytes\"}], \"datasets\", \
-         \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"leases\", \"leased_only_bytes\", \
+         \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"leases\" (ids only to their \
+         owner and admins), \"leased_only_bytes\", \"puts\" (in flight: rows and bytes so far), \
          \"counters\"}.",
     ),
     (
@@ -57,6 +59,18 @@ pub enum ActionRequest {
     IpcRelease {
         lease: String,
     },
+}
+
+impl ActionRequest {
+    /// What the action is about, for its call's log line.
+    pub fn subject(&self) -> String {
+        match self {
+            Self::Drop { name } => format!("drop {name}"),
+            Self::Status => "status".to_owned(),
+            Self::IpcExport { name, .. } => format!("ipc-export {name}"),
+            Self::IpcRelease { .. } => "ipc-release".to_owned(),
+        }
+    }
 }
 
 /// Parses an action's type and body.
@@ -147,47 +161,136 @@ pub fn action_types() -> Vec<ActionType> {
         .collect()
 }
 
-/// The `status` action's JSON document.
-pub fn status_json(status: &StoreStatus) -> Value {
-    let devices: Vec<Value> = status
-        .devices
-        .iter()
-        .map(|device| {
-            json!({
-                "ordinal": device.info.ordinal,
-                "name": device.info.name,
-                "total_bytes": device.info.total_bytes,
-                "limit_bytes": device.limit_bytes,
-                "used_bytes": device.used_bytes,
+/// The `drop` action's result: what the dataset held.
+#[derive(Debug, serde::Serialize)]
+pub struct DropResult {
+    pub name: String,
+    pub rows: u64,
+    /// Arrow bytes.
+    pub bytes: u64,
+}
+
+/// The `ipc-release` action's result.
+#[derive(Debug, serde::Serialize)]
+pub struct ReleaseResult {
+    pub lease: String,
+    pub name: String,
+}
+
+/// An action's result as JSON.
+pub fn to_value(result: &impl serde::Serialize) -> Result<Value, Error> {
+    serde_json::to_value(result)
+        .map_err(|e| Error::Internal(format!("encoding an action result: {e}")))
+}
+
+/// The first characters of a lease id, enough to follow it through the logs: a whole id is a
+/// capability, and logs are read by more people than the lease's owner.
+pub fn lease_prefix(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+/// The `status` action's result.
+#[derive(Debug, serde::Serialize)]
+pub struct StatusDocument {
+    pub version: &'static str,
+    pub backend: &'static str,
+    pub devices: Vec<DeviceDocument>,
+    pub datasets: usize,
+    /// Backend memory held by committed datasets.
+    pub bytes: u64,
+    /// Arrow bytes in committed datasets.
+    pub data_bytes: u64,
+    pub leases: Vec<LeaseDocument>,
+    pub leased_only_bytes: u64,
+    /// Puts being received now, oldest first.
+    pub puts: Vec<PutDocument>,
+    pub counters: serde_json::Map<String, Value>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct DeviceDocument {
+    pub ordinal: u32,
+    pub name: String,
+    pub total_bytes: Option<u64>,
+    pub limit_bytes: Option<u64>,
+    pub used_bytes: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct LeaseDocument {
+    /// The lease id, a capability to renew or release the lease: shown only to its owner and
+    /// to admins, `null` to everyone else.
+    pub lease: Option<String>,
+    pub owner: String,
+    pub name: String,
+    pub version: u64,
+    pub columns: Vec<String>,
+    pub bytes: u64,
+    pub expires_at: String,
+    pub in_catalog: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct PutDocument {
+    pub name: String,
+    pub mode: PutMode,
+    pub principal: String,
+    /// Rows and Arrow bytes received so far.
+    pub rows: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// The `status` action's JSON document, as `viewer` may see it.
+pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value, Error> {
+    let document = StatusDocument {
+        version: env!("CARGO_PKG_VERSION"),
+        backend: status.backend,
+        devices: status
+            .devices
+            .iter()
+            .map(|device| DeviceDocument {
+                ordinal: device.info.ordinal,
+                name: device.info.name.clone(),
+                total_bytes: device.info.total_bytes,
+                limit_bytes: device.limit_bytes,
+                used_bytes: device.used_bytes,
             })
-        })
-        .collect();
-    let leases: Vec<Value> = status
-        .leases
-        .iter()
-        .map(|lease| {
-            json!({
-                "lease": lease.id,
-                "name": lease.dataset,
-                "version": lease.version,
-                "columns": lease.columns,
-                "bytes": lease.bytes,
-                "expires_at": rfc3339(lease.expires_at),
-                "in_catalog": lease.in_catalog,
+            .collect(),
+        datasets: status.datasets,
+        bytes: status.bytes,
+        data_bytes: status.data_bytes,
+        leases: status
+            .leases
+            .iter()
+            .map(|lease| LeaseDocument {
+                lease: (viewer.role >= Role::Admin || *viewer.name == *lease.owner)
+                    .then(|| lease.id.clone()),
+                owner: lease.owner.clone(),
+                name: lease.dataset.clone(),
+                version: lease.version,
+                columns: lease.columns.clone(),
+                bytes: lease.bytes,
+                expires_at: rfc3339(lease.expires_at),
+                in_catalog: lease.in_catalog,
             })
-        })
-        .collect();
-    json!({
-        "version": env!("CARGO_PKG_VERSION"),
-        "backend": status.backend,
-        "devices": devices,
-        "datasets": status.datasets,
-        "bytes": status.bytes,
-        "data_bytes": status.data_bytes,
-        "leases": leases,
-        "leased_only_bytes": status.leased_only_bytes,
-        "counters": status.counters,
-    })
+            .collect(),
+        leased_only_bytes: status.leased_only_bytes,
+        puts: status
+            .puts
+            .iter()
+            .map(|put| PutDocument {
+                name: put.name.clone(),
+                mode: put.mode,
+                principal: put.owner.clone(),
+                rows: put.rows(),
+                bytes: put.bytes(),
+                seconds: (put.elapsed().as_secs_f64() * 1e3).round() / 1e3,
+            })
+            .collect(),
+        counters: status.counters.clone(),
+    };
+    to_value(&document)
 }
 
 /// RFC 3339 in UTC with milliseconds, as every timestamp the server reports.
@@ -255,6 +358,58 @@ mod tests {
             ActionRequest::IpcRelease {
                 lease: "ab".to_owned()
             }
+        );
+    }
+
+    #[test]
+    fn lease_ids_are_shown_to_their_owner_and_admins_only() {
+        let lease = |id: &str, owner: &str| crate::store::LeaseStatus {
+            id: id.to_owned(),
+            owner: owner.to_owned(),
+            dataset: "d".to_owned(),
+            version: 1,
+            columns: vec![],
+            bytes: 0,
+            expires_at: std::time::SystemTime::now(),
+            in_catalog: true,
+        };
+        let status = StoreStatus {
+            backend: "host",
+            devices: vec![],
+            datasets: 1,
+            bytes: 0,
+            data_bytes: 0,
+            counters: serde_json::Map::new(),
+            leases: vec![lease("aaaa", "alice"), lease("bbbb", "bob")],
+            leased_only_bytes: 0,
+            puts: vec![],
+            concatenations: 0,
+            concatenation_seconds: 0.0,
+        };
+        let viewer = |name: &str, role: Role| Principal {
+            name: name.into(),
+            role,
+        };
+        let ids = |viewer: Principal| -> Vec<Value> {
+            let document = status_document(&status, &viewer).expect("document");
+            document["leases"]
+                .as_array()
+                .expect("leases")
+                .iter()
+                .map(|l| l["lease"].clone())
+                .collect()
+        };
+        assert_eq!(
+            ids(viewer("alice", Role::Read)),
+            [Value::from("aaaa"), Value::Null]
+        );
+        assert_eq!(
+            ids(viewer("carol", Role::Write)),
+            [Value::Null, Value::Null]
+        );
+        assert_eq!(
+            ids(viewer("root", Role::Admin)),
+            [Value::from("aaaa"), Value::from("bbbb")]
         );
     }
 }

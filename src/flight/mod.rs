@@ -11,9 +11,12 @@
 //! - `put`, `decode` and `get`: the `DoPut` ingest loop, the checked decoding of its
 //!   messages, and `DoGet` message encoding.
 //! - [`ipc_message`]: `DoGet` replies written into gRPC frames with one copy.
-//! - `router`: every method's entry: message limits, clean stream ends, panics, codes.
+//! - `router`: every method's entry: authentication and roles, message limits, clean stream
+//!   ends, panics, codes.
+//! - `call`: each call's log line, progress and metrics.
 
 pub mod action;
+mod call;
 mod decode;
 pub mod descriptor;
 mod get;
@@ -36,12 +39,15 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::auth::{Auth, Principal, Role};
 use crate::error::Error;
+use crate::metrics::Metrics;
 use crate::store::{Dataset, ExportRequest, Store};
 use action::ActionRequest;
+use call::Call;
 pub use decode::MAX_BATCH_ROWS;
 use ipc_message::IpcMessage;
-pub use router::{ConnectionStreams, FlightRouter};
+pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter};
 use ticket::TicketRequest;
 
 /// Most endpoints one `GetFlightInfo` reply lists (about 100 bytes each).
@@ -65,6 +71,8 @@ pub struct FlightOptions {
     /// Largest message of any other request: tickets, descriptors, actions
     /// (`--max-request-bytes`).
     pub max_request_bytes: usize,
+    /// Time between progress lines of a long call (`--progress-seconds`).
+    pub progress_interval: std::time::Duration,
 }
 
 impl Default for FlightOptions {
@@ -77,6 +85,7 @@ impl Default for FlightOptions {
             put_pipeline_depth: 4,
             max_put_message_bytes: 1 << 30,
             max_request_bytes: 64 << 10,
+            progress_interval: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -135,11 +144,20 @@ impl Drop for StreamGuard {
 
 /// Builds the gRPC service over `store`. Requests are bounded by `max_put_message_bytes`
 /// (`DoPut`) and `max_request_bytes` (everything else); replies by `max_message_bytes`.
-pub fn make_server(store: Store, options: FlightOptions, lifecycle: Lifecycle) -> FlightRouter {
+/// Callers are authenticated by `auth`; calls are counted in `metrics`, if any.
+pub fn make_server(
+    store: Store,
+    options: FlightOptions,
+    lifecycle: Lifecycle,
+    auth: Auth,
+    metrics: Option<Arc<Metrics>>,
+) -> FlightRouter {
     FlightRouter::new(Service {
         store,
         options,
         lifecycle,
+        auth,
+        metrics,
     })
 }
 
@@ -148,6 +166,23 @@ struct Service {
     store: Store,
     options: FlightOptions,
     lifecycle: Lifecycle,
+    auth: Auth,
+    metrics: Option<Arc<Metrics>>,
+}
+
+/// The caller, as the router authenticated them. A request without one did not come through
+/// the router, and is refused rather than trusted.
+fn principal<T>(request: &Request<T>) -> Result<Principal, Error> {
+    request
+        .extensions()
+        .get::<Principal>()
+        .cloned()
+        .ok_or_else(|| Error::Internal("a request reached a handler unauthenticated".to_owned()))
+}
+
+/// The call's record, where the router opened one.
+fn call<T>(request: &Request<T>) -> Option<Arc<Call>> {
+    request.extensions().get::<Arc<Call>>().cloned()
 }
 
 type Stream<T> = BoxStream<'static, Result<T, Status>>;
@@ -190,9 +225,17 @@ impl Service {
         Ok(info)
     }
 
-    fn do_get_stream(&self, ticket: &Ticket) -> Result<Stream<IpcMessage>, Error> {
+    fn do_get_stream(
+        &self,
+        ticket: &Ticket,
+        call: Option<Arc<Call>>,
+    ) -> Result<Stream<IpcMessage>, Error> {
         self.ensure_serving()?;
-        let (dataset, rows) = match ticket::decode(&ticket.ticket)? {
+        let request = ticket::decode(&ticket.ticket)?;
+        if let Some(call) = &call {
+            call.set_subject(request.name());
+        }
+        let (dataset, rows) = match request {
             TicketRequest::Whole { name } => {
                 let dataset = self.store.get(&name)?;
                 let rows = 0..dataset.num_rows();
@@ -216,11 +259,20 @@ impl Service {
             }
         };
         tracing::debug!(dataset = dataset.name(), ?rows, "DoGet");
-        let batches = dataset.read(
+        let mut batches = dataset.read(
             rows,
             self.options.read_chunk_bytes,
             self.options.read_prefetch,
         )?;
+        if let Some(call) = call {
+            batches = batches
+                .inspect(move |batch| {
+                    if let Ok(batch) = batch {
+                        call.add_rows_out(batch.num_rows() as u64);
+                    }
+                })
+                .boxed();
+        }
         let guard = self.lifecycle.track();
         let messages = get::encode(batches, dataset.schema(), self.options.max_message_bytes);
         // The guard lives as long as the reply stream: shutdown waits for it.
@@ -231,18 +283,28 @@ impl Service {
             .boxed())
     }
 
-    fn run_action(&self, action: &Action) -> Result<serde_json::Value, Error> {
-        match action::parse(action)? {
+    fn run_action(
+        &self,
+        action: &Action,
+        caller: &Principal,
+        call: Option<&Call>,
+    ) -> Result<serde_json::Value, Error> {
+        let request = action::parse(action)?;
+        if let Some(call) = call {
+            call.set_subject(request.subject());
+        }
+        match request {
             ActionRequest::Drop { name } => {
+                caller.require(Role::Write, "the drop action")?;
                 let dataset = self.store.remove(&name)?;
                 tracing::info!(dataset = ?name, bytes = dataset.memory_bytes(), "dataset dropped");
-                Ok(serde_json::json!({
-                    "name": name,
-                    "rows": dataset.num_rows(),
-                    "bytes": dataset.data_bytes(),
-                }))
+                action::to_value(&action::DropResult {
+                    name,
+                    rows: dataset.num_rows(),
+                    bytes: dataset.data_bytes(),
+                })
             }
-            ActionRequest::Status => Ok(action::status_json(&self.store.status())),
+            ActionRequest::Status => action::status_document(&self.store.status(), caller),
             ActionRequest::IpcExport {
                 name,
                 columns,
@@ -254,25 +316,30 @@ impl Service {
                     columns,
                     duration: std::time::Duration::from_secs(lease_seconds),
                     renew,
+                    owner: caller.name.to_string(),
                 })?;
                 let document = ipc_export::document(&export.lease.dataset, &export)?;
                 tracing::info!(
-                    lease = %export.lease.id,
+                    lease = action::lease_prefix(&export.lease.id),
+                    owner = %caller.name,
                     dataset = export.lease.dataset.name(),
                     columns = export.columns.len(),
                     lease_seconds,
                     "dataset exported"
                 );
-                serde_json::to_value(document)
-                    .map_err(|e| Error::Internal(format!("encoding the export document: {e}")))
+                action::to_value(&document)
             }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;
-                tracing::info!(%lease, dataset = ?released.dataset.name(), "lease released");
-                Ok(serde_json::json!({
-                    "lease": lease,
-                    "name": released.dataset.name(),
-                }))
+                tracing::info!(
+                    lease = action::lease_prefix(&lease),
+                    dataset = ?released.dataset.name(),
+                    "lease released"
+                );
+                action::to_value(&action::ReleaseResult {
+                    name: released.dataset.name().to_owned(),
+                    lease,
+                })
             }
         }
     }
@@ -292,11 +359,38 @@ impl FlightService for Service {
     type DoActionStream = Stream<arrow_flight::Result>;
     type ListActionsStream = Stream<ActionType>;
 
+    /// With a token file: Basic credentials in, a session's bearer token out (in the
+    /// `authorization` header, as pyarrow's `authenticate_basic_token` reads it, and as the
+    /// payload); a bearer token is checked and echoed. Without one there is nothing to
+    /// authenticate, and the handshake succeeds empty.
     async fn handshake(
         &self,
-        _request: Request<Streaming<HandshakeRequest>>,
+        request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<Response<Self::HandshakeStream>, Status> {
-        Err(Error::Unsupported("Handshake (this server has no authentication)").into())
+        let Auth::Tokens(authenticator) = &self.auth else {
+            return Ok(Response::new(futures::stream::empty().boxed()));
+        };
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .map(|value| value.as_bytes());
+        let (principal, token) = authenticator
+            .handshake(authorization)
+            .await
+            .map_err(Error::from)?;
+        if let Some(call) = call(&request) {
+            call.set_principal(Arc::clone(&principal.name));
+        }
+        tracing::debug!(principal = %principal.name, role = %principal.role, "handshake");
+        let header = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| Error::Internal("a session token is not a header value".to_owned()))?;
+        let mut response = Response::new(one(HandshakeResponse {
+            protocol_version: 0,
+            payload: token.into_bytes().into(),
+        }));
+        response.metadata_mut().insert("authorization", header);
+        Ok(response)
     }
 
     async fn list_flights(
@@ -323,6 +417,9 @@ impl FlightService for Service {
     ) -> Result<Response<FlightInfo>, Status> {
         self.ensure_serving()?;
         let name = descriptor::dataset_name(request.get_ref())?;
+        if let Some(call) = call(&request) {
+            call.set_subject(name.as_str());
+        }
         let dataset = self.store.get(&name).map_err(Error::from)?;
         Ok(Response::new(self.flight_info(&dataset)?))
     }
@@ -343,6 +440,9 @@ impl FlightService for Service {
     ) -> Result<Response<SchemaResult>, Status> {
         self.ensure_serving()?;
         let name = descriptor::dataset_name(request.get_ref())?;
+        if let Some(call) = call(&request) {
+            call.set_subject(name.as_str());
+        }
         let dataset = self.store.get(&name).map_err(Error::from)?;
         let options = IpcWriteOptions::default();
         let result = SchemaAsIpc::new(&dataset.schema(), &options)
@@ -359,7 +459,7 @@ impl FlightService for Service {
     ) -> Result<Response<Self::DoGetStream>, Status> {
         // The router serves DoGet with its own codec; this path gives the same stream to anyone
         // using the generated service directly.
-        let messages = self.do_get_stream(request.get_ref())?;
+        let messages = self.do_get_stream(request.get_ref(), call(&request))?;
         Ok(Response::new(
             messages.map_ok(IpcMessage::into_flight_data).boxed(),
         ))
@@ -371,7 +471,8 @@ impl FlightService for Service {
     ) -> Result<Response<Self::DoPutStream>, Status> {
         self.ensure_serving()?;
         let _running = self.lifecycle.track();
-        let summary = put::receive(&self.store, request, &self.options).await?;
+        let caller = principal(&request)?;
+        let summary = put::receive(&self.store, request, &self.options, &caller).await?;
         let metadata = serde_json::to_vec(&summary)
             .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?;
         Ok(Response::new(one(PutResult {
@@ -391,7 +492,9 @@ impl FlightService for Service {
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
         self.ensure_serving()?;
-        let result = self.run_action(request.get_ref())?;
+        let caller = principal(&request)?;
+        let call = call(&request);
+        let result = self.run_action(request.get_ref(), &caller, call.as_deref())?;
         let body = serde_json::to_vec(&result)
             .map_err(|e| Error::Internal(format!("encoding action result: {e}")))?;
         Ok(Response::new(one(arrow_flight::Result {

@@ -16,15 +16,19 @@
 //! HTTP/2 frames and Arrow's copy of each body into aligned memory then proceed on different
 //! cores. If the put fails, the receiving task is aborted and its request stream dropped.
 
+use std::sync::Arc;
+
 use arrow_flight::FlightData;
 use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
 use tonic::{Code, Request, Status, Streaming};
 
 use super::FlightOptions;
+use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor;
 use super::router::Inbound;
+use crate::auth::Principal;
 use crate::error::Error;
 use crate::store::memory::Reservation;
 use crate::store::{PutSummary, Store};
@@ -41,11 +45,12 @@ enum Received {
     Failed(Error),
 }
 
-/// Receives a whole `DoPut` stream and commits it.
+/// Receives a whole `DoPut` stream from `caller` and commits it.
 pub(crate) async fn receive(
     store: &Store,
     request: Request<Streaming<FlightData>>,
     options: &FlightOptions,
+    caller: &Principal,
 ) -> Result<PutSummary, Error> {
     let depth = options.put_pipeline_depth.max(1);
     let inbound = request
@@ -53,6 +58,7 @@ pub(crate) async fn receive(
         .get::<Inbound>()
         .cloned()
         .unwrap_or_default();
+    let call = request.extensions().get::<Arc<Call>>().cloned();
     let mut input = request.into_inner();
     let first = match input.message().await {
         Ok(Some(first)) => first,
@@ -65,7 +71,10 @@ pub(crate) async fn receive(
     };
     let first_charge = inbound.take_charge();
     let (name, mode) = descriptor::put_target(first.flight_descriptor.as_ref())?;
-    let mut pending = store.begin_put(name, mode)?;
+    if let Some(call) = &call {
+        call.set_subject(name.as_str());
+    }
+    let mut pending = store.begin_put(name, mode, &caller.name)?;
 
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
     let receiving_inbound = inbound.clone();
@@ -106,6 +115,9 @@ pub(crate) async fn receive(
         match decoder.decode(&message)? {
             Decoded::Schema(schema) => pending.declare_schema(schema)?,
             Decoded::Batch(batch) => {
+                if let Some(call) = &call {
+                    call.add_rows_in(batch.num_rows() as u64);
+                }
                 if let Some(upload) = pending.upload(batch, charge)? {
                     uploads.push_back(upload);
                 }
@@ -136,6 +148,7 @@ pub(crate) async fn receive(
         rows = summary.rows,
         bytes = summary.bytes,
         total_rows = summary.total_rows,
+        principal = %caller.name,
         "DoPut committed"
     );
     Ok(summary)

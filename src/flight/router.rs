@@ -17,8 +17,13 @@
 //!   reports every failure to tonic with a code tonic does not swallow.
 //! - **Codes.** Undecodable protobuf is INVALID_ARGUMENT ([`StrictCodec`]), not INTERNAL.
 //! - **Panics.** A handler that panics answers INTERNAL and logs an error; the server stays up.
-//! - **Connection activity.** Each request counts as an open stream on its connection
-//!   ([`ConnectionStreams`]) until its response ends, which is what the idle timeout reads.
+//! - **Who is calling.** Every method but `Handshake` is authenticated here, and the caller's
+//!   role checked against the method, before the request body is read: a refused call costs
+//!   nothing. The [`Principal`] goes to the handler in the request's extensions (actions
+//!   check their own role: `drop` needs write).
+//! - **Accounting.** Each request opens a [`Call`], which logs and counts it when its reply
+//!   ends, and counts as an open stream on its connection ([`ConnectionStreams`]) until then,
+//!   which is what the idle timeout reads.
 //!
 //! `DoGet` is encoded with [`FlightDataCodec`], which writes Arrow buffers into frames with one
 //! copy; everything else with prost.
@@ -26,6 +31,7 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::marker::PhantomData;
+use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -45,7 +51,9 @@ use tonic::server::{Grpc, NamedService, ServerStreamingService, StreamingService
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use super::Service;
+use super::call::Call;
 use super::ipc_message::FlightDataCodec;
+use crate::auth::{Principal, Role};
 use crate::error::{Error, panic_message};
 use crate::store::Store;
 use crate::store::memory::Reservation;
@@ -102,6 +110,13 @@ impl ConnectionStreams {
     }
 }
 
+/// What the router learns of a request's connection (tonic's connect info).
+#[derive(Debug, Clone)]
+pub struct ConnectionInfo {
+    pub streams: Arc<ConnectionStreams>,
+    pub peer: SocketAddr,
+}
+
 /// One request counted as open on its connection until dropped.
 #[derive(Debug)]
 struct OpenStream(Arc<ConnectionStreams>);
@@ -122,17 +137,41 @@ impl tower_service::Service<http::Request<Body>> for FlightRouter {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        let open = request
-            .extensions()
-            .get::<Arc<ConnectionStreams>>()
-            .map(ConnectionStreams::begin);
+    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
+        let connection = request.extensions().get::<ConnectionInfo>().cloned();
+        let open = connection.as_ref().map(|c| c.streams.begin());
         let service = Arc::clone(&self.service);
         let method = Method::of(request.uri().path());
+        let call = Call::new(
+            method.name(),
+            connection.map(|c| c.peer),
+            service.options.progress_interval,
+            service.metrics.clone(),
+        );
         Box::pin(async move {
-            let response = route(service, method, request).await;
+            let response = match authorize(&service, method, &request) {
+                Ok(principal) => {
+                    if let Some(principal) = principal {
+                        call.set_principal(Arc::clone(&principal.name));
+                        request.extensions_mut().insert(principal);
+                    }
+                    request.extensions_mut().insert(Arc::clone(&call));
+                    route(service, method, request).await
+                }
+                Err(error) => Status::from(error).into_http(),
+            };
+            // An error before any reply is sent travels in the headers (trailers-only).
+            if let Some(status) = Status::from_header_map(response.headers()) {
+                call.set_status(status.code(), status.message());
+            }
             // The stream stays open until its response body is done (or dropped).
-            Ok(response.map(|body| Body::new(Tracked { body, _open: open })))
+            Ok(response.map(|body| {
+                Body::new(Tracked {
+                    body,
+                    call,
+                    _open: open,
+                })
+            }))
         })
     }
 }
@@ -154,6 +193,39 @@ enum Method {
 }
 
 impl Method {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Handshake => "Handshake",
+            Self::ListFlights => "ListFlights",
+            Self::GetFlightInfo => "GetFlightInfo",
+            Self::PollFlightInfo => "PollFlightInfo",
+            Self::GetSchema => "GetSchema",
+            Self::DoGet => "DoGet",
+            Self::DoPut => "DoPut",
+            Self::DoExchange => "DoExchange",
+            Self::DoAction => "DoAction",
+            Self::ListActions => "ListActions",
+            Self::Unknown => "unknown",
+        }
+    }
+
+    /// The role a caller needs for this method; `None` for Handshake, which is how callers
+    /// authenticate. `DoAction` needs read here; each action checks its own role.
+    fn role(self) -> Option<Role> {
+        match self {
+            Self::Handshake => None,
+            Self::DoPut | Self::DoExchange => Some(Role::Write),
+            Self::ListFlights
+            | Self::GetFlightInfo
+            | Self::PollFlightInfo
+            | Self::GetSchema
+            | Self::DoGet
+            | Self::DoAction
+            | Self::ListActions
+            | Self::Unknown => Some(Role::Read),
+        }
+    }
+
     fn of(path: &str) -> Self {
         match path.strip_prefix(SERVICE).unwrap_or_default() {
             "Handshake" => Self::Handshake,
@@ -169,6 +241,24 @@ impl Method {
             _ => Self::Unknown,
         }
     }
+}
+
+/// The caller of `request`, allowed to call `method`; `None` for Handshake.
+fn authorize(
+    service: &Service,
+    method: Method,
+    request: &http::Request<Body>,
+) -> Result<Option<Principal>, Error> {
+    let Some(needed) = method.role() else {
+        return Ok(None);
+    };
+    let authorization = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .map(http::HeaderValue::as_bytes);
+    let principal = service.auth.authenticate(authorization)?;
+    principal.require(needed, method.name())?;
+    Ok(Some(principal))
 }
 
 async fn route(
@@ -198,7 +288,11 @@ async fn route(
                 .apply_max_message_size_config(Some(limit), Some(usize::MAX))
                 .server_streaming(
                     stream_handler(service, |s, r| {
-                        async move { Ok(Response::new(s.do_get_stream(r.get_ref())?)) }.boxed()
+                        async move {
+                            let call = r.extensions().get::<Arc<Call>>().cloned();
+                            Ok(Response::new(s.do_get_stream(r.get_ref(), call)?))
+                        }
+                        .boxed()
                     }),
                     request,
                 )
@@ -263,7 +357,7 @@ async fn route(
 async fn unary<Req, Res>(
     service: &Arc<Service>,
     request: http::Request<Body>,
-    call: Call<Req, Res>,
+    call: HandlerFn<Req, Res>,
 ) -> http::Response<Body>
 where
     Req: prost::Message + Default + Send + 'static,
@@ -280,7 +374,7 @@ where
 async fn listing<Req, T>(
     service: &Arc<Service>,
     request: http::Request<Body>,
-    call: Call<Req, ReplyStream<T>>,
+    call: HandlerFn<Req, ReplyStream<T>>,
 ) -> http::Response<Body>
 where
     Req: prost::Message + Default + Send + 'static,
@@ -297,7 +391,7 @@ where
 async fn exchange<Req, T>(
     service: &Arc<Service>,
     request: http::Request<Body>,
-    call: Call<Streaming<Req>, ReplyStream<T>>,
+    call: HandlerFn<Streaming<Req>, ReplyStream<T>>,
 ) -> http::Response<Body>
 where
     Req: prost::Message + Default + Send + 'static,
@@ -345,9 +439,11 @@ fn guard(
     charge: Option<(Store, Inbound)>,
     needs_message: bool,
 ) -> http::Request<Body> {
+    let call = request.extensions().get::<Arc<Call>>().cloned();
     request.map(|body| {
         Body::new(GuardedBody {
             inner: body,
+            call,
             limit,
             too_large,
             charge,
@@ -368,17 +464,17 @@ fn guard(
 /// prove `Send` for futures holding closures or `dyn` types among these generics.
 struct Handler<Req, Res> {
     service: Arc<Service>,
-    call: Call<Req, Res>,
+    call: HandlerFn<Req, Res>,
 }
 
 /// [`Handler`] for methods that reply with a stream of `T`, whose polling must not unwind into
 /// tonic either.
 struct StreamHandler<Req, T> {
     service: Arc<Service>,
-    call: Call<Req, ReplyStream<T>>,
+    call: HandlerFn<Req, ReplyStream<T>>,
 }
 
-fn handler<Req, Res>(service: &Arc<Service>, call: Call<Req, Res>) -> Handler<Req, Res> {
+fn handler<Req, Res>(service: &Arc<Service>, call: HandlerFn<Req, Res>) -> Handler<Req, Res> {
     Handler {
         service: Arc::clone(service),
         call,
@@ -387,7 +483,7 @@ fn handler<Req, Res>(service: &Arc<Service>, call: Call<Req, Res>) -> Handler<Re
 
 fn stream_handler<Req, T>(
     service: &Arc<Service>,
-    call: Call<Req, ReplyStream<T>>,
+    call: HandlerFn<Req, ReplyStream<T>>,
 ) -> StreamHandler<Req, T> {
     StreamHandler {
         service: Arc::clone(service),
@@ -398,7 +494,7 @@ fn stream_handler<Req, T>(
 type ReplyStream<T> = futures::stream::BoxStream<'static, Result<T, Status>>;
 type Reply<Res> = BoxFuture<'static, Result<Response<Res>, Status>>;
 /// A handler: what runs for one request, given the service.
-type Call<Req, Res> = fn(Arc<Service>, Request<Req>) -> Reply<Res>;
+type HandlerFn<Req, Res> = fn(Arc<Service>, Request<Req>) -> Reply<Res>;
 
 fn contain_panics<Res: 'static>(future: Reply<Res>) -> Reply<Res> {
     AssertUnwindSafe(future)
@@ -539,6 +635,8 @@ impl Inbound {
 /// the client (unary requests) unchanged.
 struct GuardedBody {
     inner: Body,
+    /// Counts the bytes received.
+    call: Option<Arc<Call>>,
     limit: usize,
     too_large: fn(usize, usize) -> Error,
     charge: Option<(Store, Inbound)>,
@@ -662,10 +760,13 @@ impl HttpBody for GuardedBody {
         }
         match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
             Some(Ok(frame)) => {
-                if let Some(data) = frame.data_ref()
-                    && let Err(error) = self.scan(data)
-                {
-                    return self.fail(error);
+                if let Some(data) = frame.data_ref() {
+                    if let Some(call) = &self.call {
+                        call.add_bytes_in(data.len() as u64);
+                    }
+                    if let Err(error) = self.scan(data) {
+                        return self.fail(error);
+                    }
                 }
                 // Trailers end a request as END_STREAM does (tonic stops reading there), so
                 // they must find it whole too.
@@ -708,9 +809,11 @@ impl HttpBody for GuardedBody {
     }
 }
 
-/// A response body that holds its request's [`OpenStream`] until it is done.
+/// A response body that holds its request's [`OpenStream`] and [`Call`] until it is done,
+/// counting the bytes sent and reading the final status from the trailers.
 struct Tracked {
     body: Body,
+    call: Arc<Call>,
     _open: Option<OpenStream>,
 }
 
@@ -722,7 +825,21 @@ impl HttpBody for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
+        match &frame {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    self.call.add_bytes_out(data.len() as u64);
+                } else if let Some(trailers) = frame.trailers_ref()
+                    && let Some(status) = Status::from_header_map(trailers)
+                {
+                    self.call.set_status(status.code(), status.message());
+                }
+            }
+            Some(Err(status)) => self.call.set_status(status.code(), status.message()),
+            None => {}
+        }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -776,6 +893,7 @@ mod tests {
                 frames: frames.into(),
                 end_stream,
             }),
+            call: None,
             limit: 1 << 20,
             too_large: put_too_large,
             charge: Some((store, inbound.clone())),

@@ -30,6 +30,15 @@ pub enum TicketRequest {
     },
 }
 
+impl TicketRequest {
+    /// The dataset the ticket names.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Whole { name } | Self::Rows { name, .. } => name,
+        }
+    }
+}
+
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TicketBody {

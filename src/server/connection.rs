@@ -36,7 +36,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
 
-use crate::flight::ConnectionStreams;
+use crate::flight::{ConnectionInfo, ConnectionStreams};
+use crate::metrics::{ConnectionGauge, Metrics};
 
 /// Length of the HTTP/2 connection preface every client sends first.
 const PREFACE_BYTES: usize = 24;
@@ -73,14 +74,17 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// The connections `listener` accepts, within `limits`. Never ends and never fails: accept
-/// errors are logged and retried after a pause.
+/// The connections `listeners` accept, within `limits` (one budget for all of them). Never
+/// ends and never fails: accept errors are logged and retried after a pause.
 pub(crate) fn incoming(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     limits: ConnectionLimits,
+    metrics: Option<Arc<Metrics>>,
 ) -> impl Stream<Item = Result<Connection, io::Error>> {
     let state = Acceptor {
-        listener,
+        listeners,
+        next_listener: 0,
+        metrics,
         permits: Arc::new(Semaphore::new(limits.max_connections)),
         limits,
         backoff: None,
@@ -95,7 +99,10 @@ pub(crate) fn incoming(
 }
 
 struct Acceptor {
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
+    /// The listener asked first next time, so that a busy one cannot starve the others.
+    next_listener: usize,
+    metrics: Option<Arc<Metrics>>,
     permits: Arc<Semaphore>,
     limits: ConnectionLimits,
     /// The pause after the last accept error, while accept keeps failing.
@@ -108,9 +115,25 @@ struct Acceptor {
 }
 
 impl Acceptor {
+    /// The next connection any listener accepts.
+    async fn accept(&mut self) -> io::Result<(TcpStream, SocketAddr)> {
+        std::future::poll_fn(|cx| {
+            let count = self.listeners.len();
+            for offset in 0..count {
+                let index = (self.next_listener + offset) % count;
+                if let Poll::Ready(accepted) = self.listeners[index].poll_accept(cx) {
+                    self.next_listener = (index + 1) % count;
+                    return Poll::Ready(accepted);
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
     async fn next(&mut self) -> Connection {
         loop {
-            let (socket, peer) = match self.listener.accept().await {
+            let (socket, peer) = match self.accept().await {
                 Ok(accepted) => accepted,
                 Err(error) => {
                     self.accept_failed(error).await;
@@ -135,7 +158,8 @@ impl Acceptor {
             };
             match permit {
                 Some(permit) => {
-                    let connection = Connection::new(socket, peer, permit, &self.limits);
+                    let gauge = self.metrics.as_ref().map(Metrics::connection_opened);
+                    let connection = Connection::new(socket, peer, permit, &self.limits, gauge);
                     self.open.retain(|c| c.strong_count() > 0);
                     self.open.push(Arc::downgrade(&connection.shared));
                     return connection;
@@ -235,6 +259,8 @@ struct Shared {
     evicted: AtomicBool,
     /// Wakes the connection's reads, so that an eviction takes effect at once.
     waker: AtomicWaker,
+    /// Counts the connection as open in the metrics.
+    _gauge: Option<ConnectionGauge>,
 }
 
 /// An accepted connection that closes itself when its client stays silent too long, or when
@@ -261,6 +287,7 @@ impl Connection {
         peer: SocketAddr,
         permit: OwnedSemaphorePermit,
         limits: &ConnectionLimits,
+        gauge: Option<ConnectionGauge>,
     ) -> Self {
         // Flight messages are large and latency matters for the small ones.
         let _ = socket.set_nodelay(true);
@@ -274,6 +301,7 @@ impl Connection {
                 handshaken: AtomicBool::new(false),
                 evicted: AtomicBool::new(false),
                 waker: AtomicWaker::new(),
+                _gauge: gauge,
             }),
             _permit: permit,
             bytes_read: 0,
@@ -384,10 +412,13 @@ impl Connection {
 }
 
 impl Connected for Connection {
-    type ConnectInfo = Arc<ConnectionStreams>;
+    type ConnectInfo = ConnectionInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        Arc::clone(&self.shared.streams)
+        ConnectionInfo {
+            streams: Arc::clone(&self.shared.streams),
+            peer: self.shared.peer,
+        }
     }
 }
 

@@ -1,5 +1,8 @@
-//! The gRPC server: Flight plus the standard health service, with connection limits and
-//! graceful shutdown.
+//! The gRPC server: Flight plus the standard health service, with TLS, authentication (in
+//! the Flight router), connection limits and graceful shutdown.
+//!
+//! The health service answers without authentication, so that Kubernetes' gRPC probes work on
+//! a server that requires tokens; it tells nothing but whether the server is serving.
 //!
 //! [`run`] serves until its `shutdown` future completes. Then new requests are refused
 //! (UNAVAILABLE, and health reports NOT_SERVING), streams already running get `grace` to
@@ -7,16 +10,21 @@
 //! SIGINT/SIGTERM.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tonic::transport::Server;
 
 mod connection;
+mod tls;
 
 pub use connection::ConnectionLimits;
+pub use tls::TlsFiles;
 
+use crate::auth::Auth;
 use crate::flight::{FlightOptions, Lifecycle, make_server};
+use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::task::AbortOnDrop;
 
@@ -33,6 +41,12 @@ pub struct ServeOptions {
     /// is dropped: its puts abandoned, its reads stopped.
     pub keepalive_interval: Duration,
     pub keepalive_timeout: Duration,
+    /// Serve TLS (and mutual TLS) with these files.
+    pub tls: Option<TlsFiles>,
+    /// How callers are authenticated.
+    pub auth: Auth,
+    /// Where calls and connections are counted.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl Default for ServeOptions {
@@ -44,6 +58,9 @@ impl Default for ServeOptions {
             max_streams_per_connection: 100,
             keepalive_interval: Duration::from_secs(20),
             keepalive_timeout: Duration::from_secs(10),
+            tls: None,
+            auth: Auth::Off,
+            metrics: None,
         }
     }
 }
@@ -60,9 +77,9 @@ const CLOSE_LINGER: Duration = Duration::from_millis(500);
 /// How often expired `ipc-export` leases are looked for: a lease ends at most this late.
 const LEASE_REAPER_PERIOD: Duration = Duration::from_millis(250);
 
-/// Serves Flight on `listener` until `shutdown` completes, then drains.
+/// Serves Flight on `listeners` until `shutdown` completes, then drains.
 pub async fn run(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     store: Store,
     options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send,
@@ -70,15 +87,25 @@ pub async fn run(
     let lifecycle = Lifecycle::default();
     let _reaper = AbortOnDrop(store.spawn_lease_reaper(LEASE_REAPER_PERIOD));
     let (health, health_service) = tonic_health::server::health_reporter();
-    let flight = make_server(store, options.flight, lifecycle.clone());
+    let flight = make_server(
+        store,
+        options.flight,
+        lifecycle.clone(),
+        options.auth,
+        options.metrics.clone(),
+    );
     health
         .set_serving::<arrow_flight::flight_service_server::FlightServiceServer<()>>()
         .await;
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let incoming = connection::incoming(listener, options.connections.clone());
+    let incoming = connection::incoming(listeners, options.connections.clone(), options.metrics);
+    let mut builder = Server::builder();
+    if let Some(tls) = &options.tls {
+        builder = builder.tls_config(tls.config())?;
+    }
     let mut server = tokio::spawn(
-        Server::builder()
+        builder
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
             .max_frame_size(MAX_FRAME_BYTES)

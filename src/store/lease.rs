@@ -21,6 +21,8 @@ pub struct Lease {
     pub dataset: Arc<Dataset>,
     /// The columns exported under this lease.
     pub columns: Vec<String>,
+    /// The principal it was granted to: with the admins, the only one `status` shows its id.
+    pub owner: String,
     /// When the lease ends unless renewed, on the wall clock (reported) and the monotonic one
     /// (enforced).
     pub expires_at: SystemTime,
@@ -28,11 +30,12 @@ pub struct Lease {
 }
 
 impl Lease {
-    fn new(dataset: Arc<Dataset>, columns: Vec<String>, duration: Duration) -> Self {
+    fn new(dataset: Arc<Dataset>, columns: Vec<String>, duration: Duration, owner: String) -> Self {
         Self {
             id: new_lease_id(),
             dataset,
             columns,
+            owner,
             expires_at: SystemTime::now() + duration,
             deadline: Instant::now() + duration,
         }
@@ -79,8 +82,9 @@ impl Leases {
         dataset: Arc<Dataset>,
         columns: Vec<String>,
         duration: Duration,
+        owner: String,
     ) -> Lease {
-        let lease = Lease::new(dataset, columns, duration);
+        let lease = Lease::new(dataset, columns, duration, owner);
         self.lock().insert(lease.id.clone(), lease.clone());
         lease
     }
@@ -181,7 +185,7 @@ mod tests {
     #[test]
     fn leases_renew_for_their_own_dataset_and_expire() {
         let leases = Leases::default();
-        let lease = leases.grant(dataset("a"), vec![], Duration::from_secs(10));
+        let lease = leases.grant(dataset("a"), vec![], Duration::from_secs(10), "o".into());
         assert_eq!(lease.id.len(), 32);
         assert!(matches!(
             leases.renew(&lease.id, "b", Duration::from_secs(60)),
@@ -203,7 +207,7 @@ mod tests {
             Err(StoreError::LeaseNotFound { .. })
         ));
         assert!(leases.release(&lease.id).is_none());
-        let other = leases.grant(dataset("a"), vec![], Duration::from_secs(10));
+        let other = leases.grant(dataset("a"), vec![], Duration::from_secs(10), "o".into());
         assert_ne!(other.id, lease.id);
         assert_eq!(leases.release(&other.id).map(|l| l.id), Some(other.id));
         assert!(leases.list().is_empty());

@@ -19,6 +19,7 @@
 mod dataset;
 mod lease;
 pub mod memory;
+mod progress;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +36,7 @@ pub use dataset::Dataset;
 use dataset::StoredPartition;
 pub use lease::Lease;
 use memory::{MemoryBudget, Reservation};
+pub use progress::PutProgress;
 
 use crate::backend::{Backend, BackendError, DeviceInfo, PartitionExport};
 use crate::batch_size::{array_count, batch_bytes, schema_bytes};
@@ -150,6 +152,9 @@ struct Inner {
     catalog: DashMap<String, Arc<Dataset>>,
     next_version: AtomicU64,
     leases: lease::Leases,
+    puts: Arc<progress::Puts>,
+    concatenations: AtomicU64,
+    concatenation_nanos: AtomicU64,
 }
 
 /// A snapshot of what the store holds, for the `status` action.
@@ -166,12 +171,19 @@ pub struct StoreStatus {
     pub leases: Vec<LeaseStatus>,
     /// Backend memory held only by leases: datasets dropped or replaced while exported.
     pub leased_only_bytes: u64,
+    /// Puts being received, oldest first.
+    pub puts: Vec<Arc<PutProgress>>,
+    /// Compactions of batches into one partition (at commit), and the time they took.
+    pub concatenations: u64,
+    pub concatenation_seconds: f64,
 }
 
 /// A live lease, for `status`.
 #[derive(Debug, Clone)]
 pub struct LeaseStatus {
     pub id: String,
+    /// The principal that was granted the lease.
+    pub owner: String,
     pub dataset: String,
     pub version: u64,
     pub columns: Vec<String>,
@@ -191,6 +203,8 @@ pub struct ExportRequest {
     pub duration: Duration,
     /// Renew this lease (of the same dataset) instead of granting a new one.
     pub renew: Option<String>,
+    /// Who asks, recorded on a new lease.
+    pub owner: String,
 }
 
 /// An exported dataset under its lease.
@@ -243,6 +257,9 @@ impl Store {
                 catalog: DashMap::new(),
                 next_version: AtomicU64::new(1),
                 leases: lease::Leases::default(),
+                puts: Arc::default(),
+                concatenations: AtomicU64::new(0),
+                concatenation_nanos: AtomicU64::new(0),
             }),
         }
     }
@@ -286,13 +303,20 @@ impl Store {
             })
     }
 
-    /// Starts a put. `create` fails here already if the name is taken, so a client learns it
-    /// before sending any data; the check is repeated atomically at commit.
-    pub fn begin_put(&self, name: String, mode: PutMode) -> Result<PendingPut, StoreError> {
+    /// Starts a put by `owner`. `create` fails here already if the name is taken, so a client
+    /// learns it before sending any data; the check is repeated atomically at commit. The put
+    /// is listed in [`Store::status`] until it commits or is dropped.
+    pub fn begin_put(
+        &self,
+        name: String,
+        mode: PutMode,
+        owner: &str,
+    ) -> Result<PendingPut, StoreError> {
         if mode == PutMode::Create && self.inner.catalog.contains_key(&name) {
             return Err(StoreError::AlreadyExists { name });
         }
         Ok(PendingPut {
+            progress: self.inner.puts.register(&name, mode, owner),
             store: self.clone(),
             name,
             mode,
@@ -345,6 +369,7 @@ impl Store {
             }
             leases.push(LeaseStatus {
                 id: lease.id,
+                owner: lease.owner,
                 dataset: dataset.name().to_owned(),
                 version: dataset.version(),
                 columns: lease.columns,
@@ -362,6 +387,12 @@ impl Store {
             counters: inner.backend.counters(),
             leases,
             leased_only_bytes: leased_only.values().sum(),
+            puts: inner.puts.list(),
+            concatenations: inner.concatenations.load(Ordering::Relaxed),
+            concatenation_seconds: Duration::from_nanos(
+                inner.concatenation_nanos.load(Ordering::Relaxed),
+            )
+            .as_secs_f64(),
         }
     }
 
@@ -416,7 +447,9 @@ impl Store {
         let partition = partition.data.export(&columns)?;
         let lease = match renewed {
             Some(lease) => lease,
-            None => inner.leases.grant(dataset, names, request.duration),
+            None => inner
+                .leases
+                .grant(dataset, names, request.duration, request.owner),
         };
         Ok(Export {
             lease,
@@ -449,6 +482,8 @@ impl Store {
 /// A put in progress: uploaded partitions that nobody else can see yet.
 #[derive(Debug)]
 pub struct PendingPut {
+    /// Listed in `status` while the put runs.
+    progress: progress::Registered,
     store: Store,
     name: String,
     mode: PutMode,
@@ -522,6 +557,9 @@ impl PendingPut {
         let data_bytes = batch_bytes(&batch);
         self.rows = self.rows.saturating_add(batch.num_rows() as u64);
         self.data_bytes = self.data_bytes.saturating_add(data_bytes);
+        self.progress
+            .progress
+            .add(batch.num_rows() as u64, data_bytes);
         let upload = backend
             .upload(self.device, batch)
             .map_err(StoreError::from)
@@ -662,7 +700,14 @@ impl Store {
         let rows = partitions.iter().map(|p| p.data.num_rows() as u64).sum();
         let reservation = self.inner.budget.try_reserve(device, charge(size, rows))?;
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
+        let started = std::time::Instant::now();
         let compacted = backend.concatenate(data).await?;
+        let inner = &self.inner;
+        inner.concatenations.fetch_add(1, Ordering::Relaxed);
+        inner.concatenation_nanos.fetch_add(
+            u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         Ok(vec![StoredPartition {
             data: compacted,
             reservation: Arc::new(reservation),
@@ -714,7 +759,9 @@ mod tests {
     }
 
     async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>) -> PendingPut {
-        let mut pending = store.begin_put("t".to_owned(), mode).expect("begin");
+        let mut pending = store
+            .begin_put("t".to_owned(), mode, "test")
+            .expect("begin");
         pending.declare_schema(batches[0].schema()).expect("schema");
         for b in batches {
             if let Some(upload) = pending.upload(b, None).expect("reserve") {

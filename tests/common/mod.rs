@@ -19,6 +19,7 @@ use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, FlightClient, FlightDescriptor, Ticket};
 use futures::TryStreamExt;
 use gpu_flight::backend::Backend;
+use gpu_flight::metrics::Metrics;
 use gpu_flight::server::{self, ServeOptions};
 use gpu_flight::store::{Store, StoreOptions};
 use tokio::net::TcpListener;
@@ -31,6 +32,8 @@ use tonic::transport::Channel;
 pub struct TestServer {
     pub addr: SocketAddr,
     pub store: Store,
+    /// What the server counts (every test server has metrics, so every test runs them).
+    pub metrics: Arc<Metrics>,
     shutdown: Option<oneshot::Sender<()>>,
     handle: JoinHandle<Result<(), tonic::transport::Error>>,
 }
@@ -43,18 +46,24 @@ impl TestServer {
     pub async fn start_with(
         backend: Arc<dyn Backend>,
         store_options: StoreOptions,
-        options: ServeOptions,
+        mut options: ServeOptions,
     ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
         let store = Store::new(backend, store_options);
+        let metrics = Arc::clone(
+            options
+                .metrics
+                .get_or_insert_with(|| Metrics::new(store.clone())),
+        );
         let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(server::run(listener, store.clone(), options, async {
+        let handle = tokio::spawn(server::run(vec![listener], store.clone(), options, async {
             let _ = rx.await;
         }));
         Self {
             addr,
             store,
+            metrics,
             shutdown: Some(tx),
             handle,
         }

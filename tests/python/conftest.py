@@ -22,7 +22,7 @@ BACKEND = os.environ.get("GPU_FLIGHT_BACKEND", "host")
 
 
 class Server:
-    """One gpu-flight process; `location` is its grpc:// address.
+    """One gpu-flight process; `location` is its grpc:// (or grpc+tls://) address.
 
     Options (all default to the plain server): `log`, a path its stderr (the log) is written to
     instead of being discarded; `env`, extra environment variables; `nofile`, a limit on its
@@ -46,7 +46,7 @@ class Server:
             if log is not None:
                 stderr.close()
         line = self.process.stdout.readline()
-        match = re.search(r"serving on (grpc://\S+)", line)
+        match = re.search(r"serving on (grpc(?:\+tls)?://\S+)", line)
         if not match:
             self.process.kill()
             self.process.wait()
