@@ -1,8 +1,11 @@
 //! gpu-flight: an Arrow Flight server that keeps datasets in GPU memory (or host memory).
 //!
 //! Layers point one way: [`flight`] (the protocol) → [`store`] (catalog, puts, leases, memory
-//! budget) → [`backend`] (host or CUDA memory). [`server`] wires them to gRPC; [`consumer`] is
-//! the Rust side of `ipc-export` for processes on the server's node.
+//! budget) → [`backend`] (host or CUDA memory). [`server`] wires them to gRPC with TLS and
+//! connection limits; [`auth`] says who a caller is and what their role allows (the Flight
+//! router asks it before any handler runs); [`metrics`] counts calls and reads the store's
+//! state for Prometheus; [`consumer`] is the Rust side of `ipc-export` for processes on the
+//! server's node.
 
 pub mod auth;
 pub mod backend;

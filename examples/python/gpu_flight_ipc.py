@@ -196,10 +196,13 @@ class ExportedDataset:
     """A dataset's columns mapped from a gpu-flight server on this node, under a lease.
 
     Use as a context manager, or call close(): it unmaps the memory and releases the lease.
+    `options` (a pyarrow.flight.FlightCallOptions) is passed to every call, e.g. the
+    `authorization` header of a server that requires authentication.
     """
 
-    def __init__(self, client, name, columns=None, lease_seconds=300):
+    def __init__(self, client, name, columns=None, lease_seconds=300, options=None):
         self._client = client
+        self._options = options
         body = {"name": name, "lease_seconds": lease_seconds}
         if columns is not None:
             body["columns"] = list(columns)
@@ -234,7 +237,8 @@ class ExportedDataset:
             raise
 
     def _action(self, name, body):
-        results = list(self._client.do_action(flight.Action(name, json.dumps(body).encode())))
+        action = flight.Action(name, json.dumps(body).encode())
+        results = list(self._client.do_action(action, options=self._options))
         return json.loads(results[0].body.to_pybytes())
 
     def _release_lease(self):

@@ -511,4 +511,38 @@ mod tests {
         let refused = auth.authenticate(Some(&bearer(&session)));
         assert!(matches!(refused, Err(AuthError::Rejected(m)) if m.contains("expired")));
     }
+
+    /// Headers made of random bytes, random schemes and random base64 never panic and never
+    /// authenticate.
+    #[tokio::test]
+    async fn random_headers_are_refused() {
+        use rand::{Rng, SeedableRng};
+        let (_file, auth) = authenticator(&file_with("t0ken", "admin", "alice", "pw"));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(20261122);
+        let prefixes: [&[u8]; 6] = [
+            b"",
+            b"Bearer ",
+            b"Basic ",
+            b"bearer",
+            b"BASIC  ",
+            b"Bearer t0ke",
+        ];
+        for _ in 0..2000 {
+            let mut header = prefixes[rng.random_range(0..prefixes.len())].to_vec();
+            let tail: Vec<u8> = (0..rng.random_range(0..64)).map(|_| rng.random()).collect();
+            if rng.random_bool(0.5) {
+                header.extend(STANDARD.encode(&tail).into_bytes());
+            } else {
+                header.extend(tail);
+            }
+            assert!(auth.authenticate(Some(&header)).is_err(), "{header:?}");
+        }
+        // Basic logins are slow on purpose: fewer of them.
+        for _ in 0..20 {
+            let tail: Vec<u8> = (0..rng.random_range(0..24)).map(|_| rng.random()).collect();
+            let mut header = b"Basic ".to_vec();
+            header.extend(STANDARD.encode(&tail).into_bytes());
+            assert!(auth.handshake(Some(&header)).await.is_err(), "{header:?}");
+        }
+    }
 }

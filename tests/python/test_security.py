@@ -320,3 +320,26 @@ def test_command_line_errors_say_what_was_expected():
     assert "HOST:PORT" in bad_listen.stderr
     no_key = run_binary("--tls-cert", "cert.pem")
     assert no_key.returncode == 2 and "--tls-key" in no_key.stderr
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="ipc-export needs GPU_FLIGHT_BACKEND=cuda")
+def test_lease_ids_are_shown_to_their_owner_and_admins(make_server, credentials):
+    from test_ipc import consumer_module
+
+    ipc = consumer_module()
+    path, tokens = credentials
+    server = make_server("--auth-tokens", str(path))
+    with server.client() as client:
+        put(client, "leased", TABLE.select(["id"]), bearer(tokens["write"]))
+        writer = bearer(tokens["write"])
+        with ipc.ExportedDataset(client, "leased", options=writer) as exported:
+            assert exported["id"].to_arrow().equals(TABLE.column("id").combine_chunks())
+
+            def shown(options):
+                return [lease["lease"] for lease in status(client, options)["leases"]]
+
+            assert shown(writer) == [exported.lease]
+            assert shown(bearer(tokens["admin"])) == [exported.lease]
+            assert shown(bearer(tokens["read"])) == [None]
+            assert status(client, bearer(tokens["read"]))["leases"][0]["owner"] == "writer"
+        assert status(client, writer)["leases"] == []
