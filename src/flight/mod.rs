@@ -50,6 +50,9 @@ use ipc_message::IpcMessage;
 pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter};
 use ticket::TicketRequest;
 
+/// What Handshake answers on a server without authentication, where tokens are not checked.
+const UNCHECKED_TOKEN: &str = "unauthenticated";
+
 /// Most endpoints one `GetFlightInfo` reply lists (about 100 bytes each).
 const MAX_ENDPOINTS: u64 = 4096;
 
@@ -361,23 +364,24 @@ impl FlightService for Service {
 
     /// With a token file: Basic credentials in, a session's bearer token out (in the
     /// `authorization` header, as pyarrow's `authenticate_basic_token` reads it, and as the
-    /// payload); a bearer token is checked and echoed. Without one there is nothing to
-    /// authenticate, and the handshake succeeds empty.
+    /// payload); a bearer token is checked and echoed. Without one every caller is anonymous:
+    /// any credentials are accepted and answered with a token that is never checked, so that
+    /// a client written for a server with authentication also works against one without.
     async fn handshake(
         &self,
         request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<Response<Self::HandshakeStream>, Status> {
-        let Auth::Tokens(authenticator) = &self.auth else {
-            return Ok(Response::new(futures::stream::empty().boxed()));
-        };
         let authorization = request
             .metadata()
             .get("authorization")
             .map(|value| value.as_bytes());
-        let (principal, token) = authenticator
-            .handshake(authorization)
-            .await
-            .map_err(Error::from)?;
+        let (principal, token) = match &self.auth {
+            Auth::Tokens(authenticator) => authenticator
+                .handshake(authorization)
+                .await
+                .map_err(Error::from)?,
+            Auth::Off => (Principal::anonymous(), UNCHECKED_TOKEN.to_owned()),
+        };
         if let Some(call) = call(&request) {
             call.set_principal(Arc::clone(&principal.name));
         }

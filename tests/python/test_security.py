@@ -196,6 +196,16 @@ def test_token_file_is_reloaded_on_sighup(make_server, credentials, tmp_path):
         assert status(client, bearer(newcomer))["datasets"] == 1
 
 
+def test_clients_that_log_in_also_work_without_authentication(server):
+    """A script written for a server with tokens runs against a local one without."""
+    with server.client() as client:
+        header = client.authenticate_basic_token("anyone", "anything")
+        assert header[0] == b"authorization"
+        options = flight.FlightCallOptions(headers=[header])
+        put(client, "portable", TABLE.slice(0, 3), options)
+        assert get(client, "portable", options).num_rows == 3
+
+
 def run_binary(*flags, timeout=10):
     return subprocess.run([BINARY, *flags], capture_output=True, text=True, timeout=timeout)
 
