@@ -60,7 +60,7 @@ use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
 use arrow_flight::flight_descriptor::DescriptorType;
 use arrow_flight::{
     Action, ActionType, Criteria, FlightClient, FlightData, FlightDescriptor, FlightInfo,
-    HandshakeRequest, PollInfo, PutResult, SchemaResult, Ticket,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
 };
 use bytes::Bytes;
 use common::raw::{self, raw_call, raw_do_put, raw_unary};
@@ -2355,6 +2355,15 @@ async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<usize> {
         raw::LIST_ACTIONS => {
             for reply in replies {
                 ActionType::decode(reply.clone()).map_err(|e| fail(e.to_string()))?;
+            }
+        }
+        raw::HANDSHAKE => {
+            for reply in replies {
+                let response =
+                    HandshakeResponse::decode(reply.clone()).map_err(|e| fail(e.to_string()))?;
+                if response.payload.is_empty() {
+                    return Err(fail("a Handshake reply without a token".into()));
+                }
             }
         }
         _ => {
