@@ -193,6 +193,11 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
 
+    /// Also serve the gRPC health service, and nothing else, in plain text on `HOST:PORT`: for
+    /// Kubernetes' gRPC probes, which can neither speak TLS nor send a token.
+    #[arg(long, env = "GPU_FLIGHT_HEALTH_LISTEN")]
+    pub health_listen: Option<String>,
+
     /// Log line format. Colours are used only when standard error is a terminal.
     #[arg(long, env = "GPU_FLIGHT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

@@ -92,23 +92,8 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
             .map_err(|error| Failure::Start(format!("cannot listen on {address}: {error}")))?;
         listeners.push(listener);
     }
-    let metrics_listener = match &args.metrics_listen {
-        Some(spec) => {
-            let address = *resolve(std::slice::from_ref(spec))
-                .await
-                .map_err(Failure::Start)?
-                .first()
-                .ok_or_else(|| {
-                    Failure::Start(format!("--metrics-listen {spec} resolves to no address"))
-                })?;
-            Some(TcpListener::bind(address).await.map_err(|error| {
-                Failure::Start(format!(
-                    "cannot listen on {address} (--metrics-listen): {error}"
-                ))
-            })?)
-        }
-        None => None,
-    };
+    let metrics_listener = bind_one(args.metrics_listen.as_deref(), "--metrics-listen").await?;
+    let health_listener = bind_one(args.health_listen.as_deref(), "--health-listen").await?;
 
     let backend_name = backend.name();
     let store = Store::new(backend, args.store_options());
@@ -121,6 +106,9 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         // Scripts and tests read this line to learn the port when listening on port 0.
         println!("gpu-flight serving on {scheme}://{address} (backend: {backend_name})");
         tracing::info!(%address, backend = backend_name, tls = tls.is_some(), mutual_tls = mutual, "serving");
+    }
+    if let Some(address) = health_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+        println!("gpu-flight health on grpc://{address}");
     }
     let _metrics_task = metrics_listener.map(|listener| {
         if let Ok(address) = listener.local_addr() {
@@ -140,6 +128,10 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         auth,
         metrics: Some(metrics),
         ..connection_budget(args.serve_options())
+    };
+    let listeners = server::Listeners {
+        flight: listeners,
+        health: health_listener,
     };
     server::run(listeners, store, options, shutdown_signal())
         .await
@@ -207,6 +199,22 @@ fn init_tracing(format: LogFormat) {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+}
+
+/// The listener of a flag that takes one address (the first it resolves to), if given.
+async fn bind_one(spec: Option<&str>, flag: &str) -> Result<Option<TcpListener>, Failure> {
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    let address = *resolve(&[spec.to_owned()])
+        .await
+        .map_err(|error| Failure::Start(format!("{flag}: {error}")))?
+        .first()
+        .ok_or_else(|| Failure::Start(format!("{flag} {spec} resolves to no address")))?;
+    let listener = TcpListener::bind(address)
+        .await
+        .map_err(|error| Failure::Start(format!("cannot listen on {address} ({flag}): {error}")))?;
+    Ok(Some(listener))
 }
 
 /// Every address the `--listen` values name, in order, without repeats.

@@ -1,4 +1,5 @@
-//! What operators see: the Prometheus endpoint, scraped over HTTP while the server works.
+//! What operators see: the Prometheus endpoint, scraped over HTTP while the server works, and
+//! the health service that probes ask.
 
 mod common;
 
@@ -6,14 +7,21 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use common::{TestServer, code_of, int64_batch, path, put};
+use std::time::Duration;
+
+use common::{TestServer, code_of, connect, int64_batch, path, put};
 use futures::TryStreamExt;
+use gpu_flight::auth::{Auth, Authenticator, DEFAULT_SESSION_TTL, new_token};
 use gpu_flight::backend::HostBackend;
 use gpu_flight::metrics;
 use gpu_flight::server::ServeOptions;
 use gpu_flight::store::StoreOptions;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tonic::transport::Channel;
+use tonic_health::ServingStatus;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
 
 /// One HTTP/1.1 request; the status line and body.
 async fn http_get(addr: SocketAddr, target: &str) -> (String, String) {
@@ -142,4 +150,115 @@ async fn metrics_move_with_the_work() {
     let _ = stop.send(());
     endpoint.await.expect("endpoint stopped");
     server.shutdown_and_wait().await;
+}
+
+/// What the health service says about the whole server (the empty service name, which is what
+/// Kubernetes asks), asked without credentials over plain text.
+async fn health(addr: SocketAddr) -> Result<ServingStatus, tonic::Status> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("uri")
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let reply = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await?;
+    Ok(match reply.into_inner().status {
+        1 => ServingStatus::Serving,
+        2 => ServingStatus::NotServing,
+        _ => ServingStatus::Unknown,
+    })
+}
+
+/// Kubernetes' gRPC probes send no token and speak no TLS. Health answers them on the Flight
+/// port without credentials and on the health listener in plain text; that listener serves
+/// nothing else; and while the server drains, both say NOT_SERVING.
+#[tokio::test]
+async fn health_answers_probes_without_credentials_and_reports_draining() {
+    let (token, digest) = new_token().expect("token");
+    let file = std::env::temp_dir().join(format!("gpu-flight-health-{}.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        format!("[[tokens]]\nprincipal = \"etl\"\nrole = \"write\"\nsha256 = \"{digest}\"\n"),
+    )
+    .expect("token file");
+    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("load");
+    std::fs::remove_file(&file).expect("remove token file");
+    let server = TestServer::start_with_health_listener(
+        Arc::new(HostBackend::new()),
+        StoreOptions::default(),
+        ServeOptions {
+            auth: Auth::Tokens(Arc::new(authenticator)),
+            grace: Duration::from_secs(20),
+            ..ServeOptions::default()
+        },
+    )
+    .await;
+    let health_addr = server.health_addr.expect("health listener");
+    assert_eq!(
+        health(server.addr).await.expect("health"),
+        ServingStatus::Serving
+    );
+    assert_eq!(
+        health(health_addr).await.expect("health"),
+        ServingStatus::Serving
+    );
+
+    // Flight needs the token on its own port, and is not served on the health port at all.
+    let mut anonymous = server.client().await;
+    let Err(refused) = anonymous.list_flights("").await else {
+        panic!("ListFlights without a token");
+    };
+    assert_eq!(code_of(&refused), tonic::Code::Unauthenticated);
+    let mut elsewhere = connect(health_addr).await;
+    elsewhere
+        .add_header("authorization", &format!("Bearer {token}"))
+        .expect("header");
+    let Err(absent) = elsewhere.list_flights("").await else {
+        panic!("Flight on the health port");
+    };
+    assert_eq!(code_of(&absent), tonic::Code::Unimplemented);
+
+    // A put still arriving keeps the server draining after shutdown begins.
+    let mut writer = server.client().await;
+    writer
+        .add_header("authorization", &format!("Bearer {token}"))
+        .expect("header");
+    let (batches, receiver) = tokio::sync::mpsc::channel(1);
+    let data = arrow_flight::encode::FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("slow")))
+        .build(tokio_stream::wrappers::ReceiverStream::new(receiver));
+    let put = tokio::spawn(async move { writer.do_put(data).await.map(|_| ()) });
+    batches
+        .send(Ok(int64_batch(1000, 2, 1)))
+        .await
+        .expect("send");
+    let store = server.store.clone();
+    wait_for(|| !store.status().puts.is_empty()).await;
+    let mut server = server;
+    server.begin_shutdown();
+    let mut status = ServingStatus::Serving;
+    for _ in 0..100 {
+        status = health(health_addr).await.expect("health while draining");
+        if status == ServingStatus::NotServing {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, ServingStatus::NotServing);
+    drop(batches);
+    let _ = put.await.expect("put task");
+    server.shutdown_and_wait().await;
+}
+
+async fn wait_for(condition: impl Fn() -> bool) {
+    for _ in 0..200 {
+        if condition() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("condition not met in 5 s");
 }

@@ -2,7 +2,9 @@
 //! the Flight router), connection limits and graceful shutdown.
 //!
 //! The health service answers without authentication, so that Kubernetes' gRPC probes work on
-//! a server that requires tokens; it tells nothing but whether the server is serving.
+//! a server that requires tokens; it tells nothing but whether the server is serving. Probes
+//! cannot speak TLS either, so [`Listeners::health`] serves that one service, alone and in
+//! plain text, on a listener of its own.
 //!
 //! [`run`] serves until its `shutdown` future completes. Then new requests are refused
 //! (UNAVAILABLE, and health reports NOT_SERVING), streams already running get `grace` to
@@ -28,7 +30,26 @@ use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::task::AbortOnDrop;
 
-/// Everything [`run`] needs besides the listener and the store.
+/// Where [`run`] accepts connections.
+#[derive(Debug)]
+pub struct Listeners {
+    /// Flight and health, with TLS when configured.
+    pub flight: Vec<TcpListener>,
+    /// Only the gRPC health service, always plain text: for probes that can neither
+    /// authenticate nor speak TLS (the kubelet's).
+    pub health: Option<TcpListener>,
+}
+
+impl From<Vec<TcpListener>> for Listeners {
+    fn from(flight: Vec<TcpListener>) -> Self {
+        Self {
+            flight,
+            health: None,
+        }
+    }
+}
+
+/// Everything [`run`] needs besides the listeners and the store.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub flight: FlightOptions,
@@ -76,10 +97,13 @@ const MAX_FRAME_BYTES: u32 = 1 << 20;
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
 /// How often expired `ipc-export` leases are looked for: a lease ends at most this late.
 const LEASE_REAPER_PERIOD: Duration = Duration::from_millis(250);
+/// Connections open at once on the health listener: probes open one at a time, and a flood
+/// there must not cost the Flight clients their file descriptors.
+const HEALTH_MAX_CONNECTIONS: usize = 16;
 
 /// Serves Flight on `listeners` until `shutdown` completes, then drains.
 pub async fn run(
-    listeners: Vec<TcpListener>,
+    listeners: Listeners,
     store: Store,
     options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send,
@@ -98,8 +122,26 @@ pub async fn run(
         .set_serving::<arrow_flight::flight_service_server::FlightServiceServer<()>>()
         .await;
 
+    // Ends with this function, after Flight: it reports NOT_SERVING while streams drain.
+    let _health_only = listeners.health.map(|listener| {
+        let limits = ConnectionLimits {
+            max_connections: HEALTH_MAX_CONNECTIONS,
+            ..options.connections.clone()
+        };
+        let incoming = connection::incoming(vec![listener], limits, None);
+        AbortOnDrop(tokio::spawn(
+            Server::builder()
+                .add_service(health_service.clone())
+                .serve_with_incoming(incoming),
+        ))
+    });
+
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let incoming = connection::incoming(listeners, options.connections.clone(), options.metrics);
+    let incoming = connection::incoming(
+        listeners.flight,
+        options.connections.clone(),
+        options.metrics,
+    );
     let mut builder = Server::builder();
     if let Some(tls) = &options.tls {
         builder = builder.tls_config(tls.config())?;

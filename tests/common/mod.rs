@@ -31,6 +31,8 @@ use tonic::transport::Channel;
 /// A server running in this process.
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// The plain-text health listener, for servers started with one.
+    pub health_addr: Option<SocketAddr>,
     pub store: Store,
     /// What the server counts (every test server has metrics, so every test runs them).
     pub metrics: Arc<Metrics>,
@@ -46,10 +48,37 @@ impl TestServer {
     pub async fn start_with(
         backend: Arc<dyn Backend>,
         store_options: StoreOptions,
+        options: ServeOptions,
+    ) -> Self {
+        Self::launch(backend, store_options, options, false).await
+    }
+
+    /// Also serves health alone, in plain text, on a second port ([`Self::health_addr`]).
+    pub async fn start_with_health_listener(
+        backend: Arc<dyn Backend>,
+        store_options: StoreOptions,
+        options: ServeOptions,
+    ) -> Self {
+        Self::launch(backend, store_options, options, true).await
+    }
+
+    async fn launch(
+        backend: Arc<dyn Backend>,
+        store_options: StoreOptions,
         mut options: ServeOptions,
+        health_listener: bool,
     ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
+        let health = match health_listener {
+            true => Some(TcpListener::bind("127.0.0.1:0").await.expect("bind port 0")),
+            false => None,
+        };
+        let health_addr = health.as_ref().map(|l| l.local_addr().expect("local addr"));
+        let listeners = server::Listeners {
+            flight: vec![listener],
+            health,
+        };
         let store = Store::new(backend, store_options);
         let metrics = Arc::clone(
             options
@@ -57,11 +86,12 @@ impl TestServer {
                 .get_or_insert_with(|| Metrics::new(store.clone())),
         );
         let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(server::run(vec![listener], store.clone(), options, async {
+        let handle = tokio::spawn(server::run(listeners, store.clone(), options, async {
             let _ = rx.await;
         }));
         Self {
             addr,
+            health_addr,
             store,
             metrics,
             shutdown: Some(tx),

@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.request
 
+import grpc
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
@@ -168,6 +169,28 @@ def test_mutual_tls_refuses_clients_without_a_certificate(make_server, ca, serve
     ) as impostor:
         with pytest.raises(flight.FlightUnavailableError):
             list(impostor.list_flights(options=quick))
+
+
+def test_probes_get_health_in_plain_text_beside_mutual_tls(make_server, credentials, ca, server_cert):
+    """Kubernetes' gRPC probes speak neither TLS nor tokens: `--health-listen` answers them,
+    with health alone."""
+    path, tokens = credentials
+    server = make_server(*tls_flags(server_cert, mutual=True), "--auth-tokens", str(path),
+                         "--health-listen", "127.0.0.1:0")
+    health = re.search(r"health on grpc://(\S+)", server.process.stdout.readline()).group(1)
+    with grpc.insecure_channel(health) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        # HealthCheckResponse{status: SERVING}: field 1, varint 1.
+        assert check(b"", timeout=10) == b"\x08\x01"
+        list_there = channel.unary_unary("/arrow.flight.protocol.FlightService/ListActions")
+        with pytest.raises(grpc.RpcError) as refused:
+            list_there(b"", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # The Flight port itself still wants a client certificate.
+    location = server.location.replace("127.0.0.1", "localhost")
+    with flight.connect(location, tls_root_certs=ca.cert_pem.bytes()) as anonymous:
+        with pytest.raises(flight.FlightError):
+            list(anonymous.list_actions(options=bearer(tokens["read"])))
 
 
 def test_token_file_is_reloaded_on_sighup(make_server, credentials, tmp_path):
