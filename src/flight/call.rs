@@ -167,7 +167,8 @@ impl Drop for Call {
                     rows,
                     bytes_in = figures.bytes_in,
                     bytes_out = figures.bytes_out,
-                    duration_ms = duration.as_secs_f64() * 1e3,
+                    // Microseconds are enough, and keep the line short.
+                    duration_ms = (duration.as_secs_f64() * 1e6).round() / 1e3,
                     mb_per_s = rate(bytes, duration),
                     code = crate::metrics::code_name(code),
                     // Recorded with `Debug`, which escapes what a client put in the message.
