@@ -95,6 +95,13 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
     let metrics_listener = bind_one(args.metrics_listen.as_deref(), "--metrics-listen").await?;
     let health_listener = bind_one(args.health_listen.as_deref(), "--health-listen").await?;
 
+    // Signal handlers go in before the server says it serves: a SIGTERM that a supervisor
+    // sends as soon as it reads that line must shut down cleanly, not kill the process.
+    let shutdown = shutdown_signal();
+    let _reloader = match &auth {
+        Auth::Tokens(authenticator) => reload_on_hangup(Arc::clone(authenticator)),
+        Auth::Off => None,
+    };
     let backend_name = backend.name();
     let store = Store::new(backend, args.store_options());
     let metrics = Metrics::new(store.clone());
@@ -118,10 +125,6 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         tokio::spawn(metrics::serve(listener, metrics, std::future::pending()))
     });
     let _ = std::io::stdout().flush();
-    let _reloader = match &auth {
-        Auth::Tokens(authenticator) => reload_on_hangup(Arc::clone(authenticator)),
-        Auth::Off => None,
-    };
 
     let options = ServeOptions {
         tls,
@@ -133,7 +136,7 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         flight: listeners,
         health: health_listener,
     };
-    server::run(listeners, store, options, shutdown_signal())
+    server::run(listeners, store, options, shutdown)
         .await
         .map_err(|error| Failure::Serve(error.to_string()))
 }
@@ -346,25 +349,37 @@ fn connection_budget(mut options: ServeOptions) -> ServeOptions {
     options
 }
 
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+/// Listens for SIGINT and SIGTERM from this call on, and returns a future that completes on
+/// the first of them. (`tokio::signal::ctrl_c` would install its handler only when polled.)
+fn shutdown_signal() -> impl Future<Output = ()> {
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = terminate.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let interrupt = signal(SignalKind::interrupt());
+        let terminate = signal(SignalKind::terminate());
+        async move {
+            match (interrupt, terminate) {
+                (Ok(mut interrupt), Ok(mut terminate)) => {
+                    tokio::select! {
+                        _ = interrupt.recv() => {}
+                        _ = terminate.recv() => {}
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = interrupt.await;
+                (Ok(mut only), Err(error)) | (Err(error), Ok(mut only)) => {
+                    tracing::warn!(%error, "cannot listen for one of SIGINT and SIGTERM");
+                    only.recv().await;
+                }
+                (Err(error), Err(_)) => {
+                    tracing::warn!(%error, "cannot listen for SIGINT or SIGTERM; stop the server by killing it");
+                    std::future::pending::<()>().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = interrupt.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

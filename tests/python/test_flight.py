@@ -4,9 +4,11 @@ import datetime
 import decimal
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+
+from conftest import BINARY
 
 
 def unique(prefix="t"):
@@ -341,6 +345,30 @@ def test_sigterm_exits_cleanly(make_server):
     with server.client() as client:
         put(client, "t", pa.table({"x": [1]}))
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def credentials_file(tmp_path_factory):
+    made = subprocess.run([BINARY, "new-token", "--principal", "ops", "--role", "admin"],
+                          capture_output=True, text=True, check=True)
+    path = tmp_path_factory.mktemp("auth") / "tokens.toml"
+    path.write_text(made.stdout)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_right_after_start_is_handled(make_server, credentials_file, signal_name):
+    """Supervisors signal as soon as the server says it serves: the handlers must already be
+    there (they once went in only when the server loop first ran, and such a SIGTERM killed
+    the process). SIGHUP reloads the token file and the server goes on."""
+    for _ in range(5):
+        server = make_server("--auth-tokens", str(credentials_file))
+        server.process.send_signal(getattr(signal, signal_name))
+        if signal_name == "SIGHUP":
+            time.sleep(0.2)
+            assert server.process.poll() is None, "SIGHUP must not stop the server"
+        assert server.stop() == 0
 
 
 def test_appended_categoricals_come_back_as_one_categorical(client):
