@@ -86,7 +86,8 @@ impl Cli {
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Address to listen on, `HOST:PORT` (a host name listens on every address it resolves
-    /// to; IPv6 in brackets). May be given more than once, or comma-separated in the
+    /// to; IPv6 in brackets), or a Unix socket, `unix:///path/to.sock` (pyarrow:
+    /// `grpc+unix:///path/to.sock`). May be given more than once, or comma-separated in the
     /// environment. Port 0 picks a free port (the chosen address is printed).
     #[arg(long, env = "GPU_FLIGHT_LISTEN", default_value = "127.0.0.1:8815",
           value_delimiter = ',', action = clap::ArgAction::Append)]

@@ -3,6 +3,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use clap::Parser;
 use gpu_flight::auth::{self, Auth, Authenticator};
 use gpu_flight::config::{Cli, Command, LogFormat, ServeArgs};
 use gpu_flight::metrics::{self, Metrics};
-use gpu_flight::server::{self, ServeOptions, TlsFiles};
+use gpu_flight::server::{self, ListenAddr, Listener, ServeOptions, TlsFiles};
 use gpu_flight::store::Store;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -76,7 +77,9 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         _ => None,
     };
     let mutual = tls.as_ref().is_some_and(TlsFiles::is_mutual);
-    let addresses = resolve(&args.listen).await.map_err(Failure::Start)?;
+    let (addresses, sockets) = listen_addresses(&args.listen)
+        .await
+        .map_err(Failure::Start)?;
     check_exposure(&args, &addresses, auth.is_on() || mutual, tls.is_some())?;
 
     let backend = gpu_flight::backend::select(args.backend, args.device).map_err(|error| {
@@ -85,11 +88,20 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
             args.backend
         ))
     })?;
-    let mut listeners = Vec::new();
+    let mut listeners: Vec<Listener> = Vec::new();
     for address in &addresses {
         let listener = TcpListener::bind(address)
             .await
             .map_err(|error| Failure::Start(format!("cannot listen on {address}: {error}")))?;
+        listeners.push(listener.into());
+    }
+    for path in &sockets {
+        let listener = Listener::bind_unix(path).await.map_err(|error| {
+            Failure::Start(format!(
+                "cannot listen on unix://{}: {error}",
+                path.display()
+            ))
+        })?;
         listeners.push(listener);
     }
     let metrics_listener = bind_one(args.metrics_listen.as_deref(), "--metrics-listen").await?;
@@ -105,14 +117,14 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
     let backend_name = backend.name();
     let store = Store::new(backend, args.store_options());
     let metrics = Metrics::new(store.clone());
-    let scheme = if tls.is_some() { "grpc+tls" } else { "grpc" };
     for listener in &listeners {
-        let address = listener
-            .local_addr()
+        let tls = tls.is_some() && !listener.is_unix();
+        let location = listener
+            .location(tls)
             .map_err(|e| Failure::Start(e.to_string()))?;
         // Scripts and tests read this line to learn the port when listening on port 0.
-        println!("gpu-flight serving on {scheme}://{address} (backend: {backend_name})");
-        tracing::info!(%address, backend = backend_name, tls = tls.is_some(), mutual_tls = mutual, "serving");
+        println!("gpu-flight serving on {location} (backend: {backend_name})");
+        tracing::info!(%location, backend = backend_name, tls, mutual_tls = mutual && tls, "serving");
     }
     if let Some(address) = health_listener.as_ref().and_then(|l| l.local_addr().ok()) {
         println!("gpu-flight health on grpc://{address}");
@@ -220,14 +232,34 @@ async fn bind_one(spec: Option<&str>, flag: &str) -> Result<Option<TcpListener>,
     Ok(Some(listener))
 }
 
-/// Every address the `--listen` values name, in order, without repeats.
+/// The TCP addresses and Unix socket paths the `--listen` values name, in order, without
+/// repeats.
+async fn listen_addresses(specs: &[String]) -> Result<(Vec<SocketAddr>, Vec<PathBuf>), String> {
+    let mut tcp = Vec::new();
+    let mut unix = Vec::new();
+    for spec in specs {
+        match ListenAddr::parse(spec)? {
+            ListenAddr::Tcp(spec) => tcp.push(spec),
+            ListenAddr::Unix(path) if !unix.contains(&path) => unix.push(path),
+            ListenAddr::Unix(_) => {}
+        }
+    }
+    let addresses = if tcp.is_empty() {
+        Vec::new()
+    } else {
+        resolve(&tcp).await?
+    };
+    Ok((addresses, unix))
+}
+
+/// Every address the `HOST:PORT` values name, in order, without repeats.
 async fn resolve(specs: &[String]) -> Result<Vec<SocketAddr>, String> {
     let mut addresses = Vec::new();
     for spec in specs {
         let resolved = tokio::net::lookup_host(spec.as_str()).await.map_err(|error| {
             format!(
                 "cannot resolve the listen address {spec:?} ({error}); it is HOST:PORT, such as \
-                 127.0.0.1:8815, localhost:8815 or [::1]:8815"
+                 127.0.0.1:8815, localhost:8815 or [::1]:8815 (or unix:///path/to.sock)"
             )
         })?;
         for address in resolved {

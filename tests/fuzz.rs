@@ -54,6 +54,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use arrow::array::*;
 use arrow::buffer::{NullBuffer, ScalarBuffer};
 use arrow::datatypes::*;
+use arrow::ipc::CompressionType;
+use arrow::ipc::writer::IpcWriteOptions;
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
@@ -752,7 +754,23 @@ async fn stream(
     batches: Vec<RecordBatch>,
     supported: bool,
 ) -> Stream {
+    compressed_stream(label, schema, batches, supported, None).await
+}
+
+/// A stream whose bodies are compressed with `codec` (each buffer prefixed with the length it
+/// decompresses to: numbers the mutations get to rewrite).
+async fn compressed_stream(
+    label: &'static str,
+    schema: SchemaRef,
+    batches: Vec<RecordBatch>,
+    supported: bool,
+    codec: Option<CompressionType>,
+) -> Stream {
+    let options = IpcWriteOptions::default()
+        .try_with_compression(codec)
+        .unwrap_or_else(|e| panic!("compression for corpus stream {label}: {e}"));
     let messages = FlightDataEncoderBuilder::new()
+        .with_options(options)
         .with_schema(Arc::clone(&schema))
         .with_dictionary_handling(DictionaryHandling::Resend)
         .build(futures::stream::iter(batches.clone().into_iter().map(Ok)))
@@ -825,6 +843,27 @@ async fn put_corpus() -> Vec<Stream> {
         .await,
     );
     corpus.push(stream("schema-only", int64_batch(1, 2, 0).schema(), vec![], true).await);
+    let compressed: [(&'static str, Vec<RecordBatch>, CompressionType); 3] = [
+        (
+            "int64-lz4",
+            vec![int64_batch(60, 3, 0), int64_batch(20, 3, 60)],
+            CompressionType::LZ4_FRAME,
+        ),
+        (
+            "strings-zstd",
+            vec![string_batch(40, 0), string_batch(25, 40)],
+            CompressionType::ZSTD,
+        ),
+        (
+            "dictionaries-lz4",
+            vec![dictionary_batch(20, 0), dictionary_batch(15, 1)],
+            CompressionType::LZ4_FRAME,
+        ),
+    ];
+    for (label, batches, codec) in compressed {
+        let schema = first(&batches);
+        corpus.push(compressed_stream(label, schema, batches, true, Some(codec)).await);
+    }
     corpus
 }
 

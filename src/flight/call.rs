@@ -5,20 +5,20 @@
 //! one structured line and counted in the metrics. Long calls also log a progress line every
 //! `--progress-seconds`.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tonic::Code;
 
+use crate::flight::Peer;
 use crate::metrics::{CallFigures, Metrics};
 
 /// A call in progress; see the module doc.
 #[derive(Debug)]
 pub(crate) struct Call {
     method: &'static str,
-    peer: Option<SocketAddr>,
+    peer: Option<Peer>,
     principal: Mutex<Option<Arc<str>>>,
     started: Instant,
     /// The dataset (or action) the call is about, once the handler knows it.
@@ -37,7 +37,7 @@ pub(crate) struct Call {
 impl Call {
     pub(crate) fn new(
         method: &'static str,
-        peer: Option<SocketAddr>,
+        peer: Option<Peer>,
         progress_interval: Duration,
         metrics: Option<Arc<Metrics>>,
     ) -> Arc<Self> {

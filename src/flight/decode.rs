@@ -8,6 +8,13 @@
 //! (offsets, UTF-8, dictionary keys), and [`check_values`] adds what Arrow does not check
 //! (decimal precision). A panic that still escapes Arrow is caught here and reported as a
 //! server bug, never as the client's: the fuzzer in `tests/fuzz.rs` holds that line.
+//!
+//! Compressed bodies (LZ4 frame or ZSTD, as pyarrow writes with `IpcWriteOptions(compression=)`)
+//! prefix each buffer with the length it decompresses to, and Arrow allocates that length before
+//! it decompresses. So those lengths are read and bounded first ([`compressed_sizes`]): each
+//! must fit in `--max-put-message-bytes` together with the rest of the batch, and their sum is
+//! paid for by the caller (the `reserve` argument of [`PutDecoder::decode`]) before Arrow
+//! allocates anything. Arrow then refuses data that decompresses to more than it declared.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -46,18 +53,27 @@ pub(crate) struct PutDecoder {
     dictionaries: HashMap<i64, ArrayRef>,
     /// Largest schema message accepted: one `DoGet` could not send back is refused up front.
     max_schema_bytes: usize,
+    /// Most bytes a compressed message's buffers may decompress to.
+    max_decompressed_bytes: u64,
 }
 
 impl PutDecoder {
-    pub(crate) fn new(max_schema_bytes: usize) -> Self {
+    pub(crate) fn new(max_schema_bytes: usize, max_decompressed_bytes: u64) -> Self {
         Self {
             schema: None,
             dictionaries: HashMap::new(),
             max_schema_bytes,
+            max_decompressed_bytes,
         }
     }
 
-    pub(crate) fn decode(&mut self, data: &FlightData) -> Result<Decoded, Error> {
+    /// Decodes one message. For a compressed one, `reserve` is first asked to pay for the bytes
+    /// its buffers decompress to; its error is returned as it is.
+    pub(crate) fn decode(
+        &mut self,
+        data: &FlightData,
+        reserve: impl FnOnce(u64) -> Result<(), Error>,
+    ) -> Result<Decoded, Error> {
         if data.data_header.is_empty() {
             if data.data_body.is_empty() {
                 return Ok(Decoded::Nothing);
@@ -109,6 +125,7 @@ impl PutDecoder {
                     .data()
                     .ok_or_else(|| invalid("an IPC dictionary message without its data"))?;
                 check_batch(&batch, body_len)?;
+                self.pay_for_decompression(&batch, &data.data_body, reserve)?;
                 let body = Buffer::from(data.data_body.clone());
                 let dictionaries = &mut self.dictionaries;
                 guarded("reading a dictionary", || {
@@ -124,6 +141,7 @@ impl PutDecoder {
                     .ok_or_else(|| invalid("an IPC record batch message without its batch"))?;
                 check_batch(&header, body_len)?;
                 check_unions(&schema, &header, version)?;
+                self.pay_for_decompression(&header, &data.data_body, reserve)?;
                 let body = Buffer::from(data.data_body.clone());
                 let dictionaries = &self.dictionaries;
                 let batch = guarded("reading a record batch", || {
@@ -147,6 +165,16 @@ impl PutDecoder {
                  dictionaries and record batches"
             ))),
         }
+    }
+
+    fn pay_for_decompression(
+        &self,
+        batch: &ipc::RecordBatch<'_>,
+        body: &[u8],
+        reserve: impl FnOnce(u64) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let total = compressed_sizes(batch, body, self.max_decompressed_bytes)?;
+        if total > 0 { reserve(total) } else { Ok(()) }
     }
 
     fn schema(&self) -> Result<SchemaRef, Error> {
@@ -217,6 +245,69 @@ fn check_batch(batch: &ipc::RecordBatch<'_>, body_len: usize) -> Result<(), Erro
         }
     }
     Ok(())
+}
+
+/// For a compressed batch (whose buffers [`check_batch`] has already placed inside `body`): the
+/// bytes Arrow will allocate to decompress it, after checking every buffer's declared length.
+/// Zero for an uncompressed batch.
+fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Result<u64, Error> {
+    let Some(compression) = batch.compression() else {
+        return Ok(0);
+    };
+    if compression.method() != ipc::BodyCompressionMethod::BUFFER {
+        return Err(invalid(format!(
+            "unknown IPC body compression method {:?}",
+            compression.method()
+        )));
+    }
+    let codec = compression.codec();
+    if codec != ipc::CompressionType::LZ4_FRAME && codec != ipc::CompressionType::ZSTD {
+        return Err(invalid(format!(
+            "unknown IPC compression codec {codec:?}; gpu-flight reads LZ4_FRAME and ZSTD"
+        )));
+    }
+    let mut total: u64 = 0;
+    for buffer in batch.buffers().iter().flatten() {
+        // In range: check_batch placed every buffer inside the body.
+        let start = usize::try_from(buffer.offset()).unwrap_or(usize::MAX);
+        let length = usize::try_from(buffer.length()).unwrap_or(usize::MAX);
+        let Some(bytes) = start
+            .checked_add(length)
+            .and_then(|end| body.get(start..end))
+        else {
+            return Err(invalid("a compressed buffer lies outside the message body"));
+        };
+        if bytes.is_empty() {
+            continue;
+        }
+        let Some(prefix) = bytes.first_chunk::<8>() else {
+            return Err(invalid(format!(
+                "a compressed buffer of {} bytes is shorter than its 8-byte length prefix",
+                bytes.len()
+            )));
+        };
+        let declared = i64::from_le_bytes(*prefix);
+        // -1: stored uncompressed, used in place.
+        if declared == -1 {
+            continue;
+        }
+        let declared = u64::try_from(declared).map_err(|_| {
+            invalid(format!(
+                "a compressed buffer declares {declared} bytes uncompressed"
+            ))
+        })?;
+        total = total.saturating_add(declared);
+    }
+    if total > limit {
+        return Err(Error::MessageTooLarge {
+            declared: usize::try_from(total).unwrap_or(usize::MAX),
+            limit: usize::try_from(limit).unwrap_or(usize::MAX),
+            flag: "--max-put-message-bytes",
+            hint: "a compressed batch counts at its uncompressed size; send smaller batches \
+                   (pyarrow: write_table(..., max_chunksize=...))",
+        });
+    }
+    Ok(total)
 }
 
 /// Checks union columns' type-id and offset buffers against their lengths: Arrow's reader slices

@@ -2,7 +2,8 @@
 //!
 //! A dataset is named by a PATH descriptor of exactly one element. `DoPut` also takes a CMD
 //! descriptor holding JSON `{"name": "...", "mode": "create" | "replace" | "append"}` so a client
-//! can choose what happens to an existing dataset.
+//! can choose what happens to an existing dataset, and `GetFlightInfo` one holding
+//! `{"name": "...", "compression": "lz4" | "zstd"}`, whose tickets then read compressed.
 
 use arrow_flight::FlightDescriptor;
 use arrow_flight::flight_descriptor::DescriptorType;
@@ -59,7 +60,57 @@ pub fn parse_name(raw: &[u8]) -> Result<String, Error> {
     Ok(name.to_owned())
 }
 
-/// The dataset a PATH descriptor names (GetFlightInfo, GetSchema).
+/// How a reader wants a dataset's record batches encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadOptions {
+    /// Compress each body buffer (Arrow IPC buffer compression), for slow networks: pyarrow
+    /// and arrow-rs readers decompress by themselves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
+}
+
+/// An Arrow IPC compression codec.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    Lz4,
+    Zstd,
+}
+
+impl From<Compression> for arrow::ipc::CompressionType {
+    fn from(codec: Compression) -> Self {
+        match codec {
+            Compression::Lz4 => Self::LZ4_FRAME,
+            Compression::Zstd => Self::ZSTD,
+        }
+    }
+}
+
+/// The dataset a GetFlightInfo or GetSchema descriptor names, and how to read it: a PATH
+/// descriptor, or a CMD descriptor with `{"name": ..., "compression": ...}`.
+pub fn read_target(descriptor: &FlightDescriptor) -> Result<(String, ReadOptions), Error> {
+    if DescriptorType::try_from(descriptor.r#type) != Ok(DescriptorType::Cmd) {
+        return Ok((dataset_name(descriptor)?, ReadOptions::default()));
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct ReadCommand {
+        name: String,
+        #[serde(default)]
+        compression: Option<Compression>,
+    }
+    let command: ReadCommand = parse_json_object(
+        &descriptor.cmd,
+        "a GetFlightInfo CMD must be a JSON object {\"name\": \"...\", \"compression\": \"lz4\" | \"zstd\"}",
+    )?;
+    let options = ReadOptions {
+        compression: command.compression,
+    };
+    Ok((parse_name(command.name.as_bytes())?, options))
+}
+
+/// The dataset a PATH descriptor names.
 pub fn dataset_name(descriptor: &FlightDescriptor) -> Result<String, Error> {
     match DescriptorType::try_from(descriptor.r#type) {
         Ok(DescriptorType::Path) => match descriptor.path.as_slice() {
@@ -120,6 +171,31 @@ mod tests {
             assert!(matches!(parse_name(bad), Err(Error::InvalidDescriptor(_))));
         }
         assert!(parse_name(&[b'x'; 256]).is_ok());
+    }
+
+    #[test]
+    fn read_commands_choose_a_compression() {
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "compression": "zstd"}"#);
+        let (name, options) = read_target(&cmd).expect("valid");
+        assert_eq!(
+            (name.as_str(), options.compression),
+            ("t", Some(Compression::Zstd))
+        );
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t"}"#);
+        assert_eq!(read_target(&cmd).expect("valid").1, ReadOptions::default());
+        let path = FlightDescriptor::new_path(vec!["t".to_owned()]);
+        assert_eq!(read_target(&path).expect("valid").1, ReadOptions::default());
+        for bad in [
+            r#"{"name": "t", "compression": "gzip"}"#,
+            r#"{"name": "t", "compresion": "lz4"}"#,
+            r#"{"compression": "lz4"}"#,
+        ] {
+            let cmd = FlightDescriptor::new_cmd(bad.to_owned());
+            assert!(
+                matches!(read_target(&cmd), Err(Error::InvalidCommand(_))),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

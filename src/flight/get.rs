@@ -19,6 +19,7 @@
 use std::panic::AssertUnwindSafe;
 
 use arrow::datatypes::{DataType, Field, SchemaRef};
+use arrow::ipc::CompressionType;
 use arrow::record_batch::RecordBatch;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
@@ -45,6 +46,7 @@ pub(crate) fn encode(
     batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
     schema: SchemaRef,
     max_message_bytes: usize,
+    compression: Option<CompressionType>,
 ) -> BoxStream<'static, Result<IpcMessage, Status>> {
     let budget = body_budget(&schema, max_message_bytes);
     let (sender, receiver) = tokio::sync::mpsc::channel(ENCODE_AHEAD);
@@ -52,6 +54,7 @@ pub(crate) fn encode(
         let limits = Limits {
             budget,
             max_message_bytes,
+            compression,
         };
         let produced = AssertUnwindSafe(produce(batches, &schema, limits, &sender))
             .catch_unwind()
@@ -78,6 +81,8 @@ struct Limits {
     budget: usize,
     /// What each message must fit, metadata included.
     max_message_bytes: usize,
+    /// Buffer compression of record batch and dictionary bodies.
+    compression: Option<CompressionType>,
 }
 
 /// Reads, splits and encodes until the batches end or the receiver is gone.
@@ -87,7 +92,7 @@ async fn produce(
     limits: Limits,
     sender: &Sender<Result<IpcMessage, Status>>,
 ) -> Result<(), Status> {
-    let mut encoder = IpcMessageEncoder::new(schema).map_err(encoding_error)?;
+    let mut encoder = IpcMessageEncoder::new(schema, limits.compression).map_err(encoding_error)?;
     let mut messages = Vec::new();
     let mut first = true;
     while let Some(batch) = batches.next().await {

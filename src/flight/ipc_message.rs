@@ -16,6 +16,7 @@ use std::collections::VecDeque;
 use arrow::buffer::Buffer;
 use arrow::datatypes::Schema;
 use arrow::error::ArrowError;
+use arrow::ipc::CompressionType;
 use arrow::ipc::writer::{IpcWriteOptions, StreamEncoder};
 use arrow::record_batch::RecordBatch;
 use arrow_flight::{FlightData, Ticket};
@@ -105,9 +106,11 @@ impl std::fmt::Debug for IpcMessageEncoder {
 }
 
 impl IpcMessageEncoder {
-    pub fn new(schema: &Schema) -> Result<Self, ArrowError> {
+    /// An encoder whose record batch and dictionary bodies are compressed with `compression`.
+    pub fn new(schema: &Schema, compression: Option<CompressionType>) -> Result<Self, ArrowError> {
+        let options = IpcWriteOptions::default().try_with_compression(compression)?;
         Ok(Self {
-            encoder: StreamEncoder::try_new_with_options(schema, IpcWriteOptions::default())?,
+            encoder: StreamEncoder::try_new_with_options(schema, options)?,
         })
     }
 
@@ -270,7 +273,7 @@ mod tests {
     #[test]
     fn hand_framing_equals_prost() {
         let sliced = batch(0).slice(7, 333);
-        let mut encoder = IpcMessageEncoder::new(&sliced.schema()).expect("encoder");
+        let mut encoder = IpcMessageEncoder::new(&sliced.schema(), None).expect("encoder");
         let messages = encoder.encode(&sliced).expect("encode");
         assert_eq!(messages.len(), 3, "schema, dictionary, batch");
         for message in messages {
@@ -284,7 +287,7 @@ mod tests {
     #[tokio::test]
     async fn messages_decode_back_to_the_batches() {
         let batches = vec![batch(0).slice(3, 500), batch(1000), batch(5).slice(999, 1)];
-        let mut encoder = IpcMessageEncoder::new(&batches[0].schema()).expect("encoder");
+        let mut encoder = IpcMessageEncoder::new(&batches[0].schema(), None).expect("encoder");
         let mut data = Vec::new();
         for batch in &batches {
             data.extend(encoder.encode(batch).expect("encode"));
@@ -302,7 +305,7 @@ mod tests {
     #[test]
     fn an_empty_stream_still_has_its_schema() {
         let schema = batch(0).schema();
-        let messages = IpcMessageEncoder::new(&schema)
+        let messages = IpcMessageEncoder::new(&schema, None)
             .expect("encoder")
             .finish()
             .expect("finish");

@@ -46,8 +46,9 @@ use crate::store::{Dataset, ExportRequest, Store};
 use action::ActionRequest;
 use call::Call;
 pub use decode::MAX_BATCH_ROWS;
+use descriptor::ReadOptions;
 use ipc_message::IpcMessage;
-pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter};
+pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter, Peer};
 use ticket::TicketRequest;
 
 /// What Handshake answers on a server without authentication, where tokens are not checked.
@@ -199,7 +200,7 @@ impl Service {
         }
     }
 
-    fn flight_info(&self, dataset: &Dataset) -> Result<FlightInfo, Error> {
+    fn flight_info(&self, dataset: &Dataset, read: ReadOptions) -> Result<FlightInfo, Error> {
         let rows = dataset.num_rows();
         // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them: the
         // reply must fit a client's 4 MiB message limit whatever row count a dataset declares.
@@ -218,7 +219,7 @@ impl Service {
         let mut start = 0u64;
         loop {
             let end = rows.min(start.saturating_add(step));
-            let ticket = ticket::encode(dataset.name(), dataset.version(), start..end);
+            let ticket = ticket::encode(dataset.name(), dataset.version(), start..end, read);
             info = info.with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)));
             start = end;
             if start >= rows {
@@ -238,16 +239,17 @@ impl Service {
         if let Some(call) = &call {
             call.set_subject(request.name());
         }
-        let (dataset, rows) = match request {
+        let (dataset, rows, read) = match request {
             TicketRequest::Whole { name } => {
                 let dataset = self.store.get(&name)?;
                 let rows = 0..dataset.num_rows();
-                (dataset, rows)
+                (dataset, rows, ReadOptions::default())
             }
             TicketRequest::Rows {
                 name,
                 version,
                 rows,
+                options,
             } => {
                 let dataset = self.store.get(&name)?;
                 if dataset.version() != version {
@@ -258,7 +260,7 @@ impl Service {
                     }
                     .into());
                 }
-                (dataset, rows)
+                (dataset, rows, options)
             }
         };
         tracing::debug!(dataset = dataset.name(), ?rows, "DoGet");
@@ -277,7 +279,12 @@ impl Service {
                 .boxed();
         }
         let guard = self.lifecycle.track();
-        let messages = get::encode(batches, dataset.schema(), self.options.max_message_bytes);
+        let messages = get::encode(
+            batches,
+            dataset.schema(),
+            self.options.max_message_bytes,
+            read.compression.map(Into::into),
+        );
         // The guard lives as long as the reply stream: shutdown waits for it.
         Ok(messages
             .inspect(move |_| {
@@ -410,7 +417,10 @@ impl FlightService for Service {
             .store
             .list(prefix)
             .iter()
-            .map(|dataset| self.flight_info(dataset).map_err(Status::from))
+            .map(|dataset| {
+                self.flight_info(dataset, ReadOptions::default())
+                    .map_err(Status::from)
+            })
             .collect();
         Ok(Response::new(futures::stream::iter(infos).boxed()))
     }
@@ -420,12 +430,12 @@ impl FlightService for Service {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
         self.ensure_serving()?;
-        let name = descriptor::dataset_name(request.get_ref())?;
+        let (name, read) = descriptor::read_target(request.get_ref())?;
         if let Some(call) = call(&request) {
             call.set_subject(name.as_str());
         }
         let dataset = self.store.get(&name).map_err(Error::from)?;
-        Ok(Response::new(self.flight_info(&dataset)?))
+        Ok(Response::new(self.flight_info(&dataset, read)?))
     }
 
     async fn poll_flight_info(
@@ -443,7 +453,7 @@ impl FlightService for Service {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<SchemaResult>, Status> {
         self.ensure_serving()?;
-        let name = descriptor::dataset_name(request.get_ref())?;
+        let (name, _) = descriptor::read_target(request.get_ref())?;
         if let Some(call) = call(&request) {
             call.set_subject(name.as_str());
         }

@@ -93,13 +93,16 @@ pub(crate) async fn receive(
         }
     }));
 
-    let mut decoder = PutDecoder::new(options.max_message_bytes);
+    let mut decoder = PutDecoder::new(
+        options.max_message_bytes,
+        options.max_put_message_bytes as u64,
+    );
     let mut uploads = FuturesOrdered::new();
     // Dictionaries stay referenced by the decoder until the put ends; so do their charges.
     let mut dictionary_charges = Vec::new();
     let mut next = Some((first, first_charge));
     loop {
-        let (message, charge) = match next.take() {
+        let (message, mut charge) = match next.take() {
             Some(message) => message,
             None => match receiver.recv().await {
                 Some(Received::Message(message, charge)) => (message, charge),
@@ -112,7 +115,16 @@ pub(crate) async fn receive(
                 }
             },
         };
-        match decoder.decode(&message)? {
+        // A compressed message also pays, before it is decompressed, for what it decompresses
+        // to; that charge follows its batch until uploaded, like the message's own.
+        let decoded = decoder.decode(&message, |bytes| {
+            match &mut charge {
+                Some(charge) => charge.try_grow(bytes)?,
+                None => charge = Some(store.reserve_message(bytes)?),
+            }
+            Ok(())
+        })?;
+        match decoded {
             Decoded::Schema(schema) => pending.declare_schema(schema)?,
             Decoded::Batch(batch) => {
                 if let Some(call) = &call {

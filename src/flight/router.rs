@@ -114,7 +114,36 @@ impl ConnectionStreams {
 #[derive(Debug, Clone)]
 pub struct ConnectionInfo {
     pub streams: Arc<ConnectionStreams>,
-    pub peer: SocketAddr,
+    pub peer: Peer,
+}
+
+/// Who is at the other end of a connection, as logs name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    Tcp(SocketAddr),
+    /// A Unix socket's peer: its process and user, as the kernel reports them.
+    Unix {
+        pid: Option<i32>,
+        uid: Option<u32>,
+    },
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tcp(address) => address.fmt(f),
+            Self::Unix { pid, uid } => {
+                f.write_str("unix")?;
+                if let Some(pid) = pid {
+                    write!(f, " pid={pid}")?;
+                }
+                if let Some(uid) = uid {
+                    write!(f, " uid={uid}")?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// One request counted as open on its connection until dropped.

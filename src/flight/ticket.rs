@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-use super::descriptor::parse_name;
+use super::descriptor::{ReadOptions, parse_name};
 use crate::error::Error;
 
 const MAGIC: &[u8] = b"\0gpu-flight-ticket/";
@@ -22,11 +22,13 @@ const FORMAT_VERSION: u32 = 1;
 pub enum TicketRequest {
     /// The whole current version of a dataset (a bare name).
     Whole { name: String },
-    /// Rows of one version of a dataset (a server-issued ticket).
+    /// Rows of one version of a dataset (a server-issued ticket), encoded as its
+    /// `GetFlightInfo` asked.
     Rows {
         name: String,
         version: u64,
         rows: Range<u64>,
+        options: ReadOptions,
     },
 }
 
@@ -46,15 +48,18 @@ struct TicketBody {
     version: u64,
     start: u64,
     end: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    compression: Option<super::descriptor::Compression>,
 }
 
 /// Encodes a server-issued ticket.
-pub fn encode(name: &str, version: u64, rows: Range<u64>) -> Bytes {
+pub fn encode(name: &str, version: u64, rows: Range<u64>, options: ReadOptions) -> Bytes {
     let body = TicketBody {
         name: name.to_owned(),
         version,
         start: rows.start,
         end: rows.end,
+        compression: options.compression,
     };
     let mut ticket = format!("{}{FORMAT_VERSION}\n", String::from_utf8_lossy(MAGIC)).into_bytes();
     // Serializing a struct of strings and integers cannot fail.
@@ -97,6 +102,9 @@ pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
         name: parse_name(body.name.as_bytes())?,
         version: body.version,
         rows: body.start..body.end,
+        options: ReadOptions {
+            compression: body.compression,
+        },
     })
 }
 
@@ -106,15 +114,23 @@ mod tests {
 
     #[test]
     fn issued_tickets_round_trip() {
-        let ticket = encode("trips", 7, 10..20);
-        assert_eq!(
-            decode(&ticket).expect("valid"),
-            TicketRequest::Rows {
-                name: "trips".to_owned(),
-                version: 7,
-                rows: 10..20
-            }
-        );
+        for options in [
+            ReadOptions::default(),
+            ReadOptions {
+                compression: Some(super::super::descriptor::Compression::Lz4),
+            },
+        ] {
+            let ticket = encode("trips", 7, 10..20, options);
+            assert_eq!(
+                decode(&ticket).expect("valid"),
+                TicketRequest::Rows {
+                    name: "trips".to_owned(),
+                    version: 7,
+                    rows: 10..20,
+                    options,
+                }
+            );
+        }
     }
 
     #[test]
@@ -129,7 +145,7 @@ mod tests {
 
     #[test]
     fn corrupt_tickets_are_rejected() {
-        let mut ticket = encode("trips", 7, 10..20).to_vec();
+        let mut ticket = encode("trips", 7, 10..20, ReadOptions::default()).to_vec();
         ticket.truncate(ticket.len() - 3);
         for bad in [
             ticket,

@@ -19,7 +19,6 @@
 
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -31,12 +30,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
 
-use crate::flight::{ConnectionInfo, ConnectionStreams};
+use super::listener::{Listener, Socket};
+use crate::flight::{ConnectionInfo, ConnectionStreams, Peer};
 use crate::metrics::{ConnectionGauge, Metrics};
 
 /// Length of the HTTP/2 connection preface every client sends first.
@@ -74,18 +73,21 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// The connections `listeners` accept, within `limits` (one budget for all of them). Never
-/// ends and never fails: accept errors are logged and retried after a pause.
+/// The connections `listeners` accept, each holding one of `permits` (a budget of
+/// `limits.max_connections` that several acceptors may share). Never ends and never fails:
+/// accept errors are logged and retried after a pause. Eviction picks among this acceptor's
+/// own connections.
 pub(crate) fn incoming(
-    listeners: Vec<TcpListener>,
+    listeners: Vec<Listener>,
     limits: ConnectionLimits,
     metrics: Option<Arc<Metrics>>,
+    permits: Arc<Semaphore>,
 ) -> impl Stream<Item = Result<Connection, io::Error>> {
     let state = Acceptor {
         listeners,
         next_listener: 0,
         metrics,
-        permits: Arc::new(Semaphore::new(limits.max_connections)),
+        permits,
         limits,
         backoff: None,
         last_refusal_log: None,
@@ -99,7 +101,7 @@ pub(crate) fn incoming(
 }
 
 struct Acceptor {
-    listeners: Vec<TcpListener>,
+    listeners: Vec<Listener>,
     /// The listener asked first next time, so that a busy one cannot starve the others.
     next_listener: usize,
     metrics: Option<Arc<Metrics>>,
@@ -116,7 +118,7 @@ struct Acceptor {
 
 impl Acceptor {
     /// The next connection any listener accepts.
-    async fn accept(&mut self) -> io::Result<(TcpStream, SocketAddr)> {
+    async fn accept(&mut self) -> io::Result<(Socket, Peer)> {
         std::future::poll_fn(|cx| {
             let count = self.listeners.len();
             for offset in 0..count {
@@ -228,7 +230,7 @@ impl Acceptor {
         tokio::time::sleep(pause).await;
     }
 
-    fn refuse(&mut self, socket: TcpStream, peer: SocketAddr) {
+    fn refuse(&mut self, socket: Socket, peer: Peer) {
         drop(socket);
         self.refused += 1;
         let now = Instant::now();
@@ -252,7 +254,7 @@ impl Acceptor {
 #[derive(Debug)]
 struct Shared {
     streams: Arc<ConnectionStreams>,
-    peer: SocketAddr,
+    peer: Peer,
     accepted: Instant,
     /// The client has sent the HTTP/2 preface.
     handshaken: AtomicBool,
@@ -267,7 +269,7 @@ struct Shared {
 /// the acceptor evicts it.
 #[derive(Debug)]
 pub(crate) struct Connection {
-    socket: TcpStream,
+    socket: Socket,
     shared: Arc<Shared>,
     _permit: OwnedSemaphorePermit,
     bytes_read: usize,
@@ -283,14 +285,12 @@ pub(crate) struct Connection {
 
 impl Connection {
     fn new(
-        socket: TcpStream,
-        peer: SocketAddr,
+        socket: Socket,
+        peer: Peer,
         permit: OwnedSemaphorePermit,
         limits: &ConnectionLimits,
         gauge: Option<ConnectionGauge>,
     ) -> Self {
-        // Flight messages are large and latency matters for the small ones.
-        let _ = socket.set_nodelay(true);
         let accepted = Instant::now();
         Self {
             socket,

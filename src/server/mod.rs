@@ -16,12 +16,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tonic::transport::Server;
 
 mod connection;
+mod listener;
 mod tls;
 
 pub use connection::ConnectionLimits;
+pub use listener::{ListenAddr, Listener};
 pub use tls::TlsFiles;
 
 use crate::auth::Auth;
@@ -33,8 +36,9 @@ use crate::task::AbortOnDrop;
 /// Where [`run`] accepts connections.
 #[derive(Debug)]
 pub struct Listeners {
-    /// Flight and health, with TLS when configured.
-    pub flight: Vec<TcpListener>,
+    /// Flight and health: TCP with TLS when configured, Unix sockets always in plain text
+    /// (they never leave the host; their file permissions decide who connects).
+    pub flight: Vec<Listener>,
     /// Only the gRPC health service, always plain text: for probes that can neither
     /// authenticate nor speak TLS (the kubelet's).
     pub health: Option<TcpListener>,
@@ -43,7 +47,7 @@ pub struct Listeners {
 impl From<Vec<TcpListener>> for Listeners {
     fn from(flight: Vec<TcpListener>) -> Self {
         Self {
-            flight,
+            flight: flight.into_iter().map(Listener::from).collect(),
             health: None,
         }
     }
@@ -128,7 +132,8 @@ pub async fn run(
             max_connections: HEALTH_MAX_CONNECTIONS,
             ..options.connections.clone()
         };
-        let incoming = connection::incoming(vec![listener], limits, None);
+        let permits = Arc::new(Semaphore::new(HEALTH_MAX_CONNECTIONS));
+        let incoming = connection::incoming(vec![listener.into()], limits, None, permits);
         AbortOnDrop(tokio::spawn(
             Server::builder()
                 .add_service(health_service.clone())
@@ -136,36 +141,57 @@ pub async fn run(
         ))
     });
 
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let incoming = connection::incoming(
-        listeners.flight,
-        options.connections.clone(),
-        options.metrics,
-    );
-    let mut builder = Server::builder();
-    if let Some(tls) = &options.tls {
-        builder = builder.tls_config(tls.config())?;
+    // TCP listeners serve TLS when it is configured; Unix sockets are served by a second
+    // server in plain text. Both share the Flight service, the connection budget and the
+    // shutdown.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let permits = Arc::new(Semaphore::new(options.connections.max_connections));
+    let (unix, tcp): (Vec<Listener>, Vec<Listener>) =
+        listeners.flight.into_iter().partition(Listener::is_unix);
+    let mut servers = Vec::new();
+    for (group, tls) in [(tcp, options.tls.as_ref()), (unix, None)] {
+        if group.is_empty() {
+            continue;
+        }
+        let incoming = connection::incoming(
+            group,
+            options.connections.clone(),
+            options.metrics.clone(),
+            Arc::clone(&permits),
+        );
+        let mut builder = Server::builder();
+        if let Some(tls) = tls {
+            builder = builder.tls_config(tls.config())?;
+        }
+        let mut stop = stop_rx.clone();
+        servers.push(AbortOnDrop(tokio::spawn(
+            builder
+                .initial_stream_window_size(STREAM_WINDOW_BYTES)
+                .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+                .max_frame_size(MAX_FRAME_BYTES)
+                .max_concurrent_streams(options.max_streams_per_connection)
+                // Pings find clients that vanished or froze without closing their connection (a
+                // dead node, a stopped process), so their puts are abandoned and what their
+                // reads held is returned.
+                .http2_keepalive_interval(Some(options.keepalive_interval))
+                .http2_keepalive_timeout(Some(options.keepalive_timeout))
+                .add_service(health_service.clone())
+                .add_service(flight.clone())
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stop.wait_for(|stop| *stop).await;
+                }),
+        )));
     }
-    let mut server = tokio::spawn(
-        builder
-            .initial_stream_window_size(STREAM_WINDOW_BYTES)
-            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-            .max_frame_size(MAX_FRAME_BYTES)
-            .max_concurrent_streams(options.max_streams_per_connection)
-            // Pings find clients that vanished or froze without closing their connection (a
-            // dead node, a stopped process), so their puts are abandoned and what their reads
-            // held is returned.
-            .http2_keepalive_interval(Some(options.keepalive_interval))
-            .http2_keepalive_timeout(Some(options.keepalive_timeout))
-            .add_service(health_service)
-            .add_service(flight)
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stop_rx.await;
-            }),
-    );
+    // Dropping this future (after the grace period) aborts the servers.
+    let mut server = Box::pin(async move {
+        for server in &mut servers {
+            flatten((&mut server.0).await)?;
+        }
+        Ok::<(), tonic::transport::Error>(())
+    });
 
     tokio::select! {
-        result = &mut server => return flatten(result),
+        result = &mut server => return result,
         () = shutdown => {}
     }
     tracing::info!(
@@ -191,17 +217,16 @@ pub async fn run(
     {
         tokio::time::sleep(CLOSE_LINGER).await;
     }
-    let _ = stop_tx.send(());
+    let _ = stop_tx.send(true);
     match tokio::time::timeout_at(
         deadline.max(tokio::time::Instant::now() + CLOSE_LINGER),
         &mut server,
     )
     .await
     {
-        Ok(result) => flatten(result),
+        Ok(result) => result,
         Err(_) => {
             tracing::warn!("streams still running after the grace period; closing them");
-            server.abort();
             Ok(())
         }
     }

@@ -76,7 +76,7 @@ impl TestServer {
         };
         let health_addr = health.as_ref().map(|l| l.local_addr().expect("local addr"));
         let listeners = server::Listeners {
-            flight: vec![listener],
+            flight: vec![listener.into()],
             health,
         };
         let store = Store::new(backend, store_options);

@@ -17,6 +17,7 @@ import time
 import grpc
 
 DO_PUT = "/arrow.flight.protocol.FlightService/DoPut"
+DO_GET = "/arrow.flight.protocol.FlightService/DoGet"
 
 
 def _varint(value):
@@ -92,6 +93,11 @@ class RawFlight:
         except grpc.RpcError as error:
             return error.code(), error.details() or ""
         return grpc.StatusCode.OK, results
+
+    def do_get(self, ticket, timeout=60):
+        """The encoded FlightData messages of a DoGet of `ticket` (bytes), as they arrived."""
+        call = self.channel.unary_stream(DO_GET, request_serializer=None, response_deserializer=None)
+        return list(call(_field(1, ticket), timeout=timeout))
 
     def put_batches(self, name, schema, batches, descriptor=None):
         """A DoPut of `schema` then `batches`, each (header, body) as `ipc_parts` returns them."""

@@ -4,6 +4,7 @@ import datetime
 import decimal
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -381,3 +382,37 @@ def test_appended_categoricals_come_back_as_one_categorical(client):
     assert frame["city"].tolist()[:3] == ["Paris", "Oslo", "Paris"]
     assert frame["city"].tolist()[3] == "Lima" and pd.isna(frame["city"].tolist()[4])
     assert sorted(frame["city"].cat.categories) == ["Lima", "Oslo", "Paris"]
+
+
+def unix_client(path):
+    """pyarrow over a Unix socket. gRPC C++ (1.57 and newer) sends the socket's %-encoded path
+    as the HTTP/2 authority, which the server's HTTP/2 library refuses (hyperium/h2#487), so
+    the client names an authority of its own."""
+    return flight.connect(f"grpc+unix://{path}", generic_options=[("grpc.default_authority", "localhost")])
+
+
+def test_unix_socket_listener(make_server, tmp_path):
+    """`--listen unix:///path` beside TCP: the same datasets through either, the peer's
+    process in the log, the socket file gone after shutdown."""
+    path = tmp_path / "gpu-flight.sock"
+    log = tmp_path / "server.log"
+    server = make_server("--listen", f"unix://{path}", log=log)
+    assert server.process.stdout.readline().startswith(f"gpu-flight serving on grpc+unix://{path} ")
+    assert path.is_socket()
+    table = pa.table({"x": pa.array(range(100_000), pa.int64()), "s": [str(i) for i in range(100_000)]})
+    with unix_client(path) as over_unix, server.client() as over_tcp:
+        assert put(over_unix, "local", table)["rows"] == 100_000
+        assert get(over_tcp, "local").equals(table)
+        assert get(over_unix, "local").equals(table)
+    assert server.stop() == 0
+    assert not path.exists(), "the socket file is removed at shutdown"
+    assert re.search(rf'method="DoPut" dataset="local" .*peer="unix pid={os.getpid()} uid={os.getuid()}"',
+                     log.read_text())
+
+
+def test_a_unix_socket_in_use_is_not_taken_over(make_server, tmp_path):
+    path = tmp_path / "gpu-flight.sock"
+    make_server("--listen", f"unix://{path}")
+    second = subprocess.run([BINARY, "--backend", "host", "--listen", f"unix://{path}"],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0 and "another server is listening" in second.stderr, second.stderr

@@ -1,0 +1,250 @@
+//! Where connections come from: TCP addresses, and Unix domain sockets for clients on the same
+//! host (`--listen unix:///run/gpu-flight.sock`, pyarrow's `grpc+unix://`), which skip the TCP/IP
+//! stack.
+//!
+//! A Unix socket is a file: who may connect is decided by its permissions, like any local
+//! resource, so it counts as local for the protected mode just as loopback does. A socket file
+//! left by a server that died is replaced; one a live server answers on is not. The file is
+//! removed when the listener is dropped.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+use crate::flight::Peer;
+
+/// The prefix of a Unix socket in `--listen`.
+const UNIX_SCHEME: &str = "unix://";
+
+/// One `--listen` value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// `HOST:PORT`, resolved when bound.
+    Tcp(String),
+    /// `unix:///absolute/path` (or `unix://relative/path`).
+    Unix(PathBuf),
+}
+
+impl ListenAddr {
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        match spec.strip_prefix(UNIX_SCHEME) {
+            Some("") => Err(format!(
+                "{spec:?} names no socket file; write unix:///path/to/gpu-flight.sock"
+            )),
+            Some(path) => Ok(Self::Unix(PathBuf::from(path))),
+            None if spec.starts_with("unix:") => Err(format!(
+                "{spec:?}: a Unix socket is written unix:///path/to/gpu-flight.sock"
+            )),
+            None => Ok(Self::Tcp(spec.to_owned())),
+        }
+    }
+}
+
+/// A bound listener of either kind.
+#[derive(Debug)]
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, SocketFile),
+}
+
+impl From<TcpListener> for Listener {
+    fn from(listener: TcpListener) -> Self {
+        Self::Tcp(listener)
+    }
+}
+
+impl Listener {
+    /// Binds a Unix socket at `path`, replacing a stale socket file but never a live one or
+    /// a file of another kind.
+    pub async fn bind_unix(path: &Path) -> io::Result<Self> {
+        match std::fs::symlink_metadata(path) {
+            Ok(metadata) => {
+                use std::os::unix::fs::FileTypeExt;
+                if !metadata.file_type().is_socket() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "the path exists and is not a socket; remove it or choose another",
+                    ));
+                }
+                if UnixStream::connect(path).await.is_ok() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        "another server is listening on this socket",
+                    ));
+                }
+                std::fs::remove_file(path)?;
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(error) => return Err(error),
+        }
+        let listener = UnixListener::bind(path)?;
+        Ok(Self::Unix(listener, SocketFile(path.to_owned())))
+    }
+
+    /// How clients reach this listener, as a Flight location (`grpc://127.0.0.1:8815`,
+    /// `grpc+unix:///run/gpu-flight.sock`); `tls` for TCP listeners serving TLS.
+    pub fn location(&self, tls: bool) -> io::Result<String> {
+        Ok(match self {
+            Self::Tcp(listener) => {
+                let scheme = if tls { "grpc+tls" } else { "grpc" };
+                format!("{scheme}://{}", listener.local_addr()?)
+            }
+            Self::Unix(_, file) => format!("grpc+unix://{}", file.0.display()),
+        })
+    }
+
+    pub fn is_unix(&self) -> bool {
+        matches!(self, Self::Unix(..))
+    }
+
+    pub(crate) fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<(Socket, Peer)>> {
+        match self {
+            Self::Tcp(listener) => listener.poll_accept(cx).map_ok(|(socket, address)| {
+                // Flight messages are large and latency matters for the small ones.
+                let _ = socket.set_nodelay(true);
+                (Socket::Tcp(socket), Peer::Tcp(address))
+            }),
+            Self::Unix(listener, _) => listener.poll_accept(cx).map_ok(|(socket, _)| {
+                let credentials = socket.peer_cred().ok();
+                let peer = Peer::Unix {
+                    pid: credentials.as_ref().and_then(|c| c.pid()),
+                    uid: credentials.map(|c| c.uid()),
+                };
+                (Socket::Unix(socket), peer)
+            }),
+        }
+    }
+}
+
+/// A Unix socket's file, removed when its listener goes.
+#[derive(Debug)]
+pub struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// An accepted connection of either kind.
+#[derive(Debug)]
+pub(crate) enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tcp(spec) => f.write_str(spec),
+            Self::Unix(path) => write!(f, "{UNIX_SCHEME}{}", path.display()),
+        }
+    }
+}
+
+macro_rules! either {
+    ($socket:expr, $inner:ident => $body:expr) => {
+        match $socket.get_mut() {
+            Socket::Tcp($inner) => {
+                let $inner = Pin::new($inner);
+                $body
+            }
+            Socket::Unix($inner) => {
+                let $inner = Pin::new($inner);
+                $body
+            }
+        }
+    };
+}
+
+impl AsyncRead for Socket {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        either!(self, socket => socket.poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for Socket {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        either!(self, socket => socket.poll_write(cx, buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        either!(self, socket => socket.poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Tcp(socket) => socket.is_write_vectored(),
+            Self::Unix(socket) => socket.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        either!(self, socket => socket.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        either!(self, socket => socket.poll_shutdown(cx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_values_are_tcp_or_unix() {
+        assert_eq!(
+            ListenAddr::parse("unix:///run/gf.sock"),
+            Ok(ListenAddr::Unix("/run/gf.sock".into()))
+        );
+        assert_eq!(
+            ListenAddr::parse("localhost:8815"),
+            Ok(ListenAddr::Tcp("localhost:8815".into()))
+        );
+        assert!(ListenAddr::parse("unix://").is_err());
+        assert!(ListenAddr::parse("unix:/run/gf.sock").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_stale_socket_file_is_replaced_and_a_live_one_is_not() {
+        let directory = std::env::temp_dir().join(format!("gpu-flight-uds-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).expect("scratch directory");
+        let path = directory.join("server.sock");
+        // A socket file whose listener is gone, as a killed server leaves it.
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("bind"));
+        assert!(path.exists());
+        let live = Listener::bind_unix(&path)
+            .await
+            .expect("stale file replaced");
+        let error = Listener::bind_unix(&path)
+            .await
+            .expect_err("live socket kept");
+        assert_eq!(error.kind(), io::ErrorKind::AddrInUse);
+        drop(live);
+        assert!(!path.exists(), "the socket file goes with its listener");
+        std::fs::write(&path, b"not a socket").expect("write");
+        let error = Listener::bind_unix(&path)
+            .await
+            .expect_err("other files kept");
+        assert_eq!(error.kind(), io::ErrorKind::AlreadyExists);
+        std::fs::remove_dir_all(&directory).expect("clean up");
+    }
+}
