@@ -1,0 +1,192 @@
+"""DoGet and DoPut throughput with N client processes, each on its own connection, against
+gpu-flight (each backend asked for, over TCP and a Unix socket) and a plain pyarrow.flight
+server (examples/pyarrow_server.py), beside the raw-socket ceiling for the same N: all in one
+run, on one machine.
+
+    cargo build --release --example flight_client      # also builds target/release/gpu-flight
+    python3 examples/python/throughput.py --backends host,cuda --clients 1,4,8,16 --mib 1024
+
+Each client process (examples/python/flight_client.py for pyarrow, `--client rust` for
+target/release/examples/flight_client) prepares, then all start together; a figure is the
+Arrow bytes all clients moved divided by the time from the first start to the last end, in
+GB/s (1e9 bytes), best of `--repeat`. DoGet: every client reads the whole dataset (`--mib`) in
+one stream. DoPut: every client puts its own table of `--mib`. The raw ceiling moves `--mib`
+per connection through a bare socket (one write and one read copy, no framing): the most any
+server could do with these clients. Nothing else should run on the machine meanwhile.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import pyarrow.flight as flight
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+class Process:
+    """A child that announces itself on its first line of standard output."""
+
+    def __init__(self, argv, pattern):
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.process.stdout.readline()
+        match = re.search(pattern, line)
+        if not match:
+            self.stop()
+            raise RuntimeError(f"{argv[0]} said {line!r}, expected {pattern!r}")
+        self.match = match
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def connect(location):
+    options = [("grpc.default_authority", "localhost")] if location.startswith("grpc+unix") else []
+    return flight.connect(location, generic_options=options)
+
+
+def client_argv(kind, op, location, name, args, table):
+    if kind == "rust":
+        argv = [str(args.rust_client), op, "--location", location, "--name", name]
+        if op == "put":
+            argv += ["--table", table, "--mib", str(args.mib)]
+        return argv
+    argv = [sys.executable, str(HERE / "flight_client.py"), op, "--location", location, "--name", name]
+    return argv + ["--table", table, "--mib", str(args.mib)]
+
+
+def run_together(argvs):
+    """Starts every process, waits until all are ready, says go, and returns the aggregate
+    GB/s from their reports."""
+    processes = [subprocess.Popen(a, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for a in argvs]
+    try:
+        for p in processes:
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"a client said {line!r} instead of ready: {' '.join(argvs[0])}")
+        for p in processes:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        reports = []
+        for p in processes:
+            line = p.stdout.readline()
+            if p.wait(timeout=600) != 0 or not line:
+                raise RuntimeError(f"a client failed: {' '.join(argvs[0])}")
+            reports.append(json.loads(line))
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    seconds = max(r["end"] for r in reports) - min(r["start"] for r in reports)
+    return sum(r["bytes"] for r in reports) / seconds / 1e9
+
+
+def best(args, measure):
+    return max(measure() for _ in range(args.repeat))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="host", help="gpu-flight backends, comma-separated (host, cuda)")
+    parser.add_argument("--clients", default="1,4,8,16", help="client counts, comma-separated")
+    parser.add_argument("--tables", default="int64,strings")
+    parser.add_argument("--ops", default="get,put")
+    parser.add_argument("--mib", type=int, default=512, help="MiB each client moves")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--client", choices=["python", "rust"], default="python")
+    parser.add_argument("--no-uds", action="store_true", help="skip gpu-flight over a Unix socket")
+    parser.add_argument("--server", default=str(ROOT / "target" / "release" / "gpu-flight"))
+    parser.add_argument("--rust-client", default=str(ROOT / "target" / "release" / "examples" / "flight_client"))
+    args = parser.parse_args()
+    clients = [int(n) for n in args.clients.split(",")]
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="gpu-flight-bench-"))
+
+    servers, targets = [], []  # targets: (label, location, is gpu-flight)
+    try:
+        for backend in args.backends.split(","):
+            sock = scratch / f"{backend}.sock"
+            server = Process([args.server, "serve", "--backend", backend, "--listen", "127.0.0.1:0",
+                              "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB"],
+                             r"serving on (grpc://\S+) \(backend: (\w+)\)")
+            if server.match.group(2) != backend:
+                raise SystemExit(f"asked for backend {backend}, got {server.match.group(2)}")
+            servers.append(server)
+            targets.append((f"gpu-flight {backend}", server.match.group(1), True))
+            if not args.no_uds:
+                targets.append((f"gpu-flight {backend} uds", f"grpc+unix://{sock}", True))
+        baseline = Process([sys.executable, str(ROOT / "examples" / "pyarrow_server.py")], r"serving on (grpc://\S+)")
+        servers.append(baseline)
+        targets.append(("pyarrow", baseline.match.group(1), False))
+
+        print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.client} clients, "
+              f"{args.mib} MiB per client, best of {args.repeat}; GB/s = 1e9 Arrow bytes/s", flush=True)
+        print("| table | op | clients | " + " | ".join(t[0] for t in targets)
+              + " | raw TCP | raw UDS | gpu-flight (TCP) / pyarrow, / raw TCP |")
+        print("|" + " --- |" * (len(targets) + 6))
+        raw = {}
+        for table in args.tables.split(","):
+            for _, location, _ in targets:  # the dataset every DoGet client reads, once a server
+                if not location.startswith("grpc+unix"):
+                    run_together([client_argv("python", "put", location, f"bench-{table}", args, table)])
+            for op in args.ops.split(","):
+                for n in clients:
+                    figures = []
+                    for label, location, ours in targets:
+                        if op == "get":
+                            argvs = [client_argv(args.client, "get", location, f"bench-{table}", args, table)] * n
+                            figures.append(best(args, lambda: run_together(argvs)))
+                        else:
+                            names = [f"put-{i}" for i in range(n)]
+
+                            def put_all():
+                                rate = run_together([client_argv(args.client, "put", location, name, args, table)
+                                                     for name in names])
+                                drop_names(location, names, ours)
+                                return rate
+                            figures.append(best(args, put_all))
+                    if n not in raw:
+                        raw[n] = [best(args, lambda: raw_rate(args, n, address)) for address in
+                                  ("127.0.0.1:0", f"unix://{scratch / 'raw.sock'}")]
+                    tcp, uds = raw[n]
+                    pyarrow = figures[-1]
+                    ratios = "; ".join(f"{label.removeprefix('gpu-flight ')} {f / pyarrow:.2f}x, {f / tcp:.0%}"
+                                       for (label, location, ours), f in zip(targets, figures)
+                                       if ours and not location.startswith("grpc+unix"))
+                    print(f"| {table} | {op} | {n} | " + " | ".join(f"{f:.2f}" for f in figures)
+                          + f" | {tcp:.2f} | {uds:.2f} | {ratios} |", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def drop_names(location, names, ours):
+    with connect(location) as client:
+        for name in names:
+            body = json.dumps({"name": name}).encode() if ours else name.encode()
+            list(client.do_action(flight.Action("drop", body)))
+
+
+def raw_rate(args, n, address):
+    sink = Process([str(args.rust_client), "sink", "--address", address, "--connections", str(n)],
+                   r"listening (\S+)")
+    try:
+        target = sink.match.group(1)
+        return run_together([[str(args.rust_client), "send", "--address", target, "--mib", str(args.mib)]] * n)
+    finally:
+        sink.process.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
