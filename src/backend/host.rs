@@ -2,8 +2,15 @@
 //!
 //! It is the default where no NVIDIA driver exists and what CI tests, so it implements the
 //! whole [`Backend`] contract with no shortcuts: sizes are real, reads honour row ranges, and
-//! memory is returned when the last [`Partition`] reference goes. Uploads copy each batch into
-//! buffers of its own (`backend::owned`), so a dataset never keeps the message it came in.
+//! memory is returned when the last [`Partition`] reference goes. A dataset never keeps the
+//! message it came in: uploads keep the buffers Arrow's decoder already copied into allocations
+//! of their own (to align them) and copy the rest (`backend::owned`).
+//!
+//! Commits do not concatenate batches of a reasonable size: serving a row range from several
+//! partitions costs nothing more on the host, and skipping it saves a copy of every byte put
+//! (and of the whole dataset at each append). Batches are concatenated when the dataset has
+//! dictionary columns (whose dictionaries are merged into one, as the CUDA backend does) or
+//! when they average under [`COALESCE_BELOW`], so that many tiny batches become fewer.
 //!
 //! Its capacity is the machine's memory or the container's (cgroup) limit, whichever is lower;
 //! the default budget is three quarters of that, leaving the rest for the server's own buffers.
@@ -11,17 +18,20 @@
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayRef, make_array};
-use arrow::datatypes::DataType;
+use arrow::datatypes::{DataType, Schema};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::owned::owned;
+use super::owned::{owned, owns_its_buffers};
 use super::{
     Backend, BackendError, DeviceInfo, Partition, PartitionExport, check_rows, dictionary,
     downcast_all,
 };
 use crate::batch_size::batch_bytes;
+
+/// Partitions averaging fewer bytes than this are concatenated at commit.
+pub const COALESCE_BELOW: u64 = 1 << 20;
 
 /// Keeps datasets in host memory. Stateless: memory accounting is the store's job.
 #[derive(Debug, Default)]
@@ -69,6 +79,16 @@ impl Backend for HostBackend {
         futures::future::ready(uploaded).boxed()
     }
 
+    fn compacts(&self, schema: &Schema, partitions: &[Arc<dyn Partition>]) -> bool {
+        let bytes: u64 = partitions.iter().map(|p| p.bytes()).sum();
+        let small = bytes / (partitions.len().max(1) as u64) < COALESCE_BELOW;
+        small
+            || schema
+                .fields()
+                .iter()
+                .any(|f| has_dictionary(f.data_type()))
+    }
+
     fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         Ok(partitions.iter().map(|p| p.bytes()).sum())
     }
@@ -111,14 +131,40 @@ fn concatenate_batches(parts: &[&HostPartition]) -> Result<Arc<dyn Partition>, B
     Ok(Arc::new(HostPartition { batch, bytes }))
 }
 
-/// `batch` in buffers of its own (see [`super::owned`]).
+fn has_dictionary(data_type: &DataType) -> bool {
+    match data_type {
+        DataType::Dictionary(_, _) => true,
+        DataType::List(child)
+        | DataType::LargeList(child)
+        | DataType::ListView(child)
+        | DataType::LargeListView(child)
+        | DataType::FixedSizeList(child, _)
+        | DataType::Map(child, _) => has_dictionary(child.data_type()),
+        DataType::Struct(fields) => fields.iter().any(|f| has_dictionary(f.data_type())),
+        DataType::Union(fields, _) => fields.iter().any(|(_, f)| has_dictionary(f.data_type())),
+        DataType::RunEndEncoded(ends, values) => {
+            has_dictionary(ends.data_type()) || has_dictionary(values.data_type())
+        }
+        _ => false,
+    }
+}
+
+/// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already
+/// allocations of their own are kept, the others copied.
 fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let copy_failed =
         |e: arrow::error::ArrowError| BackendError::Device(format!("copying a batch: {e}"));
     let columns = batch
         .columns()
         .iter()
-        .map(|column| owned(&column.to_data()).map(make_array))
+        .map(|column| {
+            let data = column.to_data();
+            if owns_its_buffers(&data) {
+                Ok(Arc::clone(column))
+            } else {
+                owned(&data).map(make_array)
+            }
+        })
         .collect::<Result<Vec<ArrayRef>, _>>()
         .map_err(copy_failed)?;
     let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
@@ -209,6 +255,40 @@ mod tests {
         assert_eq!(parse_cgroup_limit("536870912\n"), Some(512 << 20));
         assert_eq!(parse_cgroup_limit("max\n"), None);
         assert_eq!(parse_cgroup_limit("9223372036854771712\n"), None);
+    }
+
+    #[test]
+    fn commits_concatenate_only_small_batches_and_dictionaries() {
+        let partition = |bytes: u64| -> Arc<dyn Partition> {
+            let batch = RecordBatch::new_empty(Arc::new(Schema::empty()));
+            Arc::new(HostPartition { batch, bytes })
+        };
+        let plain = Schema::new(vec![arrow::datatypes::Field::new(
+            "x",
+            DataType::Int64,
+            true,
+        )]);
+        let backend = HostBackend::new();
+        let large = [partition(COALESCE_BELOW), partition(4 * COALESCE_BELOW)];
+        assert!(
+            !backend.compacts(&plain, &large),
+            "large batches are served as they are"
+        );
+        let small = [partition(COALESCE_BELOW / 2), partition(COALESCE_BELOW / 4)];
+        assert!(
+            backend.compacts(&plain, &small),
+            "many small batches become one"
+        );
+        let nested = DataType::List(Arc::new(arrow::datatypes::Field::new(
+            "item",
+            DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
+            true,
+        )));
+        let dictionaries = Schema::new(vec![arrow::datatypes::Field::new("d", nested, true)]);
+        assert!(
+            backend.compacts(&dictionaries, &large),
+            "dictionaries are merged, at any depth"
+        );
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub(crate) mod owned;
 use std::fmt;
 use std::sync::Arc;
 
+use arrow::datatypes::Schema;
 use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
@@ -93,6 +94,13 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         device: u32,
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
+
+    /// Whether a commit concatenates these partitions of a dataset with `schema` into one. A
+    /// device backend always does: its compact layout is what `ipc-export` publishes and what
+    /// reads fastest. Others may serve partitions as they are, and save the copy.
+    fn compacts(&self, _schema: &Schema, _partitions: &[Arc<dyn Partition>]) -> bool {
+        true
+    }
 
     /// Bytes [`Backend::concatenate`] of these partitions will allocate, so the store can
     /// reserve them first. `UnsupportedType` when this backend cannot concatenate them.

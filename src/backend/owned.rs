@@ -9,6 +9,41 @@ use arrow::array::{Array, ArrayData, BinaryViewArray, MutableArrayData, StringVi
 use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
 
+use crate::batch_size::array_bytes;
+
+/// Bytes an allocation may hold beyond what its array uses and still count as the array's own:
+/// Arrow rounds allocations up to 64 bytes, and the IPC format pads buffers to 8.
+const ROUNDING_SLACK: u64 = 64;
+
+/// Whether `data` can be kept as it is: every buffer (children and dictionaries included) is an
+/// allocation of its own, not a slice of something larger such as the message body, and the
+/// allocations hold no more than the array's rows use, give or take rounding. That is how
+/// Arrow's IPC decoder leaves the buffers it realigns; a client's oversized buffers fail the
+/// second test. Views never pass: their data buffers may hold bytes no view points at.
+pub(crate) fn owns_its_buffers(data: &ArrayData) -> bool {
+    fn allocations(data: &ArrayData, total: &mut u64, count: &mut u64) -> bool {
+        if matches!(data.data_type(), DataType::Utf8View | DataType::BinaryView) {
+            return false;
+        }
+        let nulls = data.nulls().map(|n| n.buffer());
+        for buffer in data.buffers().iter().chain(nulls) {
+            // A slice; or, capacity zero, memory Arrow does not own. (Arrays decoded in place
+            // from a message are copied by the decoder: a `Buffer` over `bytes::Bytes` reports
+            // its length as its capacity, so this test cannot see them.)
+            if buffer.capacity() == 0 || buffer.ptr_offset() != 0 {
+                return false;
+            }
+            *total += buffer.capacity() as u64;
+            *count += 1;
+        }
+        data.child_data()
+            .iter()
+            .all(|child| allocations(child, total, count))
+    }
+    let (mut total, mut count) = (0, 0);
+    allocations(data, &mut total, &mut count) && total <= array_bytes(data) + count * ROUNDING_SLACK
+}
+
 /// `data` copied into fresh buffers holding exactly its rows (rounded up to Arrow's 64-byte
 /// allocation granularity), dictionaries and view data included.
 pub(crate) fn owned(data: &ArrayData) -> Result<ArrayData, ArrowError> {
@@ -99,6 +134,32 @@ mod tests {
             "{data_bytes} bytes of view data kept for one string"
         );
         assert_eq!(StringViewArray::from(copy).value(0), long);
+    }
+
+    #[test]
+    fn only_tight_allocations_of_their_own_are_kept() {
+        let fresh = Int64Array::from_iter_values(0..1000).to_data();
+        assert!(owns_its_buffers(&fresh));
+        // Builders keep spare capacity: not tight, so copied; the copy is tight.
+        let built = StringArray::from(vec![Some("a"), None, Some("ccc")]).to_data();
+        assert!(!owns_its_buffers(&built));
+        assert!(owns_its_buffers(&owned(&built).expect("copy")));
+        // A slice of a larger allocation, as arrays decoded in place from a message are.
+        assert!(!owns_its_buffers(&fresh.slice(10, 5)));
+        let body = Buffer::from_vec(vec![7u8; 1 << 20]);
+        let part = ArrayData::builder(DataType::UInt8)
+            .len(16)
+            .add_buffer(body.slice(64))
+            .build()
+            .expect("array");
+        assert!(!owns_its_buffers(&part));
+        // An allocation of its own, but far larger than its rows: a client's padding.
+        let oversized = ArrayData::builder(DataType::UInt8)
+            .len(16)
+            .add_buffer(body)
+            .build()
+            .expect("array");
+        assert!(!owns_its_buffers(&oversized));
     }
 
     #[test]

@@ -15,6 +15,11 @@
 //! must fit in `--max-put-message-bytes` together with the rest of the batch, and their sum is
 //! paid for by the caller (the `reserve` argument of [`PutDecoder::decode`]) before Arrow
 //! allocates anything. Arrow then refuses data that decompresses to more than it declared.
+//!
+//! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns most
+//! buffers into allocations of its own, and the columns (and dictionaries) it decoded in place
+//! are copied. A batch kept by a backend therefore never keeps a client's message alive, with
+//! whatever padding it carried, and the host backend can keep Arrow's buffers as they are.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -22,13 +27,15 @@ use std::sync::Arc;
 
 use arrow::array::{
     ArrayData, ArrayRef, Decimal32Array, Decimal64Array, Decimal128Array, Decimal256Array,
+    make_array,
 };
 use arrow::buffer::Buffer;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use arrow::ipc::{self, MessageHeader};
-use arrow::record_batch::RecordBatch;
+use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use arrow_flight::FlightData;
 
+use crate::backend::owned::owned;
 use crate::error::Error;
 
 /// Most rows a record batch, or any array in it, may declare. cuDF columns have the same limit,
@@ -132,6 +139,10 @@ impl PutDecoder {
                     ipc::reader::read_dictionary(&body, header, &schema, dictionaries, &version)
                 })?
                 .map_err(|e| invalid(format!("invalid dictionary batch: {e}")))?;
+                let message = body_range(&data.data_body);
+                for dictionary in self.dictionaries.values_mut() {
+                    *dictionary = detach(dictionary, &message)?;
+                }
                 Ok(Decoded::Dictionary)
             }
             MessageHeader::RecordBatch => {
@@ -158,6 +169,15 @@ impl PutDecoder {
                 for column in batch.columns() {
                     check_values(&column.to_data())?;
                 }
+                let message = body_range(&data.data_body);
+                let columns = batch
+                    .columns()
+                    .iter()
+                    .map(|column| detach(column, &message))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+                let batch = RecordBatch::try_new_with_options(batch.schema(), columns, &options)
+                    .map_err(|e| Error::Internal(format!("rebuilding a decoded batch: {e}")))?;
                 Ok(Decoded::Batch(batch))
             }
             other => Err(invalid(format!(
@@ -182,6 +202,34 @@ impl PutDecoder {
             .clone()
             .ok_or_else(|| invalid("the put sent data before its schema"))
     }
+}
+
+/// The addresses a message body occupies.
+fn body_range(body: &[u8]) -> std::ops::Range<usize> {
+    let start = body.as_ptr() as usize;
+    start..start + body.len()
+}
+
+/// `array`, or a copy of it in buffers of its own if any of its buffers lies in `message`.
+fn detach(array: &ArrayRef, message: &std::ops::Range<usize>) -> Result<ArrayRef, Error> {
+    fn borrows(data: &ArrayData, message: &std::ops::Range<usize>) -> bool {
+        let nulls = data.nulls().map(|n| n.buffer());
+        data.buffers()
+            .iter()
+            .chain(nulls)
+            .any(|buffer| message.contains(&(buffer.as_ptr() as usize)))
+            || data
+                .child_data()
+                .iter()
+                .any(|child| borrows(child, message))
+    }
+    let data = array.to_data();
+    if !borrows(&data, message) {
+        return Ok(Arc::clone(array));
+    }
+    owned(&data)
+        .map(make_array)
+        .map_err(|e| Error::Internal(format!("copying a decoded array: {e}")))
 }
 
 fn invalid(message: impl Into<String>) -> Error {
@@ -497,5 +545,81 @@ fn check_values(data: &ArrayData) -> Result<(), Error> {
             precision(Decimal256Array::from(data.clone()).validate_decimal_precision(*p))
         }
         _ => data.child_data().iter().try_for_each(check_values),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{DictionaryArray, Int64Array, StringArray};
+    use arrow::buffer::MutableBuffer;
+    use arrow::datatypes::Int32Type;
+    use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
+    use futures::TryStreamExt;
+
+    /// `bytes` in a 64-byte aligned allocation: Arrow then decodes arrays in place, pointing
+    /// into it, instead of realigning them into buffers of its own.
+    fn aligned(bytes: &[u8]) -> bytes::Bytes {
+        let mut buffer = MutableBuffer::with_capacity(bytes.len());
+        buffer.extend_from_slice(bytes);
+        bytes::Bytes::from_owner(Buffer::from(buffer))
+    }
+
+    fn addresses(data: &ArrayData, out: &mut Vec<usize>) {
+        let nulls = data.nulls().map(|n| n.buffer());
+        out.extend(
+            data.buffers()
+                .iter()
+                .chain(nulls)
+                .map(|b| b.as_ptr() as usize),
+        );
+        data.child_data().iter().for_each(|c| addresses(c, out));
+    }
+
+    #[test]
+    fn decoded_arrays_never_point_into_their_message() {
+        let keys = arrow::array::Int32Array::from(vec![0, 1, 0, 1]);
+        let values = StringArray::from(vec!["red", "blue"]);
+        let colours = DictionaryArray::<Int32Type>::try_new(keys, Arc::new(values)).expect("dict");
+        let batch = RecordBatch::try_from_iter([
+            (
+                "n",
+                Arc::new(Int64Array::from(vec![1, 2, 3, 4])) as ArrayRef,
+            ),
+            (
+                "s",
+                Arc::new(StringArray::from(vec!["a", "bb", "ccc", "dddd"])) as ArrayRef,
+            ),
+            ("c", Arc::new(colours) as ArrayRef),
+        ])
+        .expect("batch");
+        let encoded = FlightDataEncoderBuilder::new()
+            .with_dictionary_handling(DictionaryHandling::Resend)
+            .build(futures::stream::iter([Ok(batch.clone())]))
+            .try_collect::<Vec<_>>();
+        let messages = futures::executor::block_on(encoded).expect("encode");
+        let mut decoder = PutDecoder::new(1 << 20, 1 << 20);
+        let mut bodies = Vec::new();
+        let mut decoded = None;
+        for mut message in messages {
+            message.data_body = aligned(&message.data_body);
+            let start = message.data_body.as_ptr() as usize;
+            bodies.push(start..start + message.data_body.len());
+            if let Decoded::Batch(batch) = decoder.decode(&message, |_| Ok(())).expect("decode") {
+                decoded = Some(batch);
+            }
+        }
+        let decoded = decoded.expect("a batch");
+        assert_eq!(decoded, batch);
+        let mut pointers = Vec::new();
+        for column in decoded.columns() {
+            addresses(&column.to_data(), &mut pointers);
+        }
+        for pointer in pointers {
+            assert!(
+                !bodies.iter().any(|body| body.contains(&pointer)),
+                "an array points into a message body"
+            );
+        }
     }
 }

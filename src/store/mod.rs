@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{Schema, SchemaRef};
 use arrow::record_batch::RecordBatch;
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
@@ -599,7 +599,7 @@ impl PendingPut {
             None => Vec::new(),
         };
         combined.extend(self.partitions.iter().cloned());
-        let compacted = store.compact(combined, self.device).await?;
+        let compacted = store.compact(&schema, combined, self.device).await?;
 
         let version = store.next_version();
         let summary = |dataset: &Dataset| PutSummary {
@@ -678,6 +678,7 @@ impl Store {
     /// cannot concatenate (a merged dictionary its keys cannot index) are returned unchanged.
     async fn compact(
         &self,
+        schema: &Schema,
         partitions: Vec<StoredPartition>,
         device: u32,
     ) -> Result<Vec<StoredPartition>, StoreError> {
@@ -686,6 +687,9 @@ impl Store {
         }
         let backend = &self.inner.backend;
         let data: Vec<_> = partitions.iter().map(|p| Arc::clone(&p.data)).collect();
+        if !backend.compacts(schema, &data) {
+            return Ok(partitions);
+        }
         let size = match backend.concatenated_size(&data) {
             Ok(size) => size,
             Err(
