@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,7 @@ def main():
     parser.add_argument("--no-uds", action="store_true", help="skip gpu-flight over a Unix socket")
     parser.add_argument("--server", default=str(ROOT / "target" / "release" / "gpu-flight"))
     parser.add_argument("--rust-client", default=str(ROOT / "target" / "release" / "examples" / "flight_client"))
+    parser.add_argument("--server-args", default="", help="more gpu-flight flags, e.g. '--max-message-bytes 8MiB'")
     args = parser.parse_args()
     clients = [int(n) for n in args.clients.split(",")]
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="gpu-flight-bench-"))
@@ -118,7 +120,8 @@ def main():
         for backend in args.backends.split(","):
             sock = scratch / f"{backend}.sock"
             server = Process([args.server, "serve", "--backend", backend, "--listen", "127.0.0.1:0",
-                              "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB"],
+                              "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB",
+                              *shlex.split(args.server_args)],
                              r"serving on (grpc://\S+) \(backend: (\w+)\)")
             if server.match.group(2) != backend:
                 raise SystemExit(f"asked for backend {backend}, got {server.match.group(2)}")
@@ -131,7 +134,8 @@ def main():
         targets.append(("pyarrow", baseline.match.group(1), False))
 
         print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.client} clients, "
-              f"{args.mib} MiB per client, best of {args.repeat}; GB/s = 1e9 Arrow bytes/s", flush=True)
+              f"{args.mib} MiB per client, best of {args.repeat}; GB/s = 1e9 Arrow bytes/s; "
+              f"server {args.server} {args.server_args}".rstrip(), flush=True)
         print("| table | op | clients | " + " | ".join(t[0] for t in targets)
               + " | raw TCP | raw UDS | gpu-flight (TCP) / pyarrow, / raw TCP |")
         print("|" + " --- |" * (len(targets) + 6))

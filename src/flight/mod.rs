@@ -8,9 +8,9 @@
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
-//! - `put`, `decode` and `get`: the `DoPut` ingest loop, the checked decoding of its
-//!   messages, and `DoGet` message encoding.
-//! - [`ipc_message`]: `DoGet` replies written into gRPC frames with one copy.
+//! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
+//! - `doget`: all of `DoGet`, from the ticket to the frames.
+//! - `lifecycle`: shutdown, and the streams it waits for.
 //! - `router`: every method's entry: authentication and roles, message limits, clean stream
 //!   ends, panics, codes.
 //! - `call`: each call's log line, progress and metrics.
@@ -19,15 +19,14 @@ pub mod action;
 mod call;
 mod decode;
 pub mod descriptor;
-mod get;
+mod doget;
 pub mod ipc_export;
-pub mod ipc_message;
+mod lifecycle;
 mod put;
 mod router;
 pub mod ticket;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::flight_service_server::FlightService;
@@ -47,9 +46,9 @@ use action::ActionRequest;
 use call::Call;
 pub use decode::MAX_BATCH_ROWS;
 use descriptor::ReadOptions;
-use ipc_message::IpcMessage;
+use doget::IpcMessage;
+pub use lifecycle::{Lifecycle, StreamGuard};
 pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter, Peer};
-use ticket::TicketRequest;
 
 /// What Handshake answers on a server without authentication, where tokens are not checked.
 const UNCHECKED_TOKEN: &str = "unauthenticated";
@@ -90,58 +89,6 @@ impl Default for FlightOptions {
             max_put_message_bytes: 1 << 30,
             max_request_bytes: 64 << 10,
             progress_interval: std::time::Duration::from_secs(5),
-        }
-    }
-}
-
-/// The server's shutdown state and its running streams. Once shutdown begins, new requests
-/// are refused with UNAVAILABLE; the server waits for [`Lifecycle::drained`] before closing
-/// connections, so streams already running finish.
-#[derive(Debug, Clone, Default)]
-pub struct Lifecycle(Arc<LifecycleState>);
-
-#[derive(Debug, Default)]
-struct LifecycleState {
-    shutting_down: AtomicBool,
-    running: AtomicUsize,
-    idle: tokio::sync::Notify,
-}
-
-impl Lifecycle {
-    pub fn begin_shutdown(&self) {
-        self.0.shutting_down.store(true, Ordering::Release);
-    }
-
-    pub fn is_shutting_down(&self) -> bool {
-        self.0.shutting_down.load(Ordering::Acquire)
-    }
-
-    /// Counts a running `DoGet` or `DoPut` until the guard is dropped.
-    pub fn track(&self) -> StreamGuard {
-        self.0.running.fetch_add(1, Ordering::AcqRel);
-        StreamGuard(Arc::clone(&self.0))
-    }
-
-    /// Completes when no tracked stream is running.
-    pub async fn drained(&self) {
-        loop {
-            let idle = self.0.idle.notified();
-            if self.0.running.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            idle.await;
-        }
-    }
-}
-
-/// A running stream, counted by its [`Lifecycle`] until dropped.
-#[derive(Debug)]
-pub struct StreamGuard(Arc<LifecycleState>);
-
-impl Drop for StreamGuard {
-    fn drop(&mut self) {
-        if self.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
         }
     }
 }
@@ -227,70 +174,6 @@ impl Service {
             }
         }
         Ok(info)
-    }
-
-    fn do_get_stream(
-        &self,
-        ticket: &Ticket,
-        call: Option<Arc<Call>>,
-    ) -> Result<Stream<IpcMessage>, Error> {
-        self.ensure_serving()?;
-        let request = ticket::decode(&ticket.ticket)?;
-        if let Some(call) = &call {
-            call.set_subject(request.name());
-        }
-        let (dataset, rows, read) = match request {
-            TicketRequest::Whole { name } => {
-                let dataset = self.store.get(&name)?;
-                let rows = 0..dataset.num_rows();
-                (dataset, rows, ReadOptions::default())
-            }
-            TicketRequest::Rows {
-                name,
-                version,
-                rows,
-                options,
-            } => {
-                let dataset = self.store.get(&name)?;
-                if dataset.version() != version {
-                    return Err(crate::store::StoreError::StaleVersion {
-                        name,
-                        ticket: version,
-                        current: dataset.version(),
-                    }
-                    .into());
-                }
-                (dataset, rows, options)
-            }
-        };
-        tracing::debug!(dataset = dataset.name(), ?rows, "DoGet");
-        let mut batches = dataset.read(
-            rows,
-            self.options.read_chunk_bytes,
-            self.options.read_prefetch,
-        )?;
-        if let Some(call) = call {
-            batches = batches
-                .inspect(move |batch| {
-                    if let Ok(batch) = batch {
-                        call.add_rows_out(batch.num_rows() as u64);
-                    }
-                })
-                .boxed();
-        }
-        let guard = self.lifecycle.track();
-        let messages = get::encode(
-            batches,
-            dataset.schema(),
-            self.options.max_message_bytes,
-            read.compression.map(Into::into),
-        );
-        // The guard lives as long as the reply stream: shutdown waits for it.
-        Ok(messages
-            .inspect(move |_| {
-                let _running = &guard;
-            })
-            .boxed())
     }
 
     fn run_action(
@@ -473,7 +356,7 @@ impl FlightService for Service {
     ) -> Result<Response<Self::DoGetStream>, Status> {
         // The router serves DoGet with its own codec; this path gives the same stream to anyone
         // using the generated service directly.
-        let messages = self.do_get_stream(request.get_ref(), call(&request))?;
+        let messages = doget::stream(self, request.get_ref(), call(&request))?;
         Ok(Response::new(
             messages.map_ok(IpcMessage::into_flight_data).boxed(),
         ))

@@ -25,8 +25,8 @@
 //!   ends, and counts as an open stream on its connection ([`ConnectionStreams`]) until then,
 //!   which is what the idle timeout reads.
 //!
-//! `DoGet` is encoded with [`FlightDataCodec`], which writes Arrow buffers into frames with one
-//! copy; everything else with prost.
+//! `DoGet` goes to `doget::respond`, whose codec writes Arrow buffers into frames with one
+//! copy; everything else is encoded with prost.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -52,7 +52,6 @@ use tonic::{Code, Request, Response, Status, Streaming};
 
 use super::Service;
 use super::call::Call;
-use super::ipc_message::FlightDataCodec;
 use crate::auth::{Principal, Role};
 use crate::error::{Error, panic_message};
 use crate::store::Store;
@@ -310,23 +309,7 @@ async fn route(
                 )
                 .await
         }
-        Method::DoGet => {
-            let limit = service.options.max_request_bytes;
-            let request = guard(request, limit, request_too_large, None, true);
-            Grpc::new(FlightDataCodec)
-                .apply_max_message_size_config(Some(limit), Some(usize::MAX))
-                .server_streaming(
-                    stream_handler(service, |s, r| {
-                        async move {
-                            let call = r.extensions().get::<Arc<Call>>().cloned();
-                            Ok(Response::new(s.do_get_stream(r.get_ref(), call)?))
-                        }
-                        .boxed()
-                    }),
-                    request,
-                )
-                .await
-        }
+        Method::DoGet => super::doget::respond(service, request).await,
         Method::GetFlightInfo => {
             unary(service, request, |s, r| {
                 async move { s.get_flight_info(r).await }.boxed()
@@ -452,7 +435,7 @@ fn put_too_large(declared: usize, limit: usize) -> Error {
     }
 }
 
-fn request_too_large(declared: usize, limit: usize) -> Error {
+pub(super) fn request_too_large(declared: usize, limit: usize) -> Error {
     Error::RequestTooLarge {
         declared,
         limit,
@@ -461,7 +444,7 @@ fn request_too_large(declared: usize, limit: usize) -> Error {
 }
 
 /// Wraps the request body in a [`GuardedBody`].
-fn guard(
+pub(super) fn guard(
     request: http::Request<Body>,
     limit: usize,
     too_large: fn(usize, usize) -> Error,
@@ -498,7 +481,7 @@ struct Handler<Req, Res> {
 
 /// [`Handler`] for methods that reply with a stream of `T`, whose polling must not unwind into
 /// tonic either.
-struct StreamHandler<Req, T> {
+pub(super) struct StreamHandler<Req, T> {
     service: Arc<Service>,
     call: HandlerFn<Req, ReplyStream<T>>,
 }
@@ -510,7 +493,7 @@ fn handler<Req, Res>(service: &Arc<Service>, call: HandlerFn<Req, Res>) -> Handl
     }
 }
 
-fn stream_handler<Req, T>(
+pub(super) fn stream_handler<Req, T>(
     service: &Arc<Service>,
     call: HandlerFn<Req, ReplyStream<T>>,
 ) -> StreamHandler<Req, T> {
@@ -520,10 +503,10 @@ fn stream_handler<Req, T>(
     }
 }
 
-type ReplyStream<T> = futures::stream::BoxStream<'static, Result<T, Status>>;
-type Reply<Res> = BoxFuture<'static, Result<Response<Res>, Status>>;
+pub(super) type ReplyStream<T> = futures::stream::BoxStream<'static, Result<T, Status>>;
+pub(super) type Reply<Res> = BoxFuture<'static, Result<Response<Res>, Status>>;
 /// A handler: what runs for one request, given the service.
-type HandlerFn<Req, Res> = fn(Arc<Service>, Request<Req>) -> Reply<Res>;
+pub(super) type HandlerFn<Req, Res> = fn(Arc<Service>, Request<Req>) -> Reply<Res>;
 
 fn contain_panics<Res: 'static>(future: Reply<Res>) -> Reply<Res> {
     AssertUnwindSafe(future)

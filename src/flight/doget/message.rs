@@ -25,7 +25,7 @@ use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, k
 use tonic::Status;
 use tonic::codec::{Codec, EncodeBuf, Encoder};
 
-use super::router::StrictDecoder;
+use crate::flight::router::StrictDecoder;
 
 /// `FlightData.data_header` and `FlightData.data_body` field numbers.
 const DATA_HEADER_TAG: u32 = 2;
@@ -35,7 +35,7 @@ const CONTINUATION: u32 = 0xFFFF_FFFF;
 
 /// One IPC message: flatbuffer metadata and body buffers not yet copied anywhere.
 #[derive(Debug, Clone)]
-pub struct IpcMessage {
+pub(crate) struct IpcMessage {
     header: Bytes,
     body: Vec<Buffer>,
     body_len: usize,
@@ -43,7 +43,7 @@ pub struct IpcMessage {
 
 impl IpcMessage {
     /// Length of the protobuf encoding of the equivalent `FlightData`.
-    pub fn encoded_len(&self) -> usize {
+    pub(crate) fn encoded_len(&self) -> usize {
         let header = if self.header.is_empty() {
             0
         } else {
@@ -59,13 +59,8 @@ impl IpcMessage {
         header + body
     }
 
-    /// Bytes of the IPC metadata (flatbuffer) alone.
-    pub fn header_len(&self) -> usize {
-        self.header.len()
-    }
-
     /// Writes the protobuf encoding of the equivalent `FlightData`.
-    pub fn write_to(&self, out: &mut impl BufMut) {
+    pub(crate) fn write_to(&self, out: &mut impl BufMut) {
         if !self.header.is_empty() {
             encode_key(DATA_HEADER_TAG, WireType::LengthDelimited, out);
             encode_varint(self.header.len() as u64, out);
@@ -81,7 +76,7 @@ impl IpcMessage {
     }
 
     /// The same message as a `FlightData` (concatenating the body).
-    pub fn into_flight_data(self) -> FlightData {
+    pub(crate) fn into_flight_data(self) -> FlightData {
         let mut body = Vec::with_capacity(self.body_len);
         for buffer in &self.body {
             body.extend_from_slice(buffer.as_slice());
@@ -95,7 +90,7 @@ impl IpcMessage {
 }
 
 /// Turns record batches into [`IpcMessage`]s: the schema first, dictionaries as they change.
-pub struct IpcMessageEncoder {
+pub(crate) struct IpcMessageEncoder {
     encoder: StreamEncoder,
 }
 
@@ -107,7 +102,10 @@ impl std::fmt::Debug for IpcMessageEncoder {
 
 impl IpcMessageEncoder {
     /// An encoder whose record batch and dictionary bodies are compressed with `compression`.
-    pub fn new(schema: &Schema, compression: Option<CompressionType>) -> Result<Self, ArrowError> {
+    pub(crate) fn new(
+        schema: &Schema,
+        compression: Option<CompressionType>,
+    ) -> Result<Self, ArrowError> {
         let options = IpcWriteOptions::default().try_with_compression(compression)?;
         Ok(Self {
             encoder: StreamEncoder::try_new_with_options(schema, options)?,
@@ -115,12 +113,12 @@ impl IpcMessageEncoder {
     }
 
     /// The messages for one batch (the first call also yields the schema).
-    pub fn encode(&mut self, batch: &RecordBatch) -> Result<Vec<IpcMessage>, ArrowError> {
+    pub(crate) fn encode(&mut self, batch: &RecordBatch) -> Result<Vec<IpcMessage>, ArrowError> {
         split_messages(self.encoder.encode(batch)?)
     }
 
     /// The schema message if no batch was encoded, so an empty stream still has its schema.
-    pub fn finish(self) -> Result<Vec<IpcMessage>, ArrowError> {
+    pub(crate) fn finish(self) -> Result<Vec<IpcMessage>, ArrowError> {
         split_messages(self.encoder.finish()?)
     }
 }

@@ -27,7 +27,7 @@ use tokio::sync::mpsc::Sender;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use super::ipc_message::{IpcMessage, IpcMessageEncoder};
+use super::message::{IpcMessage, IpcMessageEncoder};
 
 use crate::backend::owned;
 use crate::batch_size::batch_bytes;
