@@ -416,3 +416,23 @@ def test_a_unix_socket_in_use_is_not_taken_over(make_server, tmp_path):
     second = subprocess.run([BINARY, "--backend", "host", "--listen", f"unix://{path}"],
                             capture_output=True, text=True, timeout=60)
     assert second.returncode != 0 and "another server is listening" in second.stderr, second.stderr
+
+
+def environment(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
+def test_freed_memory_is_kept_for_reuse_unless_configured(make_server):
+    """The server keeps freed memory 10 s before returning it (MIMALLOC_PURGE_DELAY, read by
+    the allocator at start: the process sets it and re-executes itself); an operator's own
+    value stands."""
+    default = make_server()
+    expected = os.environ.get("MIMALLOC_PURGE_DELAY", "10000").encode()
+    assert environment(default.process.pid)[b"MIMALLOC_PURGE_DELAY"] == expected
+    chosen = make_server(env={"MIMALLOC_PURGE_DELAY": "0"})
+    assert environment(chosen.process.pid)[b"MIMALLOC_PURGE_DELAY"] == b"0"
+    with chosen.client() as client:
+        put(client, "t", pa.table({"x": [1, 2]}))
+        assert get(client, "t").num_rows == 2
