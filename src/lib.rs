@@ -12,6 +12,7 @@ pub mod backend;
 pub mod batch_size;
 pub mod config;
 pub mod consumer;
+pub mod datatypes;
 pub mod error;
 pub mod flight;
 pub mod metrics;

@@ -132,21 +132,7 @@ fn concatenate_batches(parts: &[&HostPartition]) -> Result<Arc<dyn Partition>, B
 }
 
 fn has_dictionary(data_type: &DataType) -> bool {
-    match data_type {
-        DataType::Dictionary(_, _) => true,
-        DataType::List(child)
-        | DataType::LargeList(child)
-        | DataType::ListView(child)
-        | DataType::LargeListView(child)
-        | DataType::FixedSizeList(child, _)
-        | DataType::Map(child, _) => has_dictionary(child.data_type()),
-        DataType::Struct(fields) => fields.iter().any(|f| has_dictionary(f.data_type())),
-        DataType::Union(fields, _) => fields.iter().any(|(_, f)| has_dictionary(f.data_type())),
-        DataType::RunEndEncoded(ends, values) => {
-            has_dictionary(ends.data_type()) || has_dictionary(values.data_type())
-        }
-        _ => false,
-    }
+    crate::datatypes::contains(data_type, &|t| matches!(t, DataType::Dictionary(_, _)))
 }
 
 /// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already

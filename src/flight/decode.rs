@@ -471,21 +471,7 @@ fn check_unions(
 }
 
 fn has_union(data_type: &DataType) -> bool {
-    match data_type {
-        DataType::Union(_, _) => true,
-        DataType::List(child)
-        | DataType::LargeList(child)
-        | DataType::ListView(child)
-        | DataType::LargeListView(child)
-        | DataType::FixedSizeList(child, _)
-        | DataType::Map(child, _) => has_union(child.data_type()),
-        DataType::Struct(fields) => fields.iter().any(|f| has_union(f.data_type())),
-        DataType::RunEndEncoded(ends, values) => {
-            has_union(ends.data_type()) || has_union(values.data_type())
-        }
-        DataType::Dictionary(_, values) => has_union(values),
-        _ => false,
-    }
+    crate::datatypes::contains(data_type, &|t| matches!(t, DataType::Union(_, _)))
 }
 
 /// Checks what Arrow's schema conversion accepts but later code would trust: sizes that must
