@@ -329,6 +329,8 @@ class DockerCheck:
         result = subprocess.run([executable, "--no-color", str(self.dockerfile)], capture_output=True, text=True)
         for finding in result.stdout.splitlines():
             self.problems.append(f"hadolint: {finding}")
+        if result.returncode != 0 and not result.stdout.strip():
+            self.problems.append(f"hadolint failed (exit {result.returncode}): {result.stderr.strip()[:300]}")
 
 
 def _option(words: list[str], name: str) -> str | None:
@@ -384,8 +386,14 @@ def server_settings(container: dict) -> dict[str, str]:
     return settings
 
 
-def _port(address: str) -> int:
-    return int(address.rsplit(":", 1)[1])
+def _port(listen: str) -> int | None:
+    """The port of the first TCP address in a listen value (comma-separated, maybe with
+    unix:// sockets)."""
+    for address in listen.split(","):
+        address = address.strip()
+        if address and not address.startswith("unix://"):
+            return int(address.rsplit(":", 1)[1])
+    return None
 
 
 def check_kubernetes(directory: pathlib.Path = KUBERNETES) -> list[str]:
@@ -487,7 +495,10 @@ def check_kubernetes(directory: pathlib.Path = KUBERNETES) -> list[str]:
 
 
 def _is_loopback(listen: str) -> bool:
-    return all(a.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "::1", "localhost") for a in listen.split(","))
+    """Whether every address of a listen value stays on the host (loopback, or a Unix socket)."""
+    addresses = [a.strip() for a in listen.split(",") if a.strip()]
+    return all(a.startswith("unix://") or a.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "::1", "localhost")
+               for a in addresses)
 
 
 def main() -> int:

@@ -65,6 +65,11 @@ fn keep_freed_memory() {
         let name = args
             .next()
             .unwrap_or_else(|| binary.clone().into_os_string());
+        // Under an ELF interpreter (ld.so, valgrind, qemu-user) the executable is the
+        // interpreter, which would be run instead: keep mimalloc's default there.
+        if std::path::Path::new(&name).file_name() != binary.file_name() {
+            return;
+        }
         // Returns only if the exec failed.
         let _error = std::process::Command::new(&binary)
             .arg0(name)

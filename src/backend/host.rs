@@ -79,6 +79,10 @@ impl Backend for HostBackend {
         futures::future::ready(uploaded).boxed()
     }
 
+    fn keeps_decoded_arrays(&self) -> bool {
+        true
+    }
+
     fn compacts(&self, schema: &Schema, partitions: &[Arc<dyn Partition>]) -> bool {
         let bytes: u64 = partitions.iter().map(|p| p.bytes()).sum();
         let small = bytes / (partitions.len().max(1) as u64) < COALESCE_BELOW;

@@ -95,6 +95,12 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
+    /// Whether this backend keeps the host arrays `upload` is given (rather than copying them
+    /// elsewhere and dropping them): the decoder then hands it arrays that own their memory.
+    fn keeps_decoded_arrays(&self) -> bool {
+        false
+    }
+
     /// Whether a commit concatenates these partitions of a dataset with `schema` into one. A
     /// device backend always does: its compact layout is what `ipc-export` publishes and what
     /// reads fastest. Others may serve partitions as they are, and save the copy.

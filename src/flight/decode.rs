@@ -11,9 +11,8 @@
 //!
 //! Compressed bodies (LZ4 frame or ZSTD, as pyarrow writes with `IpcWriteOptions(compression=)`)
 //! prefix each buffer with the length it decompresses to, and Arrow allocates that length before
-//! it decompresses. So those lengths are read and bounded first ([`compressed_sizes`]): each
-//! must fit in `--max-put-message-bytes` together with the rest of the batch, and their sum is
-//! paid for by the caller (the `reserve` argument of [`PutDecoder::decode`]) before Arrow
+//! it decompresses. So those lengths are read and bounded first ([`buffer_lengths`]): their sum
+//! must fit in `--max-put-message-bytes`, and is paid for by the caller (the `reserve` argument of [`PutDecoder::decode`]) before Arrow
 //! allocates anything. Arrow then refuses data that decompresses to more than it declared.
 //!
 //! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns most
@@ -62,15 +61,19 @@ pub(crate) struct PutDecoder {
     max_schema_bytes: usize,
     /// Most bytes a compressed message's buffers may decompress to.
     max_decompressed_bytes: u64,
+    /// Whether decoded arrays must not point into their message ([`detach`]): for a backend
+    /// that keeps the arrays it is given.
+    detach: bool,
 }
 
 impl PutDecoder {
-    pub(crate) fn new(max_schema_bytes: usize, max_decompressed_bytes: u64) -> Self {
+    pub(crate) fn new(max_schema_bytes: usize, max_decompressed_bytes: u64, detach: bool) -> Self {
         Self {
             schema: None,
             dictionaries: HashMap::new(),
             max_schema_bytes,
             max_decompressed_bytes,
+            detach,
         }
     }
 
@@ -139,9 +142,11 @@ impl PutDecoder {
                     ipc::reader::read_dictionary(&body, header, &schema, dictionaries, &version)
                 })?
                 .map_err(|e| invalid(format!("invalid dictionary batch: {e}")))?;
-                let message = body_range(&data.data_body);
-                for dictionary in self.dictionaries.values_mut() {
-                    *dictionary = detach(dictionary, &message)?;
+                if self.detach {
+                    let message = body_range(&data.data_body);
+                    for dictionary in self.dictionaries.values_mut() {
+                        *dictionary = detach(dictionary, &message)?;
+                    }
                 }
                 Ok(Decoded::Dictionary)
             }
@@ -151,8 +156,8 @@ impl PutDecoder {
                     .header_as_record_batch()
                     .ok_or_else(|| invalid("an IPC record batch message without its batch"))?;
                 check_batch(&header, body_len)?;
-                check_unions(&schema, &header, version)?;
-                self.pay_for_decompression(&header, &data.data_body, reserve)?;
+                let lengths = self.pay_for_decompression(&header, &data.data_body, reserve)?;
+                check_unions(&schema, &header, &lengths, version)?;
                 let body = Buffer::from(data.data_body.clone());
                 let dictionaries = &self.dictionaries;
                 let batch = guarded("reading a record batch", || {
@@ -168,6 +173,9 @@ impl PutDecoder {
                 .map_err(|e| invalid(format!("invalid record batch: {e}")))?;
                 for column in batch.columns() {
                     check_values(&column.to_data())?;
+                }
+                if !self.detach {
+                    return Ok(Decoded::Batch(batch));
                 }
                 let message = body_range(&data.data_body);
                 let columns = batch
@@ -187,14 +195,19 @@ impl PutDecoder {
         }
     }
 
+    /// Pays for what a compressed batch decompresses to; returns the length Arrow will see
+    /// for each buffer.
     fn pay_for_decompression(
         &self,
         batch: &ipc::RecordBatch<'_>,
         body: &[u8],
         reserve: impl FnOnce(u64) -> Result<(), Error>,
-    ) -> Result<(), Error> {
-        let total = compressed_sizes(batch, body, self.max_decompressed_bytes)?;
-        if total > 0 { reserve(total) } else { Ok(()) }
+    ) -> Result<Vec<i64>, Error> {
+        let (lengths, total) = buffer_lengths(batch, body, self.max_decompressed_bytes)?;
+        if total > 0 {
+            reserve(total)?;
+        }
+        Ok(lengths)
     }
 
     fn schema(&self) -> Result<SchemaRef, Error> {
@@ -204,15 +217,16 @@ impl PutDecoder {
     }
 }
 
-/// The addresses a message body occupies.
-fn body_range(body: &[u8]) -> std::ops::Range<usize> {
+/// The addresses a message body occupies, its end included: an empty buffer Arrow places
+/// there still holds the body's allocation.
+fn body_range(body: &[u8]) -> std::ops::RangeInclusive<usize> {
     let start = body.as_ptr() as usize;
-    start..start + body.len()
+    start..=start + body.len()
 }
 
 /// `array`, or a copy of it in buffers of its own if any of its buffers lies in `message`.
-fn detach(array: &ArrayRef, message: &std::ops::Range<usize>) -> Result<ArrayRef, Error> {
-    fn borrows(data: &ArrayData, message: &std::ops::Range<usize>) -> bool {
+fn detach(array: &ArrayRef, message: &std::ops::RangeInclusive<usize>) -> Result<ArrayRef, Error> {
+    fn borrows(data: &ArrayData, message: &std::ops::RangeInclusive<usize>) -> bool {
         let nulls = data.nulls().map(|n| n.buffer());
         data.buffers()
             .iter()
@@ -295,12 +309,23 @@ fn check_batch(batch: &ipc::RecordBatch<'_>, body_len: usize) -> Result<(), Erro
     Ok(())
 }
 
-/// For a compressed batch (whose buffers [`check_batch`] has already placed inside `body`): the
-/// bytes Arrow will allocate to decompress it, after checking every buffer's declared length.
-/// Zero for an uncompressed batch.
-fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Result<u64, Error> {
+/// The length each buffer of a batch (placed inside `body` by [`check_batch`]) will have once
+/// Arrow has read it, and the bytes Arrow will allocate to decompress them, at most `limit`:
+/// for an uncompressed batch the lengths in its metadata and nothing; for a compressed one
+/// what each buffer's prefix declares (or, stored uncompressed, its length less the prefix).
+fn buffer_lengths(
+    batch: &ipc::RecordBatch<'_>,
+    body: &[u8],
+    limit: u64,
+) -> Result<(Vec<i64>, u64), Error> {
     let Some(compression) = batch.compression() else {
-        return Ok(0);
+        let wire = batch
+            .buffers()
+            .iter()
+            .flatten()
+            .map(|b| b.length())
+            .collect();
+        return Ok((wire, 0));
     };
     if compression.method() != ipc::BodyCompressionMethod::BUFFER {
         return Err(invalid(format!(
@@ -315,6 +340,7 @@ fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Re
         )));
     }
     let mut total: u64 = 0;
+    let mut lengths = Vec::new();
     for buffer in batch.buffers().iter().flatten() {
         // In range: check_batch placed every buffer inside the body.
         let start = usize::try_from(buffer.offset()).unwrap_or(usize::MAX);
@@ -326,6 +352,7 @@ fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Re
             return Err(invalid("a compressed buffer lies outside the message body"));
         };
         if bytes.is_empty() {
+            lengths.push(0);
             continue;
         }
         let Some(prefix) = bytes.first_chunk::<8>() else {
@@ -337,6 +364,7 @@ fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Re
         let declared = i64::from_le_bytes(*prefix);
         // -1: stored uncompressed, used in place.
         if declared == -1 {
+            lengths.push(i64::try_from(bytes.len() - 8).unwrap_or(i64::MAX));
             continue;
         }
         let declared = u64::try_from(declared).map_err(|_| {
@@ -345,6 +373,7 @@ fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Re
             ))
         })?;
         total = total.saturating_add(declared);
+        lengths.push(i64::try_from(declared).unwrap_or(i64::MAX));
     }
     if total > limit {
         return Err(Error::MessageTooLarge {
@@ -355,7 +384,7 @@ fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Re
                    (pyarrow: write_table(..., max_chunksize=...))",
         });
     }
-    Ok(total)
+    Ok((lengths, total))
 }
 
 /// Checks union columns' type-id and offset buffers against their lengths: Arrow's reader slices
@@ -364,16 +393,17 @@ fn compressed_sizes(batch: &ipc::RecordBatch<'_>, body: &[u8], limit: u64) -> Re
 fn check_unions(
     schema: &Schema,
     batch: &ipc::RecordBatch<'_>,
+    buffer_lengths: &[i64],
     version: ipc::MetadataVersion,
 ) -> Result<(), Error> {
     /// Lengths of the field nodes and buffers, consumed in order.
-    struct Walk {
+    struct Walk<'a> {
         nodes: std::vec::IntoIter<i64>,
-        buffers: std::vec::IntoIter<i64>,
+        buffers: std::iter::Copied<std::slice::Iter<'a, i64>>,
         variadic: std::collections::VecDeque<i64>,
         legacy_union_validity: bool,
     }
-    impl Walk {
+    impl Walk<'_> {
         fn node(&mut self) -> Result<i64, Error> {
             self.nodes.next().ok_or_else(|| {
                 invalid("the record batch has fewer field nodes than its schema needs")
@@ -454,13 +484,7 @@ fn check_unions(
             .map(|n| n.length())
             .collect::<Vec<_>>()
             .into_iter(),
-        buffers: batch
-            .buffers()
-            .iter()
-            .flatten()
-            .map(|b| b.length())
-            .collect::<Vec<_>>()
-            .into_iter(),
+        buffers: buffer_lengths.iter().copied(),
         variadic: batch
             .variadicBufferCounts()
             .map(|counts| counts.iter().collect())
@@ -477,6 +501,23 @@ fn has_union(data_type: &DataType) -> bool {
 /// Checks what Arrow's schema conversion accepts but later code would trust: sizes that must
 /// not be negative.
 fn check_schema(schema: &Schema) -> Result<(), Error> {
+    // Dictionary messages go to Arrow unchecked for unions (see `check_unions`), and Arrow
+    // slices a union's buffers before it validates them: refuse the type instead.
+    let union_dictionary = |t: &DataType| {
+        matches!(t, DataType::Dictionary(_, values)
+            if crate::datatypes::contains(values, &|v| matches!(v, DataType::Union(_, _))))
+    };
+    if let Some(field) = schema
+        .fields()
+        .iter()
+        .find(|f| crate::datatypes::contains(f.data_type(), &union_dictionary))
+    {
+        return Err(invalid(format!(
+            "field '{}' holds dictionary-encoded unions, which gpu-flight does not accept; send \
+             the union column without dictionary encoding",
+            field.name()
+        )));
+    }
     fn check(field: &Field) -> Result<(), Error> {
         match field.data_type() {
             DataType::FixedSizeList(child, size) => {
@@ -537,7 +578,7 @@ fn check_values(data: &ArrayData) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{DictionaryArray, Int64Array, StringArray};
+    use arrow::array::{DictionaryArray, Int32Array, Int64Array, StringArray};
     use arrow::buffer::MutableBuffer;
     use arrow::datatypes::Int32Type;
     use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
@@ -584,7 +625,7 @@ mod tests {
             .build(futures::stream::iter([Ok(batch.clone())]))
             .try_collect::<Vec<_>>();
         let messages = futures::executor::block_on(encoded).expect("encode");
-        let mut decoder = PutDecoder::new(1 << 20, 1 << 20);
+        let mut decoder = PutDecoder::new(1 << 20, 1 << 20, true);
         let mut bodies = Vec::new();
         let mut decoded = None;
         for mut message in messages {
@@ -607,5 +648,138 @@ mod tests {
                 "an array points into a message body"
             );
         }
+    }
+
+    fn encode(batch: RecordBatch, codec: Option<arrow::ipc::CompressionType>) -> Vec<FlightData> {
+        let options = arrow::ipc::writer::IpcWriteOptions::default()
+            .try_with_compression(codec)
+            .expect("codec");
+        let encoded = FlightDataEncoderBuilder::new()
+            .with_options(options)
+            .with_dictionary_handling(DictionaryHandling::Resend)
+            .build(futures::stream::iter([Ok(batch)]))
+            .try_collect::<Vec<_>>();
+        futures::executor::block_on(encoded).expect("encode")
+    }
+
+    fn sparse_union(type_ids: Vec<i8>) -> ArrayRef {
+        let rows = type_ids.len();
+        let fields =
+            arrow::datatypes::UnionFields::try_new([0], [Field::new("a", DataType::Int8, true)])
+                .expect("fields");
+        let child: ArrayRef = Arc::new(arrow::array::Int8Array::from(vec![1i8; rows]));
+        let ids = arrow::buffer::ScalarBuffer::from(type_ids);
+        Arc::new(arrow::array::UnionArray::try_new(fields, ids, None, vec![child]).expect("union"))
+    }
+
+    fn decode_all(messages: &[FlightData]) -> Result<Decoded, Error> {
+        let mut decoder = PutDecoder::new(1 << 20, 1 << 30, true);
+        let mut last = Ok(Decoded::Nothing);
+        for message in messages {
+            last = decoder.decode(message, |_| Ok(()));
+            if last.is_err() {
+                break;
+            }
+        }
+        last
+    }
+
+    /// The offset of the first field node's length in a record batch header.
+    fn first_node_length_at(header: &[u8]) -> usize {
+        let message = ipc::root_as_message(header).expect("message");
+        let batch = message.header_as_record_batch().expect("batch");
+        let nodes = batch.nodes().expect("nodes");
+        nodes.bytes().as_ptr() as usize - header.as_ptr() as usize
+    }
+
+    #[test]
+    fn compressed_unions_are_checked_at_their_uncompressed_lengths() {
+        let batch = |ids| RecordBatch::try_from_iter([("u", sparse_union(ids))]).expect("batch");
+        // Type ids that compress well: valid, so accepted.
+        let lz4 = Some(arrow::ipc::CompressionType::LZ4_FRAME);
+        let messages = encode(batch(vec![0; 100_000]), lz4);
+        assert!(matches!(decode_all(&messages), Ok(Decoded::Batch(_))));
+        // A union longer than its type ids, which Arrow would slice out of range.
+        let mut messages = encode(batch(vec![0; 16]), lz4);
+        let last = messages.last_mut().expect("batch message");
+        let mut header = last.data_header.to_vec();
+        let at = first_node_length_at(&header);
+        header[at..at + 8].copy_from_slice(&20i64.to_le_bytes());
+        last.data_header = header.into();
+        assert!(
+            matches!(decode_all(&messages), Err(Error::InvalidIpc(_))),
+            "refused as the client's error, not a panic"
+        );
+    }
+
+    #[test]
+    fn dictionary_encoded_unions_are_refused() {
+        let keys = arrow::array::Int8Array::from(vec![0i8, 1]);
+        let values = sparse_union(vec![0; 16]);
+        let dictionary = DictionaryArray::<arrow::datatypes::Int8Type>::try_new(keys, values)
+            .expect("dictionary");
+        let batch =
+            RecordBatch::try_from_iter([("d", Arc::new(dictionary) as ArrayRef)]).expect("batch");
+        match decode_all(&encode(batch, None)) {
+            Err(Error::InvalidIpc(message)) => assert!(message.contains("dictionary-encoded")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Owns a message's memory and says when it is freed.
+    struct Owner(Vec<u8>, Arc<std::sync::atomic::AtomicBool>);
+
+    impl AsRef<[u8]> for Owner {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl Drop for Owner {
+        fn drop(&mut self) {
+            self.1.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn empty_buffers_at_the_end_of_a_body_do_not_keep_it() {
+        // An all-null dictionary column whose dictionary is empty: its buffers are empty, and
+        // placed at the very end of a body that is a slice of a larger receive buffer.
+        let keys = Int32Array::from(vec![None::<i32>, None]);
+        let values: ArrayRef = Arc::new(arrow::array::Int8Array::from(Vec::<i8>::new()));
+        let dictionary = DictionaryArray::<Int32Type>::try_new(keys, values).expect("dictionary");
+        let batch =
+            RecordBatch::try_from_iter([("d", Arc::new(dictionary) as ArrayRef)]).expect("batch");
+        let freed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut decoder = PutDecoder::new(1 << 20, 1 << 30, true);
+        for mut message in encode(batch, None) {
+            let is_dictionary = ipc::root_as_message(&message.data_header)
+                .is_ok_and(|m| m.header_type() == MessageHeader::DictionaryBatch);
+            if is_dictionary {
+                let mut header = message.data_header.to_vec();
+                let (at, count) = {
+                    let parsed = ipc::root_as_message(&header).expect("message");
+                    let data = parsed.header_as_dictionary_batch().and_then(|d| d.data());
+                    let buffers = data.and_then(|d| d.buffers()).expect("buffers");
+                    (
+                        buffers.bytes().as_ptr() as usize - header.as_ptr() as usize,
+                        buffers.len(),
+                    )
+                };
+                for i in 0..count {
+                    let field = at + 16 * i;
+                    header[field..field + 8].copy_from_slice(&8i64.to_le_bytes());
+                    header[field + 8..field + 16].copy_from_slice(&0i64.to_le_bytes());
+                }
+                message.data_header = header.into();
+                let received = Owner(vec![0u8; 1 << 20], Arc::clone(&freed));
+                message.data_body = bytes::Bytes::from_owner(received).slice(0..8);
+            }
+            decoder.decode(&message, |_| Ok(())).expect("decode");
+        }
+        assert!(
+            freed.load(std::sync::atomic::Ordering::SeqCst),
+            "the receive buffer is freed while the put still runs"
+        );
     }
 }

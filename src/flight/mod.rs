@@ -147,7 +147,14 @@ impl Service {
         }
     }
 
-    fn flight_info(&self, dataset: &Dataset, read: ReadOptions) -> Result<FlightInfo, Error> {
+    /// The FlightInfo of `dataset`, whose tickets read as `read` says; it carries `descriptor`
+    /// (the caller's, for GetFlightInfo), else the dataset's PATH.
+    fn flight_info(
+        &self,
+        dataset: &Dataset,
+        read: ReadOptions,
+        descriptor: Option<FlightDescriptor>,
+    ) -> Result<FlightInfo, Error> {
         let rows = dataset.num_rows();
         // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them: the
         // reply must fit a client's 4 MiB message limit whatever row count a dataset declares.
@@ -159,7 +166,10 @@ impl Service {
         let mut info = FlightInfo::new()
             .try_with_schema(&dataset.schema())
             .map_err(|e| Error::Internal(format!("encoding schema: {e}")))?
-            .with_descriptor(FlightDescriptor::new_path(vec![dataset.name().to_owned()]))
+            .with_descriptor(
+                descriptor
+                    .unwrap_or_else(|| FlightDescriptor::new_path(vec![dataset.name().to_owned()])),
+            )
             .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
             .with_total_bytes(i64::try_from(dataset.data_bytes()).unwrap_or(i64::MAX))
             .with_ordered(true);
@@ -301,7 +311,7 @@ impl FlightService for Service {
             .list(prefix)
             .iter()
             .map(|dataset| {
-                self.flight_info(dataset, ReadOptions::default())
+                self.flight_info(dataset, ReadOptions::default(), None)
                     .map_err(Status::from)
             })
             .collect();
@@ -318,7 +328,12 @@ impl FlightService for Service {
             call.set_subject(name.as_str());
         }
         let dataset = self.store.get(&name).map_err(Error::from)?;
-        Ok(Response::new(self.flight_info(&dataset, read)?))
+        let descriptor = request.into_inner();
+        Ok(Response::new(self.flight_info(
+            &dataset,
+            read,
+            Some(descriptor),
+        )?))
     }
 
     async fn poll_flight_info(

@@ -96,6 +96,7 @@ pub(crate) async fn receive(
     let mut decoder = PutDecoder::new(
         options.max_message_bytes,
         options.max_put_message_bytes as u64,
+        store.keeps_decoded_arrays(),
     );
     let mut uploads = FuturesOrdered::new();
     // Dictionaries stay referenced by the decoder until the put ends; so do their charges.

@@ -73,26 +73,47 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// The connections `listeners` accept, each holding one of `permits` (a budget of
-/// `limits.max_connections` that several acceptors may share). Never ends and never fails:
-/// accept errors are logged and retried after a pause. Eviction picks among this acceptor's
-/// own connections.
+/// A budget of connections that several acceptors may share (TCP and Unix listeners are served
+/// by two servers): one permit a connection, and the connections open, from which a full
+/// budget evicts whichever acceptor's connection is least useful.
+#[derive(Debug)]
+pub(crate) struct ConnectionBudget {
+    permits: Arc<Semaphore>,
+    /// The connections handed out; dead entries are pruned as they are found.
+    open: std::sync::Mutex<Vec<Weak<Shared>>>,
+}
+
+impl ConnectionBudget {
+    pub(crate) fn new(max_connections: usize) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(max_connections)),
+            open: std::sync::Mutex::default(),
+        })
+    }
+
+    fn open(&self) -> std::sync::MutexGuard<'_, Vec<Weak<Shared>>> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The connections `listeners` accept, each counted in `budget` (of `limits.max_connections`).
+/// Never ends and never fails: accept errors are logged and retried after a pause.
 pub(crate) fn incoming(
     listeners: Vec<Listener>,
     limits: ConnectionLimits,
     metrics: Option<Arc<Metrics>>,
-    permits: Arc<Semaphore>,
+    budget: Arc<ConnectionBudget>,
 ) -> impl Stream<Item = Result<Connection, io::Error>> {
     let state = Acceptor {
         listeners,
         next_listener: 0,
         metrics,
-        permits,
+        permits: Arc::clone(&budget.permits),
+        budget,
         limits,
         backoff: None,
         last_refusal_log: None,
         refused: 0,
-        open: Vec::new(),
     };
     futures::stream::unfold(state, |mut state| async move {
         let connection = state.next().await;
@@ -112,8 +133,8 @@ struct Acceptor {
     last_refusal_log: Option<Instant>,
     /// Connections refused since the last log line about them.
     refused: u64,
-    /// The connections handed out, for eviction; dead entries are pruned as they are found.
-    open: Vec<Weak<Shared>>,
+    /// Shared with the other acceptors: the connections open, for eviction.
+    budget: Arc<ConnectionBudget>,
 }
 
 impl Acceptor {
@@ -162,8 +183,10 @@ impl Acceptor {
                 Some(permit) => {
                     let gauge = self.metrics.as_ref().map(Metrics::connection_opened);
                     let connection = Connection::new(socket, peer, permit, &self.limits, gauge);
-                    self.open.retain(|c| c.strong_count() > 0);
-                    self.open.push(Arc::downgrade(&connection.shared));
+                    let mut open = self.budget.open();
+                    open.retain(|c| c.strong_count() > 0);
+                    open.push(Arc::downgrade(&connection.shared));
+                    drop(open);
                     return connection;
                 }
                 None => self.refuse(socket, peer),
@@ -174,8 +197,11 @@ impl Acceptor {
     /// Closes the open connection a new one is most worth more than: the oldest that has not
     /// finished its preface, else the one idle longest. False when every connection is busy.
     fn evict_one(&mut self) -> bool {
-        self.open.retain(|c| c.strong_count() > 0);
-        let open: Vec<Arc<Shared>> = self.open.iter().filter_map(Weak::upgrade).collect();
+        let open: Vec<Arc<Shared>> = {
+            let mut open = self.budget.open();
+            open.retain(|c| c.strong_count() > 0);
+            open.iter().filter_map(Weak::upgrade).collect()
+        };
         let victim = open
             .iter()
             .filter(|c| !c.evicted.load(Ordering::Acquire))

@@ -71,19 +71,32 @@ impl Listener {
                         "the path exists and is not a socket; remove it or choose another",
                     ));
                 }
-                if UnixStream::connect(path).await.is_ok() {
-                    return Err(io::Error::new(
-                        io::ErrorKind::AddrInUse,
-                        "another server is listening on this socket",
-                    ));
+                // Only a refused connection means nobody listens: a full backlog or a
+                // permission error says nothing about that, and the file is left alone.
+                match UnixStream::connect(path).await {
+                    Err(error) if error.kind() == io::ErrorKind::ConnectionRefused => {
+                        std::fs::remove_file(path)?;
+                    }
+                    Ok(_) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::AddrInUse,
+                            "another server is listening on this socket",
+                        ));
+                    }
+                    Err(error) => {
+                        return Err(io::Error::new(
+                            error.kind(),
+                            format!("cannot tell whether a server listens on this socket: {error}"),
+                        ));
+                    }
                 }
-                std::fs::remove_file(path)?;
             }
             Err(error) if error.kind() == io::ErrorKind::NotFound => {}
             Err(error) => return Err(error),
         }
         let listener = UnixListener::bind(path)?;
-        Ok(Self::Unix(listener, SocketFile(path.to_owned())))
+        let file = SocketFile::new(path)?;
+        Ok(Self::Unix(listener, file))
     }
 
     /// How clients reach this listener, as a Flight location (`grpc://127.0.0.1:8815`,
@@ -94,7 +107,7 @@ impl Listener {
                 let scheme = if tls { "grpc+tls" } else { "grpc" };
                 format!("{scheme}://{}", listener.local_addr()?)
             }
-            Self::Unix(_, file) => format!("grpc+unix://{}", file.0.display()),
+            Self::Unix(_, file) => format!("grpc+unix://{}", file.path.display()),
         })
     }
 
@@ -121,13 +134,35 @@ impl Listener {
     }
 }
 
-/// A Unix socket's file, removed when its listener goes.
+/// A Unix socket's file, removed when its listener goes unless another server has bound a
+/// socket at that path since (it is then another file).
 #[derive(Debug)]
-pub struct SocketFile(PathBuf);
+pub struct SocketFile {
+    path: PathBuf,
+    identity: (u64, u64),
+}
+
+impl SocketFile {
+    fn new(path: &Path) -> io::Result<Self> {
+        Ok(Self {
+            path: path.to_owned(),
+            identity: identity(path)?,
+        })
+    }
+}
+
+/// The device and inode of the file at `path` (not following links).
+fn identity(path: &Path) -> io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::symlink_metadata(path)?;
+    Ok((metadata.dev(), metadata.ino()))
+}
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if identity(&self.path).is_ok_and(|now| now == self.identity) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -240,6 +275,14 @@ mod tests {
         assert_eq!(error.kind(), io::ErrorKind::AddrInUse);
         drop(live);
         assert!(!path.exists(), "the socket file goes with its listener");
+        // A listener whose file was replaced by another server's leaves that one alone.
+        let first = Listener::bind_unix(&path).await.expect("bind");
+        std::fs::remove_file(&path).expect("remove");
+        let second = Listener::bind_unix(&path).await.expect("bind again");
+        drop(first);
+        assert!(path.exists(), "the newer server's socket is kept");
+        drop(second);
+        assert!(!path.exists());
         std::fs::write(&path, b"not a socket").expect("write");
         let error = Listener::bind_unix(&path)
             .await

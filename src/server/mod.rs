@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tonic::transport::Server;
 
 mod connection;
@@ -132,8 +131,8 @@ pub async fn run(
             max_connections: HEALTH_MAX_CONNECTIONS,
             ..options.connections.clone()
         };
-        let permits = Arc::new(Semaphore::new(HEALTH_MAX_CONNECTIONS));
-        let incoming = connection::incoming(vec![listener.into()], limits, None, permits);
+        let budget = connection::ConnectionBudget::new(HEALTH_MAX_CONNECTIONS);
+        let incoming = connection::incoming(vec![listener.into()], limits, None, budget);
         AbortOnDrop(tokio::spawn(
             Server::builder()
                 .add_service(health_service.clone())
@@ -145,7 +144,7 @@ pub async fn run(
     // server in plain text. Both share the Flight service, the connection budget and the
     // shutdown.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let permits = Arc::new(Semaphore::new(options.connections.max_connections));
+    let budget = connection::ConnectionBudget::new(options.connections.max_connections);
     let (unix, tcp): (Vec<Listener>, Vec<Listener>) =
         listeners.flight.into_iter().partition(Listener::is_unix);
     let mut servers = Vec::new();
@@ -157,7 +156,7 @@ pub async fn run(
             group,
             options.connections.clone(),
             options.metrics.clone(),
-            Arc::clone(&permits),
+            Arc::clone(&budget),
         );
         let mut builder = Server::builder();
         if let Some(tls) = tls {
@@ -184,10 +183,10 @@ pub async fn run(
     }
     // Dropping this future (after the grace period) aborts the servers.
     let mut server = Box::pin(async move {
-        for server in &mut servers {
-            flatten((&mut server.0).await)?;
-        }
-        Ok::<(), tonic::transport::Error>(())
+        let ends = servers
+            .iter_mut()
+            .map(|server| async { flatten((&mut server.0).await) });
+        futures::future::try_join_all(ends).await.map(drop)
     });
 
     tokio::select! {

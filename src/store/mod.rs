@@ -329,6 +329,12 @@ impl Store {
         })
     }
 
+    /// Whether the backend keeps the host arrays a put gives it (see
+    /// [`crate::backend::Backend::keeps_decoded_arrays`]).
+    pub fn keeps_decoded_arrays(&self) -> bool {
+        self.inner.backend.keeps_decoded_arrays()
+    }
+
     /// Reserves `bytes` for a `DoPut` message being received (grown with
     /// [`Reservation::try_grow`] as its bytes arrive): bytes a client has sent but no dataset
     /// holds yet count against the budget like any other.

@@ -118,6 +118,7 @@ def test_reads_are_compressed_when_get_flight_info_asks(server, client, codec):
     command = flight.FlightDescriptor.for_command(json.dumps({"name": name, "compression": codec}))
     info = client.get_flight_info(command)
     assert info.total_records == data.num_rows
+    assert info.descriptor == command, "the FlightInfo carries the caller's descriptor"
     assert client.get_schema(command).schema == data.schema
     got = pa.concat_tables(client.do_get(e.ticket).read_all() for e in info.endpoints)
     assert got.equals(data)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -436,3 +437,19 @@ def test_freed_memory_is_kept_for_reuse_unless_configured(make_server):
     with chosen.client() as client:
         put(client, "t", pa.table({"x": [1, 2]}))
         assert get(client, "t").num_rows == 2
+
+
+def test_a_full_server_evicts_silent_tcp_connections_for_unix_clients(make_server, tmp_path):
+    """TCP and Unix listeners share --max-connections, and eviction picks across both: sockets
+    that never start HTTP/2 cannot lock clients of the other listener out."""
+    path = tmp_path / "gpu-flight.sock"
+    server = make_server("--listen", f"unix://{path}", "--max-connections", "2")
+    host, port = server.location.removeprefix("grpc://").rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port))) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # both accepted: they hold the whole budget
+        with unix_client(path) as client:
+            assert list(client.list_flights()) == []
+    finally:
+        for connection in silent:
+            connection.close()
