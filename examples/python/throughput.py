@@ -3,7 +3,7 @@ gpu-flight (each backend asked for, over TCP and a Unix socket) and a plain pyar
 server (examples/pyarrow_server.py), beside the raw-socket ceiling for the same N: all in one
 run, on one machine.
 
-    cargo build --release --example flight_client      # also builds target/release/gpu-flight
+    cargo build --release --bin gpu-flight --example flight_client
     python3 examples/python/throughput.py --backends host,cuda --clients 1,4,8,16 --mib 1024
 
 Each client process (examples/python/flight_client.py for pyarrow, `--client rust` for
