@@ -1984,7 +1984,7 @@ impl UnaryRig {
     }
 
     fn descriptor(&self, rng: &mut StdRng, log: &mut Log) -> FlightDescriptor {
-        match rng.random_range(0..6) {
+        match rng.random_range(0..7) {
             0..=2 => {
                 let name = self.some_name(rng);
                 log.push(format!("PATH {:?}", abbreviate(&name)));
@@ -1994,6 +1994,17 @@ impl UnaryRig {
                 let name = self.fixture_name(rng);
                 log.push(format!("CMD naming {name}"));
                 common::cmd(name, "create")
+            }
+            4 => {
+                let (name, codec) = (self.some_name(rng), read_codec(rng));
+                log.push(format!(
+                    "read CMD {:?} compression {codec}",
+                    abbreviate(&name)
+                ));
+                FlightDescriptor::new_cmd(format!(
+                    r#"{{"name": {}, "compression": {codec}}}"#,
+                    serde_json::Value::from(name)
+                ))
             }
             _ => {
                 let (label, descriptor) = odd_descriptor(rng, "create");
@@ -2014,11 +2025,17 @@ impl UnaryRig {
         let mut ticket = match rng.random_range(0..10) {
             0..=4 => {
                 let name = self.fixture_name(rng);
-                let info = timed("GetFlightInfo", self.client.get_flight_info(path(name)))
+                // Tickets for plain replies, and for LZ4 or ZSTD compressed ones.
+                let (descriptor, how) = match rng.random_range(0..3) {
+                    0 => (path(name), "plain"),
+                    1 => (compressed_read(name, "lz4"), "lz4"),
+                    _ => (compressed_read(name, "zstd"), "zstd"),
+                };
+                let info = timed("GetFlightInfo", self.client.get_flight_info(descriptor))
                     .await?
                     .map_err(|e| Failure::new("fixture unreadable", e.to_string()))?;
                 let endpoint = info.endpoint.choose(rng).expect("an endpoint");
-                log.push(format!("issued ticket of {name}"));
+                log.push(format!("issued {how} ticket of {name}"));
                 let ticket = endpoint.ticket.clone().expect("a ticket").ticket.to_vec();
                 expected_rows = issued_rows(&ticket);
                 ticket
@@ -2301,6 +2318,21 @@ fn forged_ticket(rng: &mut StdRng, name: &str) -> Vec<u8> {
 }
 
 /// The row range of a server-issued ticket (the JSON after the format line), as a count.
+/// A GetFlightInfo descriptor whose tickets read `name` compressed with `codec`.
+fn compressed_read(name: &str, codec: &str) -> FlightDescriptor {
+    FlightDescriptor::new_cmd(serde_json::json!({"name": name, "compression": codec}).to_string())
+}
+
+/// A `compression` value for a read command, as JSON: a codec, or one the server must refuse.
+fn read_codec(rng: &mut StdRng) -> &'static str {
+    [
+        "\"lz4\"", "\"zstd\"", "null", "\"gzip\"", "\"LZ4\"", "1", "[]", "\"\"",
+    ]
+    .choose(rng)
+    .copied()
+    .unwrap_or("null")
+}
+
 fn issued_rows(ticket: &[u8]) -> Option<usize> {
     let newline = ticket.iter().position(|&b| b == b'\n')?;
     let body: serde_json::Value = serde_json::from_slice(&ticket[newline + 1..]).ok()?;
