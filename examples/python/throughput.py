@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import pyarrow.flight as flight
+from flight_client import connect  # beside this script
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -51,11 +52,6 @@ class Process:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-
-
-def connect(location):
-    options = [("grpc.default_authority", "localhost")] if location.startswith("grpc+unix") else []
-    return flight.connect(location, generic_options=options)
 
 
 def client_argv(kind, op, location, name, args, table):

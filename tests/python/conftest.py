@@ -21,6 +21,16 @@ BINARY = os.environ.get("GPU_FLIGHT_BIN", str(ROOT / "target" / "debug" / "gpu-f
 BACKEND = os.environ.get("GPU_FLIGHT_BACKEND", "host")
 
 
+def new_token(principal, role):
+    """A `[[tokens]]` entry and its bearer token, from `gpu-flight new-token`."""
+    done = subprocess.run(
+        [BINARY, "new-token", "--principal", principal, "--role", role],
+        capture_output=True, text=True, check=True,
+    )
+    token = done.stderr.strip().splitlines()[-1]
+    return done.stdout, token
+
+
 class Server:
     """One gpu-flight process; `location` is its grpc:// (or grpc+tls://) address.
 

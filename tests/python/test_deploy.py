@@ -4,7 +4,6 @@ DaemonSet and the image give it.
 """
 
 import json
-import pathlib
 import re
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ import pyarrow.flight as flight
 import pytest
 import trustme
 
-from conftest import BACKEND, BINARY, ROOT
+from conftest import BACKEND, BINARY, ROOT, new_token
 
 sys.path.insert(0, str(ROOT / "deploy"))
 import check as deploy_check  # noqa: E402  (deploy/check.py)
@@ -117,10 +116,8 @@ def test_the_daemonset_configuration_serves(tmp_path):
     (tls / "tls.crt").write_bytes(b"".join(pem.bytes() for pem in certificate.cert_chain_pems))
     auth = tmp_path / "auth"
     auth.mkdir()
-    done = subprocess.run([BINARY, "new-token", "--principal", "etl", "--role", "write"],
-                          capture_output=True, text=True, check=True)
-    token = done.stderr.strip().splitlines()[-1]
-    (auth / "tokens.toml").write_text(done.stdout)
+    entry, token = new_token("etl", "write")
+    (auth / "tokens.toml").write_text(entry)
     for path in [*tls.iterdir(), *auth.iterdir()]:
         path.chmod(0o440)
     places = {mounts["tls"]: str(tls), mounts["auth"]: str(auth)}

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from conftest import BINARY
+from conftest import BINARY, new_token
 
 
 def unique(prefix="t"):
@@ -351,10 +351,9 @@ def test_sigterm_exits_cleanly(make_server):
 
 @pytest.fixture(scope="module")
 def credentials_file(tmp_path_factory):
-    made = subprocess.run([BINARY, "new-token", "--principal", "ops", "--role", "admin"],
-                          capture_output=True, text=True, check=True)
+    entry, _ = new_token("ops", "admin")
     path = tmp_path_factory.mktemp("auth") / "tokens.toml"
-    path.write_text(made.stdout)
+    path.write_text(entry)
     path.chmod(0o600)
     return path
 

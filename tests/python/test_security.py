@@ -7,7 +7,6 @@ Certificates are made per run with trustme; tokens and password hashes with the 
 """
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,17 +19,7 @@ import pyarrow.flight as flight
 import pytest
 import trustme
 
-from conftest import BINARY, BACKEND
-
-
-def new_token(principal, role):
-    """A `[[tokens]]` entry and its bearer token, from `gpu-flight new-token`."""
-    done = subprocess.run(
-        [BINARY, "new-token", "--principal", principal, "--role", role],
-        capture_output=True, text=True, check=True,
-    )
-    token = done.stderr.strip().splitlines()[-1]
-    return done.stdout, token
+from conftest import BACKEND, BINARY, new_token
 
 
 def user_entry(name, role, password):
