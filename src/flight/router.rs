@@ -25,8 +25,8 @@
 //!   ends, and counts as an open stream on its connection ([`ConnectionStreams`]) until then,
 //!   which is what the idle timeout reads.
 //!
-//! `DoGet` goes to `doget::respond`, whose codec writes Arrow buffers into frames with one
-//! copy; everything else is encoded with prost.
+//! `DoGet` goes to `doget::respond`, whose reply body hands hyper the Arrow buffers without
+//! copying them; everything else is encoded with prost.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -481,7 +481,7 @@ struct Handler<Req, Res> {
 
 /// [`Handler`] for methods that reply with a stream of `T`, whose polling must not unwind into
 /// tonic either.
-pub(super) struct StreamHandler<Req, T> {
+struct StreamHandler<Req, T> {
     service: Arc<Service>,
     call: HandlerFn<Req, ReplyStream<T>>,
 }
@@ -493,7 +493,7 @@ fn handler<Req, Res>(service: &Arc<Service>, call: HandlerFn<Req, Res>) -> Handl
     }
 }
 
-pub(super) fn stream_handler<Req, T>(
+fn stream_handler<Req, T>(
     service: &Arc<Service>,
     call: HandlerFn<Req, ReplyStream<T>>,
 ) -> StreamHandler<Req, T> {
@@ -559,7 +559,7 @@ impl<Req, T: Send + 'static> StreamingService<Req> for StreamHandler<Streaming<R
     }
 }
 
-fn panicked(panic: &(dyn std::any::Any + Send)) -> Status {
+pub(super) fn panicked(panic: &(dyn std::any::Any + Send)) -> Status {
     let reason = panic_message(panic);
     tracing::error!(reason = %reason.escape_debug(), "a request handler panicked");
     Status::from(Error::Internal(format!(

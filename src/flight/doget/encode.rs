@@ -3,8 +3,8 @@
 //! Batches are split by the bytes a slice really writes ([`crate::batch_size`]), halving pieces
 //! until each fits; arrow-flight's own splitting measures whole shared buffers instead, which
 //! over-splits every slice and cannot see skew in variable-length columns. Dictionaries are sent
-//! as dictionaries, never hydrated. Messages stay zero-copy [`IpcMessage`]s until the codec
-//! writes them into gRPC frames.
+//! as dictionaries, never hydrated. Messages stay zero-copy [`IpcMessage`]s until the reply body
+//! frames them for gRPC.
 //!
 //! The size estimate is checked against each encoded message: a record batch message over the
 //! limit is split again, and where one row's metadata alone exceeds the limit (a schema of

@@ -1,12 +1,12 @@
-//! `DoGet` messages written into gRPC frames with one copy.
+//! `DoGet` messages as IPC metadata plus the Arrow buffers they describe, never concatenated.
 //!
-//! The usual path (arrow-flight's encoder, then prost) copies every body byte twice in user
-//! space: once when the IPC writer concatenates the buffers into `FlightData.data_body`, once when
-//! prost copies that into the gRPC frame; growing those buffers costs more copies. On the hot
-//! path of a data server that is most of the CPU. Here arrow-ipc's [`StreamEncoder`] produces
-//! each message as zero-copy [`Buffer`]s that point into the arrays, and `FlightDataCodec`
-//! writes the protobuf framing of `FlightData` itself and copies those buffers straight into the
-//! frame: one copy, into a buffer reserved once at its final size.
+//! The usual path (arrow-flight's encoder, then prost, then tonic's codec) copies every body
+//! byte twice in user space: once when the IPC writer concatenates the buffers into
+//! `FlightData.data_body`, once when prost copies that into the gRPC frame. Here arrow-ipc's
+//! [`StreamEncoder`] produces each message as zero-copy [`Buffer`]s that point into the arrays,
+//! and [`IpcMessage::into_frame`] writes the gRPC and protobuf framing of `FlightData` by hand
+//! around them: small buffers are copied beside the framing, large ones are handed on as they
+//! are (see `body`).
 //!
 //! The bytes on the wire are exactly what prost would produce for the same `FlightData`
 //! (a test checks it); clients see an ordinary Flight stream.
@@ -19,19 +19,24 @@ use arrow::error::ArrowError;
 use arrow::ipc::CompressionType;
 use arrow::ipc::writer::{IpcWriteOptions, StreamEncoder};
 use arrow::record_batch::RecordBatch;
-use arrow_flight::{FlightData, Ticket};
-use bytes::{BufMut, Bytes};
+use arrow_flight::FlightData;
+use bytes::{BufMut, Bytes, BytesMut};
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
 use tonic::Status;
-use tonic::codec::{Codec, EncodeBuf, Encoder};
 
-use crate::flight::router::StrictDecoder;
+use crate::error::Error;
 
 /// `FlightData.data_header` and `FlightData.data_body` field numbers.
 const DATA_HEADER_TAG: u32 = 2;
 const DATA_BODY_TAG: u32 = 1000;
 /// The IPC continuation marker that precedes each message's metadata length.
 const CONTINUATION: u32 = 0xFFFF_FFFF;
+/// The gRPC message prefix: a compression flag and a big-endian length.
+const GRPC_PREFIX_BYTES: usize = 5;
+/// Body buffers at least this large go to the socket where they lie, each as a chunk of its own;
+/// smaller ones are copied beside the framing. A chunk becomes at least one HTTP/2 DATA frame,
+/// and a large one a write of its own, so tiny ones are cheaper copied.
+const ZERO_COPY_BYTES: usize = 64 * 1024;
 
 /// One IPC message: flatbuffer metadata and body buffers not yet copied anywhere.
 #[derive(Debug, Clone)]
@@ -59,20 +64,55 @@ impl IpcMessage {
         header + body
     }
 
-    /// Writes the protobuf encoding of the equivalent `FlightData`.
-    pub(crate) fn write_to(&self, out: &mut impl BufMut) {
+    /// Appends this message to `out` as one gRPC frame: the prefix, the protobuf framing of the
+    /// equivalent `FlightData` and its metadata in one chunk, then the body, small buffers copied
+    /// into chunks, large ones as they are.
+    pub(crate) fn into_frame(self, out: &mut VecDeque<Bytes>) -> Result<(), Status> {
+        // Only a single row can pass --max-message-bytes, and gRPC frames end at 4 GiB.
+        let len = u32::try_from(self.encoded_len()).map_err(|_| {
+            Status::from(Error::Unsupported(
+                "a row that takes more than 4 GiB, the most one gRPC message can carry,",
+            ))
+        })?;
+        let copied: usize = self
+            .body
+            .iter()
+            .map(Buffer::len)
+            .filter(|&n| n < ZERO_COPY_BYTES)
+            .sum();
+        let mut chunk =
+            BytesMut::with_capacity(GRPC_PREFIX_BYTES + 32 + self.header.len() + copied);
+        chunk.put_u8(0);
+        chunk.put_u32(len);
         if !self.header.is_empty() {
-            encode_key(DATA_HEADER_TAG, WireType::LengthDelimited, out);
-            encode_varint(self.header.len() as u64, out);
-            out.put_slice(&self.header);
+            encode_key(DATA_HEADER_TAG, WireType::LengthDelimited, &mut chunk);
+            encode_varint(self.header.len() as u64, &mut chunk);
+            chunk.put_slice(&self.header);
         }
         if self.body_len > 0 {
-            encode_key(DATA_BODY_TAG, WireType::LengthDelimited, out);
-            encode_varint(self.body_len as u64, out);
-            for buffer in &self.body {
-                out.put_slice(buffer.as_slice());
-            }
+            encode_key(DATA_BODY_TAG, WireType::LengthDelimited, &mut chunk);
+            encode_varint(self.body_len as u64, &mut chunk);
         }
+        for buffer in self.body {
+            if buffer.len() < ZERO_COPY_BYTES {
+                chunk.put_slice(buffer.as_slice());
+                continue;
+            }
+            if !chunk.is_empty() {
+                out.push_back(chunk.split().freeze());
+            }
+            out.push_back(Bytes::from_owner(buffer));
+        }
+        if !chunk.is_empty() {
+            out.push_back(chunk.freeze());
+        }
+        Ok(())
+    }
+
+    /// The body's buffers, in order.
+    #[cfg(test)]
+    pub(super) fn body_buffers(&self) -> &[Buffer] {
+        &self.body
     }
 
     /// The same message as a `FlightData` (concatenating the body).
@@ -206,40 +246,6 @@ impl BufferCursor {
     }
 }
 
-/// The gRPC codec for `DoGet`: decodes the `Ticket` with prost, encodes [`IpcMessage`]s by hand.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct FlightDataCodec;
-
-impl Codec for FlightDataCodec {
-    type Encode = IpcMessage;
-    type Decode = Ticket;
-    type Encoder = IpcMessageFrameEncoder;
-    type Decoder = StrictDecoder<Ticket>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        IpcMessageFrameEncoder
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        StrictDecoder::default()
-    }
-}
-
-/// Writes one [`IpcMessage`] into a gRPC frame, reserving its full size first.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct IpcMessageFrameEncoder;
-
-impl Encoder for IpcMessageFrameEncoder {
-    type Item = IpcMessage;
-    type Error = Status;
-
-    fn encode(&mut self, item: IpcMessage, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        dst.reserve(item.encoded_len());
-        item.write_to(dst);
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -275,10 +281,13 @@ mod tests {
         let messages = encoder.encode(&sliced).expect("encode");
         assert_eq!(messages.len(), 3, "schema, dictionary, batch");
         for message in messages {
-            let mut ours = Vec::new();
-            message.write_to(&mut ours);
-            assert_eq!(ours.len(), message.encoded_len());
-            assert_eq!(ours, message.into_flight_data().encode_to_vec());
+            let mut chunks = VecDeque::new();
+            message.clone().into_frame(&mut chunks).expect("frame");
+            let ours: Vec<u8> = chunks.iter().flatten().copied().collect();
+            let prost = message.into_flight_data().encode_to_vec();
+            assert_eq!(ours[0], 0, "not compressed");
+            assert_eq!(ours[1..5], (prost.len() as u32).to_be_bytes());
+            assert_eq!(ours[5..], prost);
         }
     }
 

@@ -9,24 +9,30 @@
 //! 2. `encode`: the chunks are split into record batch messages that fit `--max-message-bytes`
 //!    (measured by the bytes each slice really writes) and encoded as IPC messages, compressed
 //!    when the ticket asks, a few ahead of the connection on a task of their own.
-//! 3. `message`: each message is written into its gRPC frame with one copy by the codec
-//!    ([`message::FlightDataCodec`]); the Arrow buffers are never concatenated first.
+//! 3. `message`: each message stays IPC metadata plus the Arrow buffers it describes
+//!    ([`IpcMessage`]), never concatenated.
+//! 4. `body`: the reply's HTTP body frames each message for gRPC and hands hyper the large
+//!    buffers where they lie, so the kernel's copy into the socket is the only one; trailers
+//!    carry the final status.
 
+mod body;
 mod encode;
 mod message;
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use arrow_flight::Ticket;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
+use tonic::Status;
 use tonic::body::Body;
-use tonic::server::Grpc;
+use tonic::codec::Streaming;
 
 pub(crate) use message::IpcMessage;
 
 use super::call::Call;
 use super::descriptor::ReadOptions;
-use super::router::{guard, request_too_large, stream_handler};
+use super::router::{StrictDecoder, guard, panicked, request_too_large};
 use super::ticket::{self, TicketRequest};
 use super::{Service, Stream};
 use crate::error::Error;
@@ -39,19 +45,40 @@ pub(super) async fn respond(
 ) -> http::Response<Body> {
     let limit = service.options.max_request_bytes;
     let request = guard(request, limit, request_too_large, None, true);
-    Grpc::new(message::FlightDataCodec)
-        .apply_max_message_size_config(Some(limit), Some(usize::MAX))
-        .server_streaming(
-            stream_handler(service, |s, r| {
-                async move {
-                    let call = r.extensions().get::<Arc<Call>>().cloned();
-                    Ok(tonic::Response::new(stream(&s, r.get_ref(), call)?))
-                }
-                .boxed()
-            }),
-            request,
-        )
-        .await
+    let (parts, body) = request.into_parts();
+    // The guard has already refused compressed, oversized and missing messages with clearer
+    // errors; the decoder's own checks are the backstop.
+    let mut requests =
+        Streaming::new_request(StrictDecoder::<Ticket>::default(), body, None, Some(limit));
+    let ticket = match requests.message().await {
+        Ok(Some(ticket)) => ticket,
+        Ok(None) => {
+            return Status::from(Error::Undecodable(
+                "the request carried no ticket".to_owned(),
+            ))
+            .into_http();
+        }
+        Err(status) => return status.into_http(),
+    };
+    let call = parts.extensions.get::<Arc<Call>>().cloned();
+    let messages = std::panic::catch_unwind(AssertUnwindSafe(|| stream(service, &ticket, call)));
+    match messages {
+        Ok(Ok(messages)) => {
+            // Polling the messages cannot unwind into hyper either.
+            let messages = AssertUnwindSafe(messages)
+                .catch_unwind()
+                .map(|item| item.unwrap_or_else(|panic| Err(panicked(panic.as_ref()))))
+                .boxed();
+            let mut response = http::Response::new(Body::new(body::ReplyBody::new(messages)));
+            response.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/grpc"),
+            );
+            response
+        }
+        Ok(Err(error)) => Status::from(error).into_http(),
+        Err(panic) => panicked(panic.as_ref()).into_http(),
+    }
 }
 
 /// The reply to `ticket`: its rows read from the store and encoded as IPC messages.
