@@ -12,7 +12,9 @@ Arrow bytes all clients moved divided by the time from the first start to the la
 GB/s (1e9 bytes), best of `--repeat`. DoGet: every client reads the whole dataset (`--mib`) in
 one stream. DoPut: every client puts its own table of `--mib`. The raw ceiling moves `--mib`
 per connection through a bare socket (one write and one read copy, no framing): the most any
-server could do with these clients. Nothing else should run on the machine meanwhile.
+server could do with these clients. The last column is the CPU each client process and the
+server kept busy during the best run, in cores (from /proc): a client near 1.0 is its own
+limit, whatever the server does. Nothing else should run on the machine meanwhile.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,34 +67,57 @@ def client_argv(kind, op, location, name, args, table):
     return argv + ["--table", table, "--mib", str(args.mib)]
 
 
-def run_together(argvs):
+def cpu_seconds(pid):
+    """User plus system CPU time of a process, also after it exited if not yet reaped."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Rate(float):
+    """GB/s, with the CPU cores busy meanwhile: per client process, and in the server."""
+
+    def __new__(cls, rate, client_cores, server_cores):
+        self = super().__new__(cls, rate)
+        self.client_cores, self.server_cores = client_cores, server_cores
+        return self
+
+
+def run_together(argvs, server_pid):
     """Starts every process, waits until all are ready, says go, and returns the aggregate
-    GB/s from their reports."""
+    GB/s from their reports, with the CPU the clients and the server used meanwhile."""
     processes = [subprocess.Popen(a, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for a in argvs]
     try:
         for p in processes:
             line = p.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"a client said {line!r} instead of ready: {' '.join(argvs[0])}")
+        client_cpu = [cpu_seconds(p.pid) for p in processes]
+        server_cpu = cpu_seconds(server_pid)
         for p in processes:
             p.stdin.write("go\n")
             p.stdin.flush()
         reports = []
-        for p in processes:
+        for i, p in enumerate(processes):
             line = p.stdout.readline()
+            client_cpu[i] = cpu_seconds(p.pid) - client_cpu[i]  # read before reaping
             if p.wait(timeout=600) != 0 or not line:
                 raise RuntimeError(f"a client failed: {' '.join(argvs[0])}")
             reports.append(json.loads(line))
+        server_cpu = cpu_seconds(server_pid) - server_cpu
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
     seconds = max(r["end"] for r in reports) - min(r["start"] for r in reports)
-    return sum(r["bytes"] for r in reports) / seconds / 1e9
+    return Rate(sum(r["bytes"] for r in reports) / seconds / 1e9,
+                sum(client_cpu) / seconds / len(processes), server_cpu / seconds)
 
 
 def best(args, measure):
-    return max(measure() for _ in range(args.repeat))
+    return max((measure() for _ in range(args.repeat)), key=float)
 
 
 def main():
@@ -107,52 +133,59 @@ def main():
     parser.add_argument("--server", default=str(ROOT / "target" / "release" / "gpu-flight"))
     parser.add_argument("--rust-client", default=str(ROOT / "target" / "release" / "examples" / "flight_client"))
     parser.add_argument("--server-args", default="", help="more gpu-flight flags, e.g. '--max-message-bytes 8MiB'")
+    parser.add_argument("--compare", metavar="BINARY[,BINARY...]", default="",
+                        help="other gpu-flight builds (e.g. an earlier commit's) to run beside --server, "
+                             "TCP only, each labelled with its file name")
     args = parser.parse_args()
     clients = [int(n) for n in args.clients.split(",")]
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="gpu-flight-bench-"))
 
-    servers, targets = [], []  # targets: (label, location, is gpu-flight)
+    servers, targets = [], []  # targets: (label, location, is gpu-flight, server pid)
     try:
+        builds = [("", args.server)] + [(f" ({pathlib.Path(b).name})", b) for b in args.compare.split(",") if b]
         for backend in args.backends.split(","):
-            sock = scratch / f"{backend}.sock"
-            server = Process([args.server, "serve", "--backend", backend, "--listen", "127.0.0.1:0",
-                              "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB",
-                              *shlex.split(args.server_args)],
-                             r"serving on (grpc://\S+) \(backend: (\w+)\)")
-            if server.match.group(2) != backend:
-                raise SystemExit(f"asked for backend {backend}, got {server.match.group(2)}")
-            servers.append(server)
-            targets.append((f"gpu-flight {backend}", server.match.group(1), True))
-            if not args.no_uds:
-                targets.append((f"gpu-flight {backend} uds", f"grpc+unix://{sock}", True))
+            for suffix, binary in builds:
+                sock = scratch / f"{backend}{len(servers)}.sock"
+                server = Process([binary, "serve", "--backend", backend, "--listen", "127.0.0.1:0",
+                                  "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB",
+                                  *shlex.split(args.server_args)],
+                                 r"serving on (grpc://\S+) \(backend: (\w+)\)")
+                if server.match.group(2) != backend:
+                    raise SystemExit(f"asked for backend {backend}, got {server.match.group(2)}")
+                servers.append(server)
+                targets.append((f"gpu-flight {backend}{suffix}", server.match.group(1), True, server.process.pid))
+                if not args.no_uds and not suffix:
+                    targets.append((f"gpu-flight {backend} uds", f"grpc+unix://{sock}", True, server.process.pid))
         baseline = Process([sys.executable, str(ROOT / "examples" / "pyarrow_server.py")], r"serving on (grpc://\S+)")
         servers.append(baseline)
-        targets.append(("pyarrow", baseline.match.group(1), False))
+        targets.append(("pyarrow", baseline.match.group(1), False, baseline.process.pid))
 
         print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.client} clients, "
               f"{args.mib} MiB per client, best of {args.repeat}; GB/s = 1e9 Arrow bytes/s; "
-              f"server {args.server} {args.server_args}".rstrip(), flush=True)
+              f"server {args.server} {args.server_args}".rstrip()
+              + (f"; compare {args.compare}" if args.compare else ""), flush=True)
         print("| table | op | clients | " + " | ".join(t[0] for t in targets)
-              + " | raw TCP | raw UDS | gpu-flight (TCP) / pyarrow, / raw TCP |")
-        print("|" + " --- |" * (len(targets) + 6))
+              + " | raw TCP | raw UDS | gpu-flight (TCP) / pyarrow, / raw TCP "
+              + "| CPU cores busy: each client / server |")
+        print("|" + " --- |" * (len(targets) + 7))
         raw = {}
         for table in args.tables.split(","):
-            for _, location, _ in targets:  # the dataset every DoGet client reads, once a server
+            for _, location, _, pid in targets:  # the dataset every DoGet client reads, once a server
                 if not location.startswith("grpc+unix"):
-                    run_together([client_argv("python", "put", location, f"bench-{table}", args, table)])
+                    run_together([client_argv("python", "put", location, f"bench-{table}", args, table)], pid)
             for op in args.ops.split(","):
                 for n in clients:
                     figures = []
-                    for label, location, ours in targets:
+                    for label, location, ours, pid in targets:
                         if op == "get":
                             argvs = [client_argv(args.client, "get", location, f"bench-{table}", args, table)] * n
-                            figures.append(best(args, lambda: run_together(argvs)))
+                            figures.append(best(args, lambda: run_together(argvs, pid)))
                         else:
                             names = [f"put-{i}" for i in range(n)]
 
                             def put_all():
                                 rate = run_together([client_argv(args.client, "put", location, name, args, table)
-                                                     for name in names])
+                                                     for name in names], pid)
                                 drop_names(location, names, ours)
                                 return rate
                             figures.append(best(args, put_all))
@@ -162,13 +195,16 @@ def main():
                     tcp, uds = raw[n]
                     pyarrow = figures[-1]
                     ratios = "; ".join(f"{label.removeprefix('gpu-flight ')} {f / pyarrow:.2f}x, {f / tcp:.0%}"
-                                       for (label, location, ours), f in zip(targets, figures)
+                                       for (label, location, ours, _), f in zip(targets, figures)
                                        if ours and not location.startswith("grpc+unix"))
+                    cores = "; ".join(f"{label.removeprefix('gpu-flight ')} {f.client_cores:.2f} / {f.server_cores:.1f}"
+                                      for (label, *_), f in [*zip(targets, figures), (("raw TCP",), tcp)])
                     print(f"| {table} | {op} | {n} | " + " | ".join(f"{f:.2f}" for f in figures)
-                          + f" | {tcp:.2f} | {uds:.2f} | {ratios} |", flush=True)
+                          + f" | {tcp:.2f} | {uds:.2f} | {ratios} | {cores} |", flush=True)
     finally:
         for server in servers:
             server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def drop_names(location, names, ours):
@@ -183,7 +219,8 @@ def raw_rate(args, n, address):
                    r"listening (\S+)")
     try:
         target = sink.match.group(1)
-        return run_together([[str(args.rust_client), "send", "--address", target, "--mib", str(args.mib)]] * n)
+        return run_together([[str(args.rust_client), "send", "--address", target, "--mib", str(args.mib)]] * n,
+                            sink.process.pid)
     finally:
         sink.process.wait(timeout=60)
 
