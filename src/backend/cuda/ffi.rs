@@ -9,18 +9,37 @@
 //! - [`Stream`] and [`CopyBatch`]: asynchronous copies and kernel launches whose memory stays
 //!   borrowed until the stream has synchronized, so no buffer can be freed or reused under them.
 //! - [`Kernel`]: a function of a PTX module, loaded once.
+//! - [`read_back_array`]: arrays rebuilt from the server's own device memory without checking
+//!   every value again.
 
 use std::marker::PhantomData;
 use std::panic::RefUnwindSafe;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use arrow::array::{ArrayData, ArrayDataBuilder};
 use arrow::buffer::Buffer;
+use arrow::error::ArrowError;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::concat::{ConcatTask, TaskOwners};
 use crate::backend::BackendError;
+
+/// An array rebuilt from bytes this server copied back from its own device memory, checked for
+/// structure only ([`ArrayData::validate`]: buffer sizes, the first and last offsets, children),
+/// not value by value: checking every offset and every string's UTF-8 again cost more than the
+/// copies themselves, for data nothing but the server has written since it was checked.
+pub(super) fn read_back_array(builder: ArrayDataBuilder) -> Result<ArrayData, ArrowError> {
+    // SAFETY: the values are byte copies of arrays that Arrow's IPC decoder fully validated when
+    // they were put (every offset, every string's UTF-8, dictionary keys); on the device they
+    // are only ever moved whole, by copies and the concatenation kernel, which rebases offsets
+    // into the ranges it writes; `read_rows` rebases the copied offsets by their own first one.
+    // The structure is still checked below before anything can read through the array.
+    let data = unsafe { builder.build_unchecked() };
+    data.validate()?;
+    Ok(data)
+}
 
 /// Whether a CUDA driver library can be loaded. cudarc panics on first use without one, so
 /// everything else here must only run after this returned true.
@@ -709,5 +728,40 @@ fn check_device_range(
             "copy of {len} bytes at {offset} exceeds a device allocation of {} bytes",
             allocation.bytes
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::StringArray;
+    use arrow::datatypes::DataType;
+
+    use super::*;
+
+    fn strings(offsets: &[i32], values: &[u8]) -> ArrayDataBuilder {
+        ArrayDataBuilder::new(DataType::Utf8)
+            .len(offsets.len() - 1)
+            .add_buffer(Buffer::from_slice_ref(offsets))
+            .add_buffer(Buffer::from_slice_ref(values))
+    }
+
+    #[test]
+    fn read_back_arrays_are_the_arrays_written() {
+        let data = read_back_array(strings(&[0, 2, 2, 5], b"abcde")).expect("valid");
+        let array = StringArray::from(data);
+        assert_eq!(
+            array.iter().collect::<Vec<_>>(),
+            [Some("ab"), Some(""), Some("cde")]
+        );
+    }
+
+    #[test]
+    fn read_back_arrays_are_still_checked_for_structure() {
+        // The last offset points past the values: nothing may read through such an array.
+        let error = read_back_array(strings(&[0, 2, 9], b"abcde")).expect_err("out of bounds");
+        assert!(error.to_string().contains("offset"), "{error}");
+        // Fewer offsets than rows.
+        let short = strings(&[0, 2], b"ab").len(3);
+        assert!(read_back_array(short).is_err());
     }
 }

@@ -706,12 +706,12 @@ fn build(
     let nulls = out.nulls.map(|(slot, bit)| {
         NullBuffer::new(BooleanBuffer::new(slot_buffer(leases, slot), bit, out.len))
     });
-    ArrayDataBuilder::new(out.data_type.clone())
+    let builder = ArrayDataBuilder::new(out.data_type.clone())
         .len(out.len)
         .offset(out.offset)
         .buffers(buffers)
         .child_data(children)
-        .nulls(nulls)
-        .build()
+        .nulls(nulls);
+    ffi::read_back_array(builder)
         .map_err(|e| BackendError::Device(format!("rebuilding an array read from the device: {e}")))
 }
