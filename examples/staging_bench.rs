@@ -2,11 +2,11 @@
 //! place data and `DoGet` can stage it into pinned host memory.
 //!
 //! ```text
-//! cargo run --release --example staging_bench -- [--backend cuda] [--gib 1] [--chunk-mib 16]
+//! cargo run --release --example staging_bench -- [--backend cuda] [--gib 1] [--chunk-mib 16] [--prefetch 2]
 //! ```
 //!
 //! Uploads a table of 8 int64 columns and one of strings through the store, then reads each
-//! back as `DoGet` does (chunks of `--chunk-mib`, two in flight) and prints GB/s.
+//! back as `DoGet` does (chunks of `--chunk-mib`, `--prefetch` in flight) and prints GB/s.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +29,9 @@ struct Args {
     gib: f64,
     #[arg(long, default_value_t = 16)]
     chunk_mib: u64,
+    /// Chunks read ahead, as `DoGet` does (its default is 2).
+    #[arg(long, default_value_t = 2)]
+    prefetch: usize,
     #[arg(long, default_value_t = 131_072)]
     batch_rows: usize,
     #[arg(long, default_value_t = 3)]
@@ -103,7 +106,7 @@ async fn main() {
             let dataset = store.get(name).expect("dataset");
             let start = Instant::now();
             let rows: usize = dataset
-                .read(0..dataset.num_rows(), args.chunk_mib << 20, 2)
+                .read(0..dataset.num_rows(), args.chunk_mib << 20, args.prefetch)
                 .expect("read")
                 .try_fold(0, |n, b| async move { Ok(n + b.num_rows()) })
                 .await
@@ -120,7 +123,7 @@ async fn main() {
         );
     }
     println!(
-        "backend: {:?}; best of {}; GB = 1e9 bytes of Arrow buffers",
-        args.backend, args.repeat
+        "backend: {:?}; reads of {} MiB chunks, {} in flight; best of {}; GB = 1e9 bytes of Arrow buffers",
+        args.backend, args.chunk_mib, args.prefetch, args.repeat
     );
 }

@@ -454,7 +454,21 @@ pub(super) fn read_rows(
                     out,
                     buffer,
                 } => {
-                    outputs[out].buffers[buffer] = Some(stage(allocation, region));
+                    // String bytes start anywhere; copied from there into a 64-byte aligned
+                    // slot, source and destination disagree in alignment and the copy engine
+                    // runs at a fraction of its rate. Copy from the boundary before them (bytes
+                    // of the same allocation, never handed out) so both agree.
+                    let lead = region.offset % ALIGNMENT;
+                    let widened = Region {
+                        offset: region.offset - lead,
+                        len: region.len + lead,
+                    };
+                    let slot = stage(allocation, widened);
+                    outputs[out].buffers[buffer] = Some(Slot {
+                        start: slot.start + lead,
+                        len: region.len,
+                        ..slot
+                    });
                 }
                 Work::Rows { stored, rows, out } => {
                     schedule(
