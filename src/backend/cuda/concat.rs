@@ -25,105 +25,9 @@ use std::ops::Range;
 use arrow::array::ArrayRef;
 use arrow::buffer::Buffer;
 
+use super::abi::{ConcatTask, TaskOwners};
 use super::layout::{self, DeviceArray, Kind, Region, UploadPlan};
 use crate::backend::{BackendError, dictionary};
-
-/// One unit of kernel work description; must match `struct Task` in `kernels/concat.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct ConcatTask {
-    pub(super) kind: u32,
-    pub(super) reserved: u32,
-    pub(super) src: u64,
-    pub(super) dst: u64,
-    pub(super) count: u64,
-    pub(super) src_bit: u64,
-    pub(super) dst_bit: u64,
-    pub(super) base: i64,
-    /// `REMAP_KEYS_*`: index of the fragment's key map in the table's maps, and its length.
-    pub(super) map: u64,
-    pub(super) map_len: u64,
-}
-
-impl ConcatTask {
-    pub(super) const COPY_BYTES: u32 = 0;
-    pub(super) const COPY_BITS: u32 = 1;
-    pub(super) const REBASE_OFFSETS_32: u32 = 2;
-    pub(super) const REBASE_OFFSETS_64: u32 = 3;
-    /// `REMAP_KEYS_8 + k` maps keys of `1 << k` bytes.
-    pub(super) const REMAP_KEYS_8: u32 = 4;
-    pub(super) const REMAP_KEYS_64: u32 = 7;
-
-    fn new(kind: u32, src: u64, dst: u64, count: u64) -> Self {
-        Self {
-            kind,
-            reserved: 0,
-            src,
-            dst,
-            count,
-            src_bit: 0,
-            dst_bit: 0,
-            base: 0,
-            map: 0,
-            map_len: 0,
-        }
-    }
-
-    /// Work units the kernel spends on this task (see the kernel's launch contract).
-    /// `dst` must be the final device address: byte copies count 16-byte destination chunks.
-    pub(super) fn units(&self) -> u64 {
-        match self.kind {
-            _ if self.count == 0 => 0,
-            Self::COPY_BYTES => (self.dst + self.count - 1) / 16 - self.dst / 16 + 1,
-            Self::COPY_BITS => (self.dst_bit + self.count - 1) / 32 - self.dst_bit / 32 + 1,
-            Self::REBASE_OFFSETS_32 => self.count.div_ceil(4),
-            Self::REBASE_OFFSETS_64 => self.count.div_ceil(2),
-            _ => self.count,
-        }
-    }
-
-    /// Key width in bytes of a `REMAP_KEYS_*` task.
-    pub(super) fn key_width(&self) -> Option<u64> {
-        (Self::REMAP_KEYS_8..=Self::REMAP_KEYS_64)
-            .contains(&self.kind)
-            .then(|| 1 << (self.kind - Self::REMAP_KEYS_8))
-    }
-
-    /// The task's bytes exactly as the kernel reads its `struct Task` (little-endian, no
-    /// padding).
-    pub(super) fn to_le_bytes(self) -> [u8; std::mem::size_of::<Self>()] {
-        let mut bytes = [0; std::mem::size_of::<Self>()];
-        let mut fields = bytes.chunks_exact_mut(8);
-        let mut put = |value: [u8; 8]| {
-            if let Some(field) = fields.next() {
-                field.copy_from_slice(&value);
-            }
-        };
-        let mut head = [0; 8];
-        head[..4].copy_from_slice(&self.kind.to_le_bytes());
-        head[4..].copy_from_slice(&self.reserved.to_le_bytes());
-        put(head);
-        for field in [self.src, self.dst, self.count, self.src_bit, self.dst_bit] {
-            put(field.to_le_bytes());
-        }
-        put(self.base.to_le_bytes());
-        put(self.map.to_le_bytes());
-        put(self.map_len.to_le_bytes());
-        bytes
-    }
-}
-
-/// The exclusive scan of the tasks' work units, with the total as last entry.
-pub(super) fn unit_starts(tasks: &[ConcatTask]) -> Vec<u64> {
-    let mut starts = Vec::with_capacity(tasks.len() + 1);
-    let mut total = 0;
-    starts.push(0);
-    for task in tasks {
-        total += task.units();
-        starts.push(total);
-    }
-    starts
-}
 
 /// A fragment: one uploaded array, the device address of the allocation it lies in, and that
 /// allocation's index in the launch's list of sources.
@@ -132,14 +36,6 @@ pub(super) struct Fragment<'a> {
     pub(super) base: u64,
     pub(super) source: u32,
     pub(super) array: &'a DeviceArray,
-}
-
-/// The allocations a task reads and writes: indices into the launch's sources and
-/// destinations, so the launch checks each task's ranges against exactly one allocation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct TaskOwners {
-    pub(super) source: u32,
-    pub(super) destination: u32,
 }
 
 /// A table's concatenation, before its output allocations exist: columns laid out from offset
@@ -527,25 +423,5 @@ mod tests {
             vec![(0, 0), (1, 0), (1, 1024), (1, 1024 + 3 * MIB), (2, 0)]
         );
         assert_eq!(arrangement.total_bytes(), 54 * MIB as u64);
-    }
-
-    #[test]
-    fn tasks_serialize_as_the_kernel_reads_them() {
-        let mut task = ConcatTask::new(ConcatTask::REMAP_KEYS_8 + 1, 1, 2, 3);
-        task.map = 9;
-        task.map_len = 10;
-        task.base = -1;
-        let bytes = task.to_le_bytes();
-        assert_eq!(bytes.len(), 72);
-        assert_eq!(&bytes[..4], &5u32.to_le_bytes());
-        assert_eq!(&bytes[8..16], &1u64.to_le_bytes());
-        assert_eq!(&bytes[48..56], &(-1i64).to_le_bytes());
-        assert_eq!(&bytes[56..64], &9u64.to_le_bytes());
-        assert_eq!(&bytes[64..72], &10u64.to_le_bytes());
-        assert_eq!(task.key_width(), Some(2));
-        assert_eq!(
-            ConcatTask::new(ConcatTask::COPY_BYTES, 0, 0, 0).key_width(),
-            None
-        );
     }
 }

@@ -23,7 +23,7 @@ use arrow::error::ArrowError;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
-use super::concat::{ConcatTask, TaskOwners};
+use super::abi::{self, ConcatTask, TaskOwners};
 use crate::backend::BackendError;
 
 /// An array rebuilt from bytes this server copied back from its own device memory, checked for
@@ -458,19 +458,19 @@ impl<'a> CopyBatch<'a> {
                 "malformed concatenation task table".to_owned(),
             ));
         }
+        let span = |allocation: &&DeviceAllocation| {
+            allocation.ptr..allocation.ptr + allocation.bytes as u64
+        };
         for (task, owners) in tasks.iter().zip(owners) {
-            let source = sources.get(owners.source as usize);
-            let destination = destinations.get(owners.destination as usize);
-            check_task(task, source, destination, maps.len() as u64)?;
+            let source = sources.get(owners.source as usize).map(span);
+            let destination = destinations.get(owners.destination as usize).map(span);
+            abi::check_task(task, source, destination, maps.len() as u64)?;
         }
         let total_units = unit_starts.last().copied().unwrap_or(0);
         if total_units == 0 {
             return Ok(());
         }
-        // Must match BLOCK and TILE (BLOCK x UNITS_PER_THREAD units) in kernels/concat.cu.
-        let block = 256u32;
-        let tile = u64::from(block) * 8;
-        let grid = u32::try_from(total_units.div_ceil(tile).min(1 << 16)).unwrap_or(1 << 16);
+        let grid = abi::grid(total_units);
         let mut tasks_address = device_table.ptr;
         let mut starts_address = device_table.ptr + tasks_bytes;
         let mut maps_address = device_table.ptr + tasks_bytes + starts_bytes;
@@ -492,7 +492,7 @@ impl<'a> CopyBatch<'a> {
             result::launch_kernel(
                 kernel.function,
                 (grid, 1, 1),
-                (block, 1, 1),
+                (abi::BLOCK, 1, 1),
                 0,
                 self.stream.raw,
                 &mut params,
@@ -645,75 +645,6 @@ impl Drop for Kernel {
         if let Err(error) = unloaded {
             tracing::warn!(%error, "unloading a kernel module failed");
         }
-    }
-}
-
-/// Checks that a task reads only from `source` (and its key map from the table's
-/// `map_entries`) and writes only into `destination`; a missing allocation fails the task.
-fn check_task(
-    task: &ConcatTask,
-    source: Option<&&DeviceAllocation>,
-    destination: Option<&&DeviceAllocation>,
-    map_entries: u64,
-) -> Result<(), BackendError> {
-    let inside = |allocation: Option<&&DeviceAllocation>, address: u64, len: u64| {
-        allocation.is_some_and(|a| {
-            address >= a.ptr
-                && address
-                    .checked_add(len)
-                    .is_some_and(|end| end <= a.ptr + a.bytes as u64)
-        })
-    };
-    let reads = |address: u64, len: u64| inside(source, address, len);
-    let writes = |address: u64, len: u64| inside(destination, address, len);
-    let bytes = |count: u64, width: u64| count.saturating_mul(width);
-    let ok = match task.kind {
-        // Misaligned sources are read as the aligned 32-bit words around them.
-        ConcatTask::COPY_BYTES => {
-            let first = task.src & !3;
-            let end = task.src.saturating_add(task.count).next_multiple_of(4);
-            (task.count == 0 || reads(first, end - first)) && writes(task.dst, task.count)
-        }
-        ConcatTask::COPY_BITS => {
-            let end_bit = task.dst_bit.saturating_add(task.count);
-            let first_word = (task.dst_bit / 32) * 4;
-            let words_end = end_bit.div_ceil(32) * 4;
-            let src_ok = task.src == 0 || {
-                let first = task.src_bit / 8;
-                reads(
-                    task.src + first,
-                    task.src_bit.saturating_add(task.count).div_ceil(8) - first,
-                )
-            };
-            src_ok && writes(task.dst + first_word, words_end - first_word)
-        }
-        ConcatTask::REBASE_OFFSETS_32 | ConcatTask::REBASE_OFFSETS_64 => {
-            let width = if task.kind == ConcatTask::REBASE_OFFSETS_32 {
-                4
-            } else {
-                8
-            };
-            reads(task.src, bytes(task.count.max(1), width))
-                && writes(task.dst, bytes(task.count, width))
-        }
-        _ => match task.key_width() {
-            Some(width) => {
-                reads(task.src, bytes(task.count, width))
-                    && writes(task.dst, bytes(task.count, width))
-                    && task
-                        .map
-                        .checked_add(task.map_len)
-                        .is_some_and(|end| end <= map_entries)
-            }
-            None => false,
-        },
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(BackendError::Device(format!(
-            "concatenation task outside its buffers: {task:?}"
-        )))
     }
 }
 

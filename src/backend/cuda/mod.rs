@@ -1,6 +1,8 @@
 //! The CUDA backend: datasets in GPU memory.
 //!
 //! - `ffi`: every `unsafe` line, the driver calls and the RAII types around them.
+//! - `abi`: what the concatenation kernel and the host agree on (task record, launch shape,
+//!   the range check before each launch); `ffi` and `concat` both use it.
 //! - `staging`: the pool of pinned host buffers transfers go through.
 //! - `layout`: how a batch lies in device memory and how row ranges come back.
 //! - `concat`: one-launch concatenation of many batches into compact columns
@@ -19,6 +21,7 @@
 //! without CUDA; [`CudaBackend::open`] checks for the library before touching it, because
 //! cudarc panics on first use when it is missing.
 
+mod abi;
 mod concat;
 mod ffi;
 mod import;
@@ -295,7 +298,7 @@ impl Shared {
         // Staging, and the table allocation's first bytes: tasks | unit starts | key maps;
         // then, in staging only, the merged dictionaries to copy into their columns.
         let tasks = &plan.tasks;
-        let starts = concat::unit_starts(tasks);
+        let starts = abi::unit_starts(tasks);
         let table_bytes = std::mem::size_of_val(tasks.as_slice())
             + std::mem::size_of_val(starts.as_slice())
             + std::mem::size_of_val(plan.maps.as_slice());
