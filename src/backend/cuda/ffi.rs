@@ -1,5 +1,6 @@
 //! Every `unsafe` line of gpu-flight: the CUDA driver calls, through cudarc's thin `result`
-//! wrappers, and the RAII types that own what they return.
+//! wrappers, and the RAII types that own what they return. The crate denies `unsafe_code`
+//! (Cargo.toml); this module alone allows it.
 //!
 //! - [`Context`]: the device's primary context, made current on whichever thread calls.
 //! - [`DeviceAllocation`]: device memory from plain `cuMemAlloc`. Not cudarc's stream-ordered
@@ -11,6 +12,8 @@
 //! - [`Kernel`]: a function of a PTX module, loaded once.
 //! - [`read_back_array`]: arrays rebuilt from the server's own device memory without checking
 //!   every value again.
+
+#![allow(unsafe_code)]
 
 use std::marker::PhantomData;
 use std::panic::RefUnwindSafe;
