@@ -9,6 +9,8 @@
 //!   reads it at full speed (cudarc's `alloc_pinned` is write-combined, slow for the CPU to read).
 //! - [`Stream`] and [`CopyBatch`]: asynchronous copies and kernel launches whose memory stays
 //!   borrowed until the stream has synchronized, so no buffer can be freed or reused under them.
+//!   A batch is only lent to a closure ([`Stream::copies`]), never owned by a caller, so even
+//!   `mem::forget` cannot end those borrows early.
 //! - [`Kernel`]: a function of a PTX module, loaded once.
 //! - [`read_back_array`]: arrays rebuilt from the server's own device memory without checking
 //!   every value again.
@@ -332,21 +334,41 @@ impl Stream {
         })
     }
 
-    /// Starts a batch of asynchronous copies on this stream.
-    pub(super) fn copies<'a>(&'a mut self) -> Result<CopyBatch<'a>, BackendError> {
+    /// Runs `queue` to queue asynchronous copies (and launches) on this stream, then waits
+    /// until they have all completed, whether `queue` succeeded, failed or panicked. The batch
+    /// exists only inside this call, so it cannot be leaked (`mem::forget`) to end the borrows
+    /// of its buffers while the device still uses them.
+    pub(super) fn copies<'a, T>(
+        &'a mut self,
+        queue: impl FnOnce(&mut CopyBatch<'a>) -> Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
         self.context.bind()?;
-        Ok(CopyBatch {
+        let mut batch = CopyBatch {
             stream: self,
-            finished: false,
+            synchronized: false,
             _borrows: PhantomData,
-        })
+        };
+        // A panic in `queue` unwinds through `batch`, whose drop synchronizes.
+        let queued = queue(&mut batch);
+        let synchronized = batch.synchronize();
+        batch.synchronized = true;
+        match (queued, synchronized) {
+            (Ok(value), Ok(())) => Ok(value),
+            (Ok(_), Err(error)) => Err(error),
+            (Err(error), synchronized) => {
+                if let Err(sync_error) = synchronized {
+                    tracing::warn!(%sync_error, "synchronizing after a failed copy batch failed");
+                }
+                Err(error)
+            }
+        }
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
         let destroyed = self.context.bind().and_then(|()| {
-            // SAFETY: `raw` was created in this context; CopyBatch synchronized it.
+            // SAFETY: `raw` was created in this context; `copies` synchronized it.
             unsafe { result::stream::destroy(self.raw) }
                 .map_err(|e| device_error("cuStreamDestroy", e))
         });
@@ -365,13 +387,14 @@ pub(super) struct ConcatTable<'t> {
     pub(super) maps: &'t [u64],
 }
 
-/// Asynchronous copies queued on one stream. Everything a copy touches is borrowed for `'a`,
-/// and the batch synchronizes the stream in [`CopyBatch::finish`] (or on drop, after an
-/// error), so a buffer can never be freed, reused or read while a copy still runs.
+/// Asynchronous copies queued on one stream, only ever lent out by [`Stream::copies`].
+/// Everything a copy touches is borrowed for `'a`, and `copies` synchronizes the stream
+/// before it returns (the drop does, if a panic unwinds through it), so a buffer can never be
+/// freed, reused or read while a copy still runs.
 #[derive(Debug)]
 pub(super) struct CopyBatch<'a> {
     stream: &'a mut Stream,
-    finished: bool,
+    synchronized: bool,
     _borrows: PhantomData<&'a mut [u8]>,
 }
 
@@ -504,12 +527,6 @@ impl<'a> CopyBatch<'a> {
         .map_err(|e| device_error("cuLaunchKernel", e))
     }
 
-    /// Waits until every queued copy has completed.
-    pub(super) fn finish(mut self) -> Result<(), BackendError> {
-        self.finished = true;
-        self.synchronize()
-    }
-
     fn synchronize(&self) -> Result<(), BackendError> {
         // SAFETY: the stream is alive for 'a.
         unsafe { result::stream::synchronize(self.stream.raw) }
@@ -519,10 +536,10 @@ impl<'a> CopyBatch<'a> {
 
 impl Drop for CopyBatch<'_> {
     fn drop(&mut self) {
-        if !self.finished
+        if !self.synchronized
             && let Err(error) = self.synchronize()
         {
-            tracing::warn!(%error, "synchronizing an abandoned copy batch failed");
+            tracing::warn!(%error, "synchronizing a copy batch after a panic failed");
         }
     }
 }

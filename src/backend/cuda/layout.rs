@@ -485,20 +485,21 @@ pub(super) fn read_rows(
         }
         let mut lease = pool.lease(staged)?;
         if !copies.is_empty() {
-            let mut batch = stream.copies()?;
             let mut rest = lease.buffer_mut().as_mut_slice();
-            let mut consumed = 0;
-            for (allocation, region, slot) in &copies {
-                if slot.len == 0 {
-                    continue;
+            stream.copies(|batch| {
+                let mut consumed = 0;
+                for (allocation, region, slot) in &copies {
+                    if slot.len == 0 {
+                        continue;
+                    }
+                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(slot.start - consumed);
+                    let (target, tail) = tail.split_at_mut(slot.len);
+                    batch.copy_to_host(target, allocation, region.offset)?;
+                    rest = tail;
+                    consumed = slot.start + slot.len;
                 }
-                let (_, tail) = rest.split_at_mut(slot.start - consumed);
-                let (target, tail) = tail.split_at_mut(slot.len);
-                batch.copy_to_host(target, allocation, region.offset)?;
-                rest = tail;
-                consumed = slot.start + slot.len;
-            }
-            batch.finish()?;
+                Ok(())
+            })?;
             syncs += 1;
         }
         let bytes = lease.buffer_mut().as_mut_slice();

@@ -192,17 +192,18 @@ impl CudaBackend {
         }
         let started = std::time::Instant::now();
         shared.with_stream(|stream| {
-            let mut batch = stream.copies()?;
-            for &(output, at, allocation, part, values) in &copies {
-                batch.copy_within_device(
-                    &outputs[output].inner,
-                    at,
-                    &part.allocations[allocation].inner,
-                    values.offset,
-                    values.len,
-                )?;
-            }
-            batch.finish()
+            stream.copies(|batch| {
+                for &(output, at, allocation, part, values) in &copies {
+                    batch.copy_within_device(
+                        &outputs[output].inner,
+                        at,
+                        &part.allocations[allocation].inner,
+                        values.offset,
+                        values.len,
+                    )?;
+                }
+                Ok(())
+            })
         })?;
         Ok(FragmentCopies {
             copies: copies.len(),
@@ -247,9 +248,9 @@ impl Shared {
         let mut staging = self.pool.lease(plan.used_bytes)?;
         layout::fill_staging(&plan, &mut staging);
         self.with_stream(|stream| {
-            let mut copies = stream.copies()?;
-            copies.copy_to_device(&allocation.inner, 0, staging.as_ref(), 0..plan.used_bytes)?;
-            copies.finish()
+            stream.copies(|batch| {
+                batch.copy_to_device(&allocation.inner, 0, staging.as_ref(), 0..plan.used_bytes)
+            })
         })?;
         self.counters.uploads.fetch_add(1, Ordering::Relaxed);
         self.counters.upload_syncs.fetch_add(1, Ordering::Relaxed);
@@ -334,25 +335,25 @@ impl Shared {
         let destinations: Vec<&DeviceAllocation> = allocations.iter().map(|a| &a.inner).collect();
         let launched = std::time::Instant::now();
         self.with_stream(|stream| {
-            let mut batch = stream.copies()?;
-            batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
-            for ((column, region, _), range) in plan.host_copies.iter().zip(copy_ranges) {
-                let allocation = &allocations[arrangement.columns[*column].0].inner;
-                batch.copy_to_device(allocation, region.offset, staging.as_ref(), range)?;
-            }
-            batch.launch_concat(
-                kernel,
-                &table.inner,
-                ConcatTable {
-                    tasks,
-                    owners: &plan.owners,
-                    unit_starts: &starts,
-                    maps: &plan.maps,
-                },
-                &sources,
-                &destinations,
-            )?;
-            batch.finish()
+            stream.copies(|batch| {
+                batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
+                for ((column, region, _), range) in plan.host_copies.iter().zip(copy_ranges) {
+                    let allocation = &allocations[arrangement.columns[*column].0].inner;
+                    batch.copy_to_device(allocation, region.offset, staging.as_ref(), range)?;
+                }
+                batch.launch_concat(
+                    kernel,
+                    &table.inner,
+                    ConcatTable {
+                        tasks,
+                        owners: &plan.owners,
+                        unit_starts: &starts,
+                        maps: &plan.maps,
+                    },
+                    &sources,
+                    &destinations,
+                )
+            })
         })?;
         let counters = &self.counters;
         counters.concat_launches.fetch_add(1, Ordering::Relaxed);
