@@ -1,4 +1,4 @@
-//! How a record batch lies in device memory, and how rows of it come back.
+//! How a record batch lies in device memory: the layout contract, and upload plans.
 //!
 //! **The layout (the contract `ipc-export` publishes).** Every array lies in one device
 //! allocation: its validity bitmap (when it has nulls), then its own buffers (values; offsets
@@ -13,24 +13,15 @@
 //! has the same layout, so an upload is one host-to-device copy. Compaction (`concat`) then
 //! gives each large column an allocation of its own and packs the small ones together.
 //!
-//! **Reading rows `s..e`** copies only what those rows need, into pinned memory, in rounds:
-//! the first round copies validity bytes, fixed-width values and offsets; once the stream has
-//! synchronized, offsets give the byte ranges of string data and the row ranges of list
-//! children, which the next round copies. Fixed-width tables take one synchronization per
-//! chunk, flat strings two, and each further level of list nesting one more. Bitmaps are
-//! copied from byte `s / 8` and addressed with a bit offset, so no bits are shifted on the
-//! CPU; offsets are rebased to start at zero in pinned memory before Arrow sees them.
+//! Pure bookkeeping: nothing here touches the device, so it is unit-tested without one.
+//! Reading rows back through this layout is `read`'s job.
 
-use std::ops::Range;
-use std::sync::Arc;
+use arrow::array::{ArrayData, ArrayRef, MutableArrayData, make_array};
+use arrow::buffer::Buffer;
+use arrow::datatypes::DataType;
+use arrow::record_batch::RecordBatch;
 
-use arrow::array::{ArrayData, ArrayDataBuilder, ArrayRef, MutableArrayData, make_array};
-use arrow::buffer::{BooleanBuffer, Buffer, NullBuffer};
-use arrow::datatypes::{DataType, SchemaRef};
-use arrow::record_batch::{RecordBatch, RecordBatchOptions};
-
-use super::ffi::{self, DeviceAllocation, Stream};
-use super::staging::{PinnedLease, PinnedPool};
+use super::staging::PinnedLease;
 use crate::backend::{BackendError, BufferKind, ExportedArray, ExportedBuffer};
 
 /// Alignment of every buffer in device and staging memory.
@@ -296,7 +287,7 @@ fn is_compact(data: &ArrayData) -> bool {
 }
 
 /// `offsets[index]` of an offsets buffer of `width`-byte integers, as usize.
-fn offset_at(bytes: &[u8], index: usize, width: usize) -> usize {
+pub(super) fn offset_at(bytes: &[u8], index: usize, width: usize) -> usize {
     let at = index * width;
     if width == 4 {
         let mut raw = [0; 4];
@@ -314,7 +305,7 @@ fn last_offset(offsets: &Buffer, len: usize, width: usize) -> usize {
 }
 
 /// Subtracts `base` from `count` offsets in place.
-fn rebase_offsets(bytes: &mut [u8], count: usize, width: usize, base: usize) {
+pub(super) fn rebase_offsets(bytes: &mut [u8], count: usize, width: usize, base: usize) {
     for index in 0..count {
         let at = index * width;
         if width == 4 {
@@ -335,398 +326,122 @@ pub(super) fn fill_staging(plan: &UploadPlan, staging: &mut PinnedLease) {
     }
 }
 
-/// A range of one round's pinned buffer.
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    round: usize,
-    start: usize,
-    len: usize,
-}
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
 
-/// One array of the result, assembled once every round is done.
-#[derive(Debug)]
-struct OutArray {
-    data_type: DataType,
-    len: usize,
-    offset: usize,
-    nulls: Option<(Slot, usize)>,
-    buffers: Vec<Option<Slot>>,
-    children: Vec<usize>,
-}
+    use arrow::array::{Int64Array, ListArray, StringArray};
+    use arrow::datatypes::Int32Type;
 
-/// A device array and the allocation it lives in.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Stored<'a> {
-    pub(super) allocation: &'a DeviceAllocation,
-    pub(super) array: &'a DeviceArray,
-}
+    use super::*;
 
-impl<'a> Stored<'a> {
-    fn child(self, index: usize) -> Self {
-        Self {
-            allocation: self.allocation,
-            array: &self.array.children[index],
-        }
-    }
-}
-
-/// Work for a round: an array's rows, or bytes whose range an earlier round revealed.
-enum Work<'a> {
-    Rows {
-        stored: Stored<'a>,
-        rows: Range<usize>,
-        out: usize,
-    },
-    Bytes {
-        allocation: &'a DeviceAllocation,
-        region: Region,
-        out: usize,
-        buffer: usize,
-    },
-}
-
-/// What to do once a round's copies have landed.
-enum AfterRound<'a> {
-    /// Rebase offsets; then copy the strings they address.
-    Strings {
-        offsets: Slot,
-        len: usize,
-        width: usize,
-        values: Region,
-        allocation: &'a DeviceAllocation,
-        out: usize,
-    },
-    /// Rebase offsets; then read the child rows they address.
-    ListChild {
-        offsets: Slot,
-        len: usize,
-        width: usize,
-        child: Stored<'a>,
-        out: usize,
-    },
-}
-
-/// Copies rows `rows` of a partition's columns back into a host record batch. Returns the
-/// batch and the number of stream synchronizations it took.
-pub(super) fn read_rows(
-    columns: &[Stored<'_>],
-    schema: &SchemaRef,
-    rows: Range<usize>,
-    stream: &mut Stream,
-    pool: &Arc<PinnedPool>,
-) -> Result<(RecordBatch, u64), BackendError> {
-    let mut outputs: Vec<OutArray> = Vec::new();
-    let mut roots = Vec::with_capacity(columns.len());
-    let mut work = Vec::with_capacity(columns.len());
-    for column in columns {
-        let out = new_out(&mut outputs, column.array);
-        roots.push(out);
-        work.push(Work::Rows {
-            stored: *column,
-            rows: rows.clone(),
-            out,
-        });
+    fn regions(array: &DeviceArray, out: &mut Vec<Region>) {
+        out.extend(array.validity);
+        out.extend(&array.buffers);
+        array.children.iter().for_each(|child| regions(child, out));
     }
 
-    let mut leases: Vec<PinnedLease> = Vec::new();
-    let mut syncs = 0;
-    while !work.is_empty() {
-        let round = leases.len();
-        let mut copies: Vec<(&DeviceAllocation, Region, Slot)> = Vec::new();
-        let mut after = Vec::new();
-        let mut staged = 0usize;
-        let mut stage = |allocation, region: Region| {
-            let start = staged.next_multiple_of(ALIGNMENT);
-            staged = start + region.len;
-            let slot = Slot {
-                round,
-                start,
-                len: region.len,
-            };
-            copies.push((allocation, region, slot));
-            slot
-        };
-        while let Some(item) = work.pop() {
-            match item {
-                Work::Bytes {
-                    allocation,
-                    region,
-                    out,
-                    buffer,
-                } => {
-                    // String bytes start anywhere; copied from there into a 64-byte aligned
-                    // slot, source and destination disagree in alignment and the copy engine
-                    // runs at a fraction of its rate. Copy from the boundary before them (bytes
-                    // of the same allocation, never handed out) so both agree.
-                    let lead = region.offset % ALIGNMENT;
-                    let widened = Region {
-                        offset: region.offset - lead,
-                        len: region.len + lead,
-                    };
-                    let slot = stage(allocation, widened);
-                    outputs[out].buffers[buffer] = Some(Slot {
-                        start: slot.start + lead,
-                        len: region.len,
-                        ..slot
-                    });
-                }
-                Work::Rows { stored, rows, out } => {
-                    schedule(
-                        stored,
-                        rows,
-                        out,
-                        &mut outputs,
-                        &mut stage,
-                        &mut work,
-                        &mut after,
-                    );
-                }
-            }
-        }
-        let mut lease = pool.lease(staged)?;
-        if !copies.is_empty() {
-            let mut rest = lease.buffer_mut().as_mut_slice();
-            stream.copies(|batch| {
-                let mut consumed = 0;
-                for (allocation, region, slot) in &copies {
-                    if slot.len == 0 {
-                        continue;
-                    }
-                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(slot.start - consumed);
-                    let (target, tail) = tail.split_at_mut(slot.len);
-                    batch.copy_to_host(target, allocation, region.offset)?;
-                    rest = tail;
-                    consumed = slot.start + slot.len;
-                }
-                Ok(())
-            })?;
-            syncs += 1;
-        }
-        let bytes = lease.buffer_mut().as_mut_slice();
-        for step in after {
-            match step {
-                AfterRound::Strings {
-                    offsets,
-                    len,
-                    width,
-                    values,
-                    allocation,
-                    out,
-                } => {
-                    let (start, end) = rebase(bytes, offsets, len, width);
-                    let region = Region {
-                        offset: values.offset + start,
-                        len: end - start,
-                    };
-                    work.push(Work::Bytes {
-                        allocation,
-                        region,
-                        out,
-                        buffer: 1,
-                    });
-                }
-                AfterRound::ListChild {
-                    offsets,
-                    len,
-                    width,
-                    child,
-                    out,
-                } => {
-                    let (start, end) = rebase(bytes, offsets, len, width);
-                    let child_out = outputs[out].children[0];
-                    work.push(Work::Rows {
-                        stored: child,
-                        rows: start..end,
-                        out: child_out,
-                    });
-                }
-            }
-        }
-        leases.push(lease);
+    fn batch() -> RecordBatch {
+        let ids: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), None, Some(3), Some(4)]));
+        let words: ArrayRef = Arc::new(StringArray::from(vec!["a", "bcd", "", "ef"]));
+        let lists: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>([
+            Some(vec![Some(1), Some(2)]),
+            None,
+            Some(vec![]),
+            Some(vec![Some(3)]),
+        ]));
+        RecordBatch::try_from_iter([("id", ids), ("word", words), ("list", lists)]).expect("batch")
     }
 
-    let leases: Vec<Arc<PinnedLease>> = leases.into_iter().map(Arc::new).collect();
-    let arrays: Vec<ArrayRef> = roots
-        .iter()
-        .map(|&root| build(&outputs, root, &leases).map(make_array))
-        .collect::<Result<_, _>>()?;
-    let options = RecordBatchOptions::new().with_row_count(Some(rows.len()));
-    let batch =
-        RecordBatch::try_new_with_options(Arc::clone(schema), arrays, &options).map_err(|e| {
-            BackendError::Device(format!("rebuilding a batch read from the device: {e}"))
-        })?;
-    Ok((batch, syncs))
-}
-
-/// Reads the first and last of `len + 1` offsets in a slot and rebases them to start at 0.
-fn rebase(bytes: &mut [u8], offsets: Slot, len: usize, width: usize) -> (usize, usize) {
-    let slot = &mut bytes[offsets.start..offsets.start + offsets.len];
-    let start = offset_at(slot, 0, width);
-    let end = offset_at(slot, len, width);
-    rebase_offsets(slot, len + 1, width, start);
-    (start, end)
-}
-
-fn new_out(outputs: &mut Vec<OutArray>, array: &DeviceArray) -> usize {
-    outputs.push(OutArray {
-        data_type: array.data_type.clone(),
-        len: 0,
-        offset: 0,
-        nulls: None,
-        buffers: vec![None; array.buffers.len()],
-        children: Vec::new(),
-    });
-    let index = outputs.len() - 1;
-    let children: Vec<usize> = array.children.iter().map(|c| new_out(outputs, c)).collect();
-    outputs[index].children = children;
-    index
-}
-
-/// Queues the copies rows `rows` of an array need this round, and what must follow them.
-fn schedule<'a>(
-    stored: Stored<'a>,
-    rows: Range<usize>,
-    out: usize,
-    outputs: &mut [OutArray],
-    stage: &mut impl FnMut(&'a DeviceAllocation, Region) -> Slot,
-    work: &mut Vec<Work<'a>>,
-    after: &mut Vec<AfterRound<'a>>,
-) {
-    let array = stored.array;
-    let allocation = stored.allocation;
-    let (start, len) = (rows.start, rows.len());
-    let bytes_of = |bits: Range<usize>| (bits.start / 8, bits.end.div_ceil(8));
-    outputs[out].len = len;
-    if let Some(validity) = array.validity
-        && len > 0
-    {
-        let (first, end) = bytes_of(rows.clone());
-        let slot = stage(
-            allocation,
-            Region {
-                offset: validity.offset + first,
-                len: end - first,
-            },
+    #[test]
+    fn every_buffer_lies_aligned_in_order_without_overlap() {
+        let plan = UploadPlan::new(&batch()).expect("plan");
+        let mut all = Vec::new();
+        plan.columns.iter().for_each(|c| regions(c, &mut all));
+        let mut end = 0;
+        for region in &all {
+            assert_eq!(region.offset % ALIGNMENT, 0, "{region:?}");
+            assert!(
+                region.offset >= end,
+                "depth-first order, no overlap: {all:?}"
+            );
+            end = region.offset + region.len;
+        }
+        assert_eq!(plan.used_bytes, end);
+        assert_eq!(plan.allocation_bytes(), ALLOCATION_GRANULARITY);
+        // The staging buffer is filled from these sources at exactly these regions.
+        let placed: Vec<Region> = plan.sources.iter().map(|(r, _)| *r).collect();
+        assert_eq!(
+            placed,
+            all.into_iter().filter(|r| r.len > 0).collect::<Vec<_>>()
         );
-        outputs[out].nulls = Some((slot, start % 8));
     }
-    match array.kind {
-        Kind::Null => {}
-        Kind::Fixed(width) => {
-            let region = Region {
-                offset: array.buffers[0].offset + start * width,
-                len: len * width,
-            };
-            outputs[out].buffers[0] = Some(stage(allocation, region));
-        }
-        Kind::Bits => {
-            let (first, end) = bytes_of(rows.clone());
-            let region = Region {
-                offset: array.buffers[0].offset + first,
-                len: end - first,
-            };
-            outputs[out].buffers[0] = Some(stage(allocation, region));
-            outputs[out].offset = start % 8;
-        }
-        Kind::VarLen(width) | Kind::List(width) => {
-            let region = Region {
-                offset: array.buffers[0].offset + start * width,
-                len: (len + 1) * width,
-            };
-            let offsets = stage(allocation, region);
-            outputs[out].buffers[0] = Some(offsets);
-            after.push(match array.kind {
-                Kind::VarLen(_) => AfterRound::Strings {
-                    offsets,
-                    len,
-                    width,
-                    values: array.buffers[1],
-                    allocation,
-                    out,
-                },
-                _ => AfterRound::ListChild {
-                    offsets,
-                    len,
-                    width,
-                    child: stored.child(0),
-                    out,
-                },
-            });
-        }
-        Kind::FixedList(size) => {
-            let child = outputs[out].children[0];
-            work.push(Work::Rows {
-                stored: stored.child(0),
-                rows: start * size..(start + len) * size,
-                out: child,
-            });
-        }
-        Kind::Struct => {
-            for index in 0..array.children.len() {
-                let child_out = outputs[out].children[index];
-                work.push(Work::Rows {
-                    stored: stored.child(index),
-                    rows: rows.clone(),
-                    out: child_out,
-                });
-            }
-        }
-        Kind::Dictionary(width) => {
-            let region = Region {
-                offset: array.buffers[0].offset + start * width,
-                len: len * width,
-            };
-            outputs[out].buffers[0] = Some(stage(allocation, region));
-            let values = stored.child(0);
-            let values_out = outputs[out].children[0];
-            work.push(Work::Rows {
-                stored: values,
-                rows: 0..values.array.len,
-                out: values_out,
-            });
-        }
+
+    #[test]
+    fn buffers_have_the_sizes_their_rows_need() {
+        let plan = UploadPlan::new(&batch()).expect("plan");
+        let [id, word, list] = &plan.columns[..] else {
+            panic!("three columns");
+        };
+        assert_eq!(id.validity.map(|v| v.len), Some(1), "4 rows of bits");
+        assert_eq!(id.buffers[0].len, 32);
+        assert_eq!(word.kind, Kind::VarLen(4));
+        assert_eq!((word.buffers[0].len, word.buffers[1].len), (20, 6));
+        assert_eq!(
+            list.children[0].len, 3,
+            "the child holds exactly the referenced rows"
+        );
     }
-}
 
-fn slot_buffer(leases: &[Arc<PinnedLease>], slot: Slot) -> Buffer {
-    ffi::arrow_buffer(
-        Arc::clone(&leases[slot.round]),
-        slot.start..slot.start + slot.len,
-    )
-}
+    #[test]
+    fn slices_are_compacted_to_start_at_row_zero() {
+        let sliced = batch().slice(1, 3);
+        let plan = UploadPlan::new(&sliced).expect("plan");
+        let word = &plan.columns[1];
+        let (_, offsets) = plan
+            .sources
+            .iter()
+            .find(|(region, _)| *region == word.buffers[0])
+            .expect("the offsets' source");
+        assert_eq!(offset_at(offsets.as_slice(), 0, 4), 0, "offsets start at 0");
+        assert_eq!(
+            word.buffers[1].len, 5,
+            "only the slice's bytes: bcd, '', ef"
+        );
+    }
 
-/// Assembles an output array from the pinned slots its rounds filled. Validated like any
-/// client input: a device read must never hand the encoder an inconsistent array.
-fn build(
-    outputs: &[OutArray],
-    index: usize,
-    leases: &[Arc<PinnedLease>],
-) -> Result<ArrayData, BackendError> {
-    let out = &outputs[index];
-    let buffers = out
-        .buffers
-        .iter()
-        .map(|slot| {
-            slot.map_or_else(
-                || Buffer::from(Vec::<u8>::new()),
-                |s| slot_buffer(leases, s),
-            )
-        })
-        .collect();
-    let children = out
-        .children
-        .iter()
-        .map(|&child| build(outputs, child, leases))
-        .collect::<Result<Vec<_>, _>>()?;
-    let nulls = out.nulls.map(|(slot, bit)| {
-        NullBuffer::new(BooleanBuffer::new(slot_buffer(leases, slot), bit, out.len))
-    });
-    let builder = ArrayDataBuilder::new(out.data_type.clone())
-        .len(out.len)
-        .offset(out.offset)
-        .buffers(buffers)
-        .child_data(children)
-        .nulls(nulls);
-    ffi::read_back_array(builder)
-        .map_err(|e| BackendError::Device(format!("rebuilding an array read from the device: {e}")))
+    #[test]
+    fn exports_name_each_buffer_by_role() {
+        let plan = UploadPlan::new(&batch()).expect("plan");
+        let kinds = |array: &DeviceArray| -> Vec<BufferKind> {
+            exported(array).buffers.iter().map(|b| b.kind).collect()
+        };
+        assert_eq!(
+            kinds(&plan.columns[0]),
+            [BufferKind::Validity, BufferKind::Values]
+        );
+        assert_eq!(
+            kinds(&plan.columns[1]),
+            [BufferKind::Offsets, BufferKind::Values]
+        );
+        let list = exported(&plan.columns[2]);
+        assert_eq!(list.children.len(), 1);
+        assert_eq!(
+            list.buffers[1].offset,
+            plan.columns[2].buffers[0].offset as u64
+        );
+    }
+
+    #[test]
+    fn offsets_are_rebased_in_place() {
+        let mut bytes: Vec<u8> = [7i32, 9, 12].iter().flat_map(|o| o.to_le_bytes()).collect();
+        rebase_offsets(&mut bytes, 3, 4, 7);
+        let rebased: Vec<usize> = (0..3).map(|i| offset_at(&bytes, i, 4)).collect();
+        assert_eq!(rebased, [0, 2, 5]);
+        assert_eq!(allocation_bytes(0), ALLOCATION_GRANULARITY);
+        assert_eq!(
+            allocation_bytes(ALLOCATION_GRANULARITY + 1),
+            2 * ALLOCATION_GRANULARITY
+        );
+    }
 }

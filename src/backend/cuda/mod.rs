@@ -4,7 +4,9 @@
 //! - `abi`: what the concatenation kernel and the host agree on (task record, launch shape,
 //!   the range check before each launch); `ffi` and `concat` both use it.
 //! - `staging`: the pool of pinned host buffers transfers go through.
-//! - `layout`: how a batch lies in device memory and how row ranges come back.
+//! - `layout`: how a batch lies in device memory (the contract `ipc-export` publishes) and
+//!   upload plans; no device calls, unit-tested without a GPU.
+//! - `read`: row ranges copied back into pinned host memory, in rounds.
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
@@ -26,6 +28,7 @@ mod concat;
 mod ffi;
 mod import;
 mod layout;
+mod read;
 mod staging;
 
 pub use import::{ImportDevice, ImportedAllocation};
@@ -45,7 +48,8 @@ use super::{
 };
 use concat::{Arrangement, Fragment};
 use ffi::{ConcatTable, Context, DeviceAllocation, Kernel, Stream};
-use layout::{DeviceArray, Kind, Stored, UploadPlan};
+use layout::{DeviceArray, Kind, UploadPlan};
+use read::Stored;
 use staging::PinnedPool;
 
 /// The concatenation kernel, compiled from `kernels/concat.cu` by `kernels/build_ptx.py`.
@@ -594,7 +598,7 @@ impl Partition for CudaPartition {
                 })
                 .collect();
             let (batch, syncs) = shared.with_stream(|stream| {
-                layout::read_rows(&stored, &schema, offset..offset + len, stream, &shared.pool)
+                read::read_rows(&stored, &schema, offset..offset + len, stream, &shared.pool)
             })?;
             shared.counters.read_chunks.fetch_add(1, Ordering::Relaxed);
             shared
