@@ -49,7 +49,7 @@ enum TaskKind : u32 {
     REMAP_KEYS64 = 7,
 };
 
-// Must match `ConcatTask` in src/backend/cuda/concat.rs.
+// Must match `ConcatTask` in src/backend/cuda/abi.rs, whose tests read this file to check.
 struct Task {
     u32 kind;
     u32 reserved;

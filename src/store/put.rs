@@ -1,0 +1,432 @@
+//! Puts: a [`PendingPut`] collects uploaded partitions privately, then commits them in one
+//! catalog operation (compacting them first where the backend wants that).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use arrow::datatypes::{Schema, SchemaRef};
+use arrow::record_batch::RecordBatch;
+use dashmap::mapref::entry::Entry;
+use futures::future::BoxFuture;
+use futures::{FutureExt, TryFutureExt};
+
+use super::dataset::StoredPartition;
+use super::memory::Reservation;
+use super::{ARRAY_OVERHEAD, Dataset, PutMode, Store, StoreError, charge, progress};
+use crate::backend::BackendError;
+use crate::batch_size::{array_count, batch_bytes, schema_bytes};
+
+/// What a committed put reports back to the client.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PutSummary {
+    pub name: String,
+    pub mode: PutMode,
+    /// Rows and Arrow bytes this put added.
+    pub rows: u64,
+    pub bytes: u64,
+    /// The dataset's rows and Arrow bytes after the commit.
+    pub total_rows: u64,
+    pub total_bytes: u64,
+}
+
+impl Store {
+    /// Starts a put by `owner`. `create` fails here already if the name is taken, so a client
+    /// learns it before sending any data; the check is repeated atomically at commit. The put
+    /// is listed in [`Store::status`] until it commits or is dropped.
+    pub fn begin_put(
+        &self,
+        name: String,
+        mode: PutMode,
+        owner: &str,
+    ) -> Result<PendingPut, StoreError> {
+        if mode == PutMode::Create && self.inner.catalog.contains_key(&name) {
+            return Err(StoreError::AlreadyExists { name });
+        }
+        Ok(PendingPut {
+            progress: self.inner.puts.register(&name, mode, owner),
+            store: self.clone(),
+            name,
+            mode,
+            device: PUT_DEVICE,
+            schema: None,
+            schema_charge: None,
+            partitions: Vec::new(),
+            rows: 0,
+            data_bytes: 0,
+        })
+    }
+
+    /// Whether the backend keeps the host arrays a put gives it (see
+    /// [`crate::backend::Backend::keeps_decoded_arrays`]).
+    pub fn keeps_decoded_arrays(&self) -> bool {
+        self.inner.backend.keeps_decoded_arrays()
+    }
+
+    /// Reserves `bytes` for a `DoPut` message being received (grown with
+    /// [`Reservation::try_grow`] as its bytes arrive): bytes a client has sent but no dataset
+    /// holds yet count against the budget like any other.
+    pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
+        self.inner.budget.try_reserve(PUT_DEVICE, bytes)
+    }
+}
+
+/// A put in progress: uploaded partitions that nobody else can see yet.
+#[derive(Debug)]
+pub struct PendingPut {
+    /// Listed in `status` while the put runs.
+    progress: progress::Registered,
+    store: Store,
+    name: String,
+    mode: PutMode,
+    device: u32,
+    schema: Option<SchemaRef>,
+    schema_charge: Option<Arc<Reservation>>,
+    partitions: Vec<StoredPartition>,
+    rows: u64,
+    data_bytes: u64,
+}
+
+/// An upload running in the backend; resolve it and pass the result to [`PendingPut::add`].
+pub type Upload = BoxFuture<'static, Result<UploadedPartition, StoreError>>;
+
+/// A partition uploaded for a pending put.
+#[derive(Debug)]
+pub struct UploadedPartition(StoredPartition);
+
+impl PendingPut {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Records the schema the client declared. A repeated identical schema is accepted; a
+    /// different one fails the put. For `append` the fields must match the existing dataset.
+    pub fn declare_schema(&mut self, schema: SchemaRef) -> Result<(), StoreError> {
+        if let Some(first) = &self.schema {
+            if first.as_ref() != schema.as_ref() {
+                return Err(StoreError::SchemaChanged {
+                    first: first.to_string(),
+                    second: schema.to_string(),
+                });
+            }
+            return Ok(());
+        }
+        if self.mode == PutMode::Append
+            && let Ok(existing) = self.store.get(&self.name)
+        {
+            check_append_schema(&existing, &schema)?;
+        }
+        let charge = self
+            .store
+            .inner
+            .budget
+            .try_reserve(self.device, schema_bytes(&schema))?;
+        self.schema_charge = Some(Arc::new(charge));
+        self.schema = Some(schema);
+        Ok(())
+    }
+
+    /// Reserves memory for `batch` and starts uploading it. Returns `None` for an empty batch,
+    /// which holds nothing. The reservation is made before the upload starts, so a batch that
+    /// does not fit fails here with nothing allocated. `message` paid for the message the batch
+    /// was decoded from, which the batch may still point into; it is released once the upload
+    /// is done with the batch.
+    pub fn upload(
+        &mut self,
+        batch: RecordBatch,
+        message: Option<Reservation>,
+    ) -> Result<Option<Upload>, StoreError> {
+        if self.schema.is_none() {
+            return Err(StoreError::MissingSchema);
+        }
+        if batch.num_rows() == 0 {
+            return Ok(None);
+        }
+        let backend = Arc::clone(&self.store.inner.backend);
+        let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64)
+            .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(&batch)));
+        let reservation = Arc::new(self.store.inner.budget.try_reserve(self.device, bytes)?);
+        let data_bytes = batch_bytes(&batch);
+        self.rows = self.rows.saturating_add(batch.num_rows() as u64);
+        self.data_bytes = self.data_bytes.saturating_add(data_bytes);
+        self.progress
+            .progress
+            .add(batch.num_rows() as u64, data_bytes);
+        let upload = backend
+            .upload(self.device, batch)
+            .map_err(StoreError::from)
+            .map_ok(move |data| {
+                drop(message);
+                UploadedPartition(StoredPartition {
+                    data,
+                    reservation,
+                    data_bytes,
+                })
+            })
+            .boxed();
+        Ok(Some(upload))
+    }
+
+    /// Adds a finished upload to the put.
+    pub fn add(&mut self, uploaded: UploadedPartition) {
+        self.partitions.push(uploaded.0);
+    }
+
+    /// Compacts the put's partitions (with the dataset's, for `append`) and makes the result
+    /// visible in one catalog operation, or fails leaving the catalog untouched.
+    pub async fn commit(self) -> Result<PutSummary, StoreError> {
+        let (Some(schema), Some(schema_charge)) = (self.schema, self.schema_charge) else {
+            return Err(StoreError::MissingSchema);
+        };
+        let store = self.store;
+        let base = match self.mode {
+            PutMode::Append => store.get(&self.name).ok(),
+            PutMode::Create | PutMode::Replace => None,
+        };
+        let mut combined = match &base {
+            Some(existing) => {
+                check_append_schema(existing, &schema)?;
+                existing.partitions().to_vec()
+            }
+            None => Vec::new(),
+        };
+        combined.extend(self.partitions.iter().cloned());
+        let compacted = store.compact(&schema, combined, self.device).await?;
+
+        let version = store.next_version();
+        let summary = |dataset: &Dataset| PutSummary {
+            name: dataset.name().to_owned(),
+            mode: self.mode,
+            rows: self.rows,
+            bytes: self.data_bytes,
+            total_rows: dataset.num_rows(),
+            total_bytes: dataset.data_bytes(),
+        };
+        let catalog = &store.inner.catalog;
+        let committed = match catalog.entry(self.name.clone()) {
+            Entry::Occupied(_) if self.mode == PutMode::Create => {
+                return Err(StoreError::AlreadyExists { name: self.name });
+            }
+            Entry::Occupied(mut entry) if self.mode == PutMode::Append => {
+                let current = entry.get();
+                check_append_schema(current, &schema)?;
+                let partitions = if base.as_ref().map(|b| b.version()) == Some(current.version()) {
+                    compacted
+                } else {
+                    // Another commit won the race since we compacted: append our own
+                    // partitions to what is there now, uncompacted, rather than lose rows.
+                    let mut partitions = current.partitions().to_vec();
+                    partitions.extend(self.partitions);
+                    partitions
+                };
+                let dataset = Arc::new(Dataset::new(
+                    self.name.clone(),
+                    current.schema(),
+                    version,
+                    partitions,
+                    Arc::clone(current.schema_charge()),
+                ));
+                entry.insert(Arc::clone(&dataset));
+                dataset
+            }
+            Entry::Occupied(mut entry) => {
+                let dataset = Arc::new(Dataset::new(
+                    self.name.clone(),
+                    schema,
+                    version,
+                    compacted,
+                    schema_charge,
+                ));
+                entry.insert(Arc::clone(&dataset));
+                dataset
+            }
+            Entry::Vacant(entry) => {
+                // An append whose dataset was dropped meanwhile commits its own rows only: the
+                // compacted copy holds the dropped rows too.
+                let partitions = if base.is_some() {
+                    self.partitions
+                } else {
+                    compacted
+                };
+                let dataset = Arc::new(Dataset::new(
+                    self.name.clone(),
+                    schema,
+                    version,
+                    partitions,
+                    schema_charge,
+                ));
+                entry.insert(Arc::clone(&dataset));
+                dataset
+            }
+        };
+        Ok(summary(&committed))
+    }
+}
+
+impl Store {
+    /// Concatenates partitions into one compact partition, reserving its memory first: the
+    /// inputs stay reserved until they are dropped, so the budget covers the transient peak,
+    /// and a compaction that does not fit fails with `MemoryExhausted`. Partitions the backend
+    /// cannot concatenate (a merged dictionary its keys cannot index) are returned unchanged.
+    async fn compact(
+        &self,
+        schema: &Schema,
+        partitions: Vec<StoredPartition>,
+        device: u32,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        if partitions.len() <= 1 {
+            return Ok(partitions);
+        }
+        let backend = &self.inner.backend;
+        let data: Vec<_> = partitions.iter().map(|p| Arc::clone(&p.data)).collect();
+        if !backend.compacts(schema, &data) {
+            return Ok(partitions);
+        }
+        let size = match backend.concatenated_size(&data) {
+            Ok(size) => size,
+            Err(
+                error @ (BackendError::UnsupportedType { .. }
+                | BackendError::CannotConcatenate { .. }),
+            ) => {
+                tracing::info!(%error, "dataset kept in its uploaded batches");
+                return Ok(partitions);
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let rows = partitions.iter().map(|p| p.data.num_rows() as u64).sum();
+        let reservation = self.inner.budget.try_reserve(device, charge(size, rows))?;
+        let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
+        let started = std::time::Instant::now();
+        let compacted = backend.concatenate(data).await?;
+        let inner = &self.inner;
+        inner.concatenations.fetch_add(1, Ordering::Relaxed);
+        inner.concatenation_nanos.fetch_add(
+            u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        Ok(vec![StoredPartition {
+            data: compacted,
+            reservation: Arc::new(reservation),
+            data_bytes,
+        }])
+    }
+}
+
+/// Where puts place their data: the backend's first device.
+const PUT_DEVICE: u32 = 0;
+
+/// `append` needs the same fields (names, types, nullability, field metadata). Schema-level
+/// metadata may differ: pandas, for one, writes each frame's index range there.
+fn check_append_schema(existing: &Dataset, incoming: &SchemaRef) -> Result<(), StoreError> {
+    let existing_schema = existing.schema();
+    if existing_schema.fields() == incoming.fields() {
+        Ok(())
+    } else {
+        Err(StoreError::SchemaMismatch {
+            name: existing.name().to_owned(),
+            existing: existing_schema.to_string(),
+            incoming: incoming.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::{ArrayRef, Int64Array};
+
+    use super::*;
+    use crate::backend::{Backend, DeviceInfo, HostBackend};
+    use crate::store::StoreOptions;
+
+    fn batch(values: std::ops::Range<i64>) -> RecordBatch {
+        let column: ArrayRef = Arc::new(Int64Array::from_iter_values(values));
+        RecordBatch::try_from_iter([("x", column)]).expect("batch")
+    }
+
+    async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>) -> PendingPut {
+        let mut pending = store
+            .begin_put("t".to_owned(), mode, "test")
+            .expect("begin");
+        pending.declare_schema(batches[0].schema()).expect("schema");
+        for b in batches {
+            if let Some(upload) = pending.upload(b, None).expect("reserve") {
+                pending.add(upload.await.expect("upload"));
+            }
+        }
+        pending
+    }
+
+    /// The host backend, but concatenation waits for `release` (after saying it started), so
+    /// a test can act while a commit is compacting.
+    #[derive(Debug)]
+    struct GatedBackend {
+        host: HostBackend,
+        started: Arc<tokio::sync::Notify>,
+        release: Arc<tokio::sync::Notify>,
+    }
+
+    impl Backend for GatedBackend {
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+        fn devices(&self) -> Vec<DeviceInfo> {
+            self.host.devices()
+        }
+        fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
+            self.host.stored_size(batch)
+        }
+        fn upload(
+            &self,
+            device: u32,
+            batch: RecordBatch,
+        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
+            self.host.upload(device, batch)
+        }
+        fn concatenated_size(
+            &self,
+            partitions: &[Arc<dyn crate::backend::Partition>],
+        ) -> Result<u64, BackendError> {
+            self.host.concatenated_size(partitions)
+        }
+        fn concatenate(
+            &self,
+            partitions: Vec<Arc<dyn crate::backend::Partition>>,
+        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
+            let concatenated = self.host.concatenate(partitions);
+            let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
+            async move {
+                started.notify_one();
+                release.notified().await;
+                concatenated.await
+            }
+            .boxed()
+        }
+    }
+
+    #[tokio::test]
+    async fn an_append_to_a_dataset_dropped_while_compacting_does_not_bring_it_back() {
+        let started = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
+        let backend = GatedBackend {
+            host: HostBackend::new(),
+            started: Arc::clone(&started),
+            release: Arc::clone(&release),
+        };
+        let store = Store::new(Arc::new(backend), StoreOptions::default());
+        put(&store, PutMode::Create, vec![batch(0..10)])
+            .await
+            .commit()
+            .await
+            .expect("create");
+        let append = put(&store, PutMode::Append, vec![batch(10..15), batch(15..20)]).await;
+        let commit = tokio::spawn(append.commit());
+        started.notified().await;
+        store.remove("t").expect("drop while the append compacts");
+        release.notify_one();
+        let summary = commit.await.expect("task").expect("append");
+        assert_eq!(
+            summary.total_rows, 10,
+            "only the appended rows, not the dropped ones"
+        );
+        assert_eq!(store.get("t").expect("dataset").num_rows(), 10);
+    }
+}

@@ -1,0 +1,117 @@
+//! What the store holds, for the `status` action and the metrics.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
+
+use super::{PutProgress, Store};
+use crate::backend::DeviceInfo;
+
+/// A snapshot of what the store holds, for the `status` action.
+#[derive(Debug, Clone)]
+pub struct StoreStatus {
+    pub backend: &'static str,
+    pub devices: Vec<DeviceStatus>,
+    pub datasets: usize,
+    /// Backend memory held by committed datasets.
+    pub bytes: u64,
+    /// Arrow bytes in committed datasets.
+    pub data_bytes: u64,
+    pub counters: serde_json::Map<String, serde_json::Value>,
+    pub leases: Vec<LeaseStatus>,
+    /// Backend memory held only by leases: datasets dropped or replaced while exported.
+    pub leased_only_bytes: u64,
+    /// Puts being received, oldest first.
+    pub puts: Vec<Arc<PutProgress>>,
+    /// Compactions of batches into one partition (at commit), and the time they took.
+    pub concatenations: u64,
+    pub concatenation_seconds: f64,
+}
+
+/// A live lease, for `status`.
+#[derive(Debug, Clone)]
+pub struct LeaseStatus {
+    pub id: String,
+    /// The principal that was granted the lease.
+    pub owner: String,
+    pub dataset: String,
+    pub version: u64,
+    pub columns: Vec<String>,
+    /// Backend memory of the leased dataset.
+    pub bytes: u64,
+    pub expires_at: SystemTime,
+    /// Whether the leased version is still the one in the catalog.
+    pub in_catalog: bool,
+}
+
+/// One device's memory as the store accounts it.
+#[derive(Debug, Clone)]
+pub struct DeviceStatus {
+    pub info: DeviceInfo,
+    /// The budget: `--memory-limit`, else the device's capacity.
+    pub limit_bytes: Option<u64>,
+    /// Bytes reserved: committed datasets and puts in flight.
+    pub used_bytes: u64,
+}
+
+impl Store {
+    pub fn status(&self) -> StoreStatus {
+        let inner = &self.inner;
+        let devices = inner
+            .backend
+            .devices()
+            .into_iter()
+            .enumerate()
+            .map(|(index, info)| DeviceStatus {
+                info,
+                limit_bytes: inner.budget.limit(index as u32),
+                used_bytes: inner.budget.used(index as u32),
+            })
+            .collect();
+        let (datasets, bytes, data_bytes) = inner.catalog.iter().fold((0, 0, 0), |(n, b, d), e| {
+            (
+                n + 1,
+                b + e.value().memory_bytes(),
+                d + e.value().data_bytes(),
+            )
+        });
+        let mut leases = Vec::new();
+        let mut leased_only = std::collections::HashMap::new();
+        for lease in inner.leases.list() {
+            let dataset = &lease.dataset;
+            let in_catalog = inner
+                .catalog
+                .get(dataset.name())
+                .is_some_and(|current| current.version() == dataset.version());
+            if !in_catalog {
+                leased_only.insert(dataset.version(), dataset.memory_bytes());
+            }
+            leases.push(LeaseStatus {
+                id: lease.id,
+                owner: lease.owner,
+                dataset: dataset.name().to_owned(),
+                version: dataset.version(),
+                columns: lease.columns,
+                bytes: dataset.memory_bytes(),
+                expires_at: lease.expires_at,
+                in_catalog,
+            });
+        }
+        StoreStatus {
+            backend: inner.backend.name(),
+            devices,
+            datasets,
+            bytes,
+            data_bytes,
+            counters: inner.backend.counters(),
+            leases,
+            leased_only_bytes: leased_only.values().sum(),
+            puts: inner.puts.list(),
+            concatenations: inner.concatenations.load(Ordering::Relaxed),
+            concatenation_seconds: Duration::from_nanos(
+                inner.concatenation_nanos.load(Ordering::Relaxed),
+            )
+            .as_secs_f64(),
+        }
+    }
+}
