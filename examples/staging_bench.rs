@@ -75,7 +75,7 @@ fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let backend = select(args.backend, args.device).expect("backend");
+    let backend = select(args.backend, args.device, 1).expect("backend");
     let store = Store::new(backend, StoreOptions::default());
     println!(
         "{:<8} {:>8} {:>16} {:>16}",

@@ -101,6 +101,12 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_DEVICE", default_value_t = 0)]
     pub device: u32,
 
+    /// For tests of placement without GPUs: the host backend as this many devices, each with
+    /// a budget of its own (`--memory-limit` applies to each).
+    #[arg(long, env = "GPU_FLIGHT_HOST_DEVICES", default_value_t = 1, hide = true,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub host_devices: u32,
+
     /// Most bytes of datasets each device may hold, e.g. `8GiB` or `1000000`; default: the
     /// device's capacity. A put beyond it fails with RESOURCE_EXHAUSTED.
     #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT", value_parser = size)]

@@ -123,6 +123,7 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::NotCompact { .. } | StoreError::EmptyDataset { .. } => Code::FailedPrecondition,
         StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,
         StoreError::NoSuchDevice { .. } => Code::Internal,
+        StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::Backend(error) => backend_code(error),
     }
 }

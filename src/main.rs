@@ -137,12 +137,13 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         .map_err(Failure::Start)?;
     check_exposure(&args, &addresses, auth.is_on() || mutual, tls.is_some())?;
 
-    let backend = gpu_flight::backend::select(args.backend, args.device).map_err(|error| {
-        Failure::Start(format!(
-            "cannot start the {:?} backend: {error}",
-            args.backend
-        ))
-    })?;
+    let backend = gpu_flight::backend::select(args.backend, args.device, args.host_devices)
+        .map_err(|error| {
+            Failure::Start(format!(
+                "cannot start the {:?} backend: {error}",
+                args.backend
+            ))
+        })?;
     let mut listeners: Vec<Listener> = Vec::new();
     for address in &addresses {
         let listener = TcpListener::bind(address)

@@ -14,6 +14,9 @@
 //!
 //! Its capacity is the machine's memory or the container's (cgroup) limit, whichever is lower;
 //! the default budget is three quarters of that, leaving the rest for the server's own buffers.
+//!
+//! [`HostBackend::with_devices`] splits that memory into several pretend devices, each with a
+//! budget of its own, so that placement across GPUs is tested where there are none.
 
 use std::sync::Arc;
 
@@ -34,9 +37,19 @@ use crate::batch_size::batch_bytes;
 pub const COALESCE_BELOW: u64 = 1 << 20;
 
 /// Keeps datasets in host memory. Stateless: memory accounting is the store's job.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct HostBackend {
     total_bytes: Option<u64>,
+    devices: u32,
+}
+
+impl Default for HostBackend {
+    fn default() -> Self {
+        Self {
+            total_bytes: None,
+            devices: 1,
+        }
+    }
 }
 
 impl HostBackend {
@@ -45,7 +58,17 @@ impl HostBackend {
             (Some(physical), Some(cgroup)) => Some(physical.min(cgroup)),
             (physical, cgroup) => physical.or(cgroup),
         };
-        Self { total_bytes }
+        Self {
+            total_bytes,
+            devices: 1,
+        }
+    }
+
+    /// The same memory as `devices` pretend devices (at least one), each with an equal share
+    /// and a budget of its own: what the store's placement across GPUs is tested with.
+    pub fn with_devices(mut self, devices: u32) -> Self {
+        self.devices = devices.max(1);
+        self
     }
 }
 
@@ -55,12 +78,21 @@ impl Backend for HostBackend {
     }
 
     fn devices(&self) -> Vec<DeviceInfo> {
-        vec![DeviceInfo {
-            ordinal: 0,
-            name: "host memory".to_owned(),
-            total_bytes: self.total_bytes,
-            default_limit_bytes: self.total_bytes.map(|total| total / 4 * 3),
-        }]
+        let share = self
+            .total_bytes
+            .map(|total| total / u64::from(self.devices));
+        (0..self.devices)
+            .map(|ordinal| DeviceInfo {
+                ordinal,
+                name: if self.devices == 1 {
+                    "host memory".to_owned()
+                } else {
+                    format!("host memory (pretend device {ordinal})")
+                },
+                total_bytes: share,
+                default_limit_bytes: share.map(|total| total / 4 * 3),
+            })
+            .collect()
     }
 
     fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
@@ -285,8 +317,23 @@ mod tests {
     fn the_default_budget_leaves_a_quarter() {
         let devices = HostBackend {
             total_bytes: Some(1 << 30),
+            devices: 1,
         }
         .devices();
         assert_eq!(devices[0].default_limit_bytes, Some(3 << 28));
+    }
+
+    #[test]
+    fn pretend_devices_share_the_memory() {
+        let devices = HostBackend {
+            total_bytes: Some(1 << 30),
+            devices: 1,
+        }
+        .with_devices(4)
+        .devices();
+        let ordinals: Vec<u32> = devices.iter().map(|d| d.ordinal).collect();
+        assert_eq!(ordinals, [0, 1, 2, 3]);
+        assert!(devices.iter().all(|d| d.total_bytes == Some(1 << 28)));
+        assert_eq!(HostBackend::default().with_devices(0).devices().len(), 1);
     }
 }

@@ -184,11 +184,17 @@ pub enum BackendChoice {
 #[error("{0}")]
 pub struct SelectError(String);
 
-/// Starts the backend `choice` asks for, on GPU `device` where it is a GPU. `auto` never
+/// Starts the backend `choice` asks for, on GPU `device` where it is a GPU; host memory is
+/// split into `host_devices` pretend devices (see [`HostBackend::with_devices`]). `auto` never
 /// fails: without a usable GPU it falls back to host memory and says why in the log.
-pub fn select(choice: BackendChoice, device: u32) -> Result<Arc<dyn Backend>, SelectError> {
+pub fn select(
+    choice: BackendChoice,
+    device: u32,
+    host_devices: u32,
+) -> Result<Arc<dyn Backend>, SelectError> {
+    let host = || Arc::new(HostBackend::new().with_devices(host_devices)) as Arc<dyn Backend>;
     match choice {
-        BackendChoice::Host => Ok(Arc::new(HostBackend::new())),
+        BackendChoice::Host => Ok(host()),
         BackendChoice::Cuda => CudaBackend::open(device)
             .map(|backend| Arc::new(backend) as Arc<dyn Backend>)
             .map_err(|error| SelectError(format!("{error}; run with --backend host (or auto)"))),
@@ -204,12 +210,12 @@ pub fn select(choice: BackendChoice, device: u32) -> Result<Arc<dyn Backend>, Se
                 }
                 Err(error) => {
                     tracing::warn!(backend = "host", %error, "backend selected: the CUDA device failed to open");
-                    Ok(Arc::new(HostBackend::new()))
+                    Ok(host())
                 }
             },
             Some(reason) => {
                 tracing::info!(backend = "host", %reason, "backend selected");
-                Ok(Arc::new(HostBackend::new()))
+                Ok(host())
             }
         },
     }

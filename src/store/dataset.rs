@@ -28,9 +28,17 @@ pub(crate) struct StoredPartition {
     pub(crate) data_bytes: u64,
 }
 
+impl StoredPartition {
+    /// The device holding the partition: the one whose budget pays for it.
+    pub(crate) fn device(&self) -> u32 {
+        self.reservation.device()
+    }
+}
+
 impl fmt::Debug for StoredPartition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoredPartition")
+            .field("device", &self.device())
             .field("rows", &self.data.num_rows())
             .field("bytes", &self.reservation.bytes())
             .field("data_bytes", &self.data_bytes)
@@ -121,6 +129,20 @@ impl Dataset {
 
     pub(crate) fn partitions(&self) -> &[StoredPartition] {
         &self.partitions
+    }
+
+    /// The dataset's rows as runs of consecutive partitions on one device: `(rows, device)`,
+    /// in row order.
+    pub fn device_runs(&self) -> Vec<(Range<u64>, u32)> {
+        let mut runs: Vec<(Range<u64>, u32)> = Vec::new();
+        for (index, partition) in self.partitions.iter().enumerate() {
+            let rows = self.row_starts[index]..self.row_starts[index + 1];
+            match runs.last_mut() {
+                Some((run, device)) if *device == partition.device() => run.end = rows.end,
+                _ => runs.push((rows, partition.device())),
+            }
+        }
+        runs
     }
 
     pub(crate) fn schema_charge(&self) -> &Arc<Reservation> {

@@ -86,6 +86,20 @@ impl MemoryBudget {
         self.devices.get(device as usize).and_then(|d| d.limit)
     }
 
+    /// Bytes `device` can still reserve now (`u64::MAX` without a limit; 0 for no device).
+    pub fn free(&self, device: u32) -> u64 {
+        self.devices.get(device as usize).map_or(0, |d| {
+            d.limit.map_or(u64::MAX, |limit| {
+                limit.saturating_sub(d.used.load(Ordering::Acquire))
+            })
+        })
+    }
+
+    /// How many devices have budgets.
+    pub fn devices(&self) -> u32 {
+        self.devices.len() as u32
+    }
+
     fn device(&self, device: u32) -> Result<&DeviceBudget, StoreError> {
         self.devices
             .get(device as usize)
@@ -104,6 +118,11 @@ pub struct Reservation {
 impl Reservation {
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// The device whose budget pays for this reservation.
+    pub fn device(&self) -> u32 {
+        self.device
     }
 
     /// Adds `bytes` to the reservation, or fails leaving it as it was.
@@ -155,6 +174,17 @@ mod tests {
         assert_eq!((a.bytes(), budget.used(0)), (90, 90));
         drop(a);
         assert_eq!(budget.used(0), 0);
+    }
+
+    #[test]
+    fn free_bytes_follow_each_device() {
+        let budget = MemoryBudget::new(vec![Some(100), None]);
+        let held = budget.try_reserve(0, 30).expect("fits");
+        assert_eq!(
+            (budget.free(0), budget.free(1), budget.free(2)),
+            (70, u64::MAX, 0)
+        );
+        assert_eq!((held.device(), budget.devices()), (0, 2));
     }
 
     #[test]

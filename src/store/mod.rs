@@ -79,6 +79,11 @@ pub enum StoreError {
     #[error("no device {device} in this backend")]
     NoSuchDevice { device: u32 },
     #[error(
+        "there is no device {device}: this server has {devices} (ordinals 0 to {last}; the \
+         status action lists them)", last = devices.saturating_sub(1)
+    )]
+    UnknownDevice { device: u32, devices: u32 },
+    #[error(
         "dataset '{name}' changed since this ticket was issued (ticket version {ticket}, now {current}); \
          call GetFlightInfo again for fresh tickets"
     )]

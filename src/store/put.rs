@@ -30,15 +30,39 @@ pub struct PutSummary {
 }
 
 impl Store {
-    /// Starts a put by `owner`. `create` fails here already if the name is taken, so a client
-    /// learns it before sending any data; the check is repeated atomically at commit. The put
-    /// is listed in [`Store::status`] until it commits or is dropped.
+    /// Starts a put by `owner`, placed by the store (see [`Store::begin_put_on`]).
     pub fn begin_put(
         &self,
         name: String,
         mode: PutMode,
         owner: &str,
     ) -> Result<PendingPut, StoreError> {
+        self.begin_put_on(name, mode, owner, None)
+    }
+
+    /// Starts a put by `owner` on `device`, or placed by the store when `None`: on the device
+    /// with the most free memory, moving to the next-freest one for each batch that no longer
+    /// fits, so a dataset larger than any one device is spread across them, partition by
+    /// partition. A put on a named device stays there. `create` fails here already if the name
+    /// is taken, so a client learns it before sending any data; the check is repeated
+    /// atomically at commit. The put is listed in [`Store::status`] until it commits or is
+    /// dropped.
+    pub fn begin_put_on(
+        &self,
+        name: String,
+        mode: PutMode,
+        owner: &str,
+        device: Option<u32>,
+    ) -> Result<PendingPut, StoreError> {
+        let budget = &self.inner.budget;
+        if let Some(device) = device
+            && device >= budget.devices()
+        {
+            return Err(StoreError::UnknownDevice {
+                device,
+                devices: budget.devices(),
+            });
+        }
         if mode == PutMode::Create && self.inner.catalog.contains_key(&name) {
             return Err(StoreError::AlreadyExists { name });
         }
@@ -47,7 +71,8 @@ impl Store {
             store: self.clone(),
             name,
             mode,
-            device: PUT_DEVICE,
+            device: device.unwrap_or_else(|| self.freest_devices()[0]),
+            fixed: device.is_some(),
             schema: None,
             schema_charge: None,
             partitions: Vec::new(),
@@ -64,9 +89,21 @@ impl Store {
 
     /// Reserves `bytes` for a `DoPut` message being received (grown with
     /// [`Reservation::try_grow`] as its bytes arrive): bytes a client has sent but no dataset
-    /// holds yet count against the budget like any other.
+    /// holds yet count against the budget like any other. They are charged to the device with
+    /// the most free memory, where the store places the batches it cannot fit elsewhere: a
+    /// message must not fail for lack of room on a device its batch will not go to.
     pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
-        self.inner.budget.try_reserve(PUT_DEVICE, bytes)
+        self.inner
+            .budget
+            .try_reserve(self.freest_devices()[0], bytes)
+    }
+
+    /// Every device, the one with the most free memory first (the lower ordinal on a tie).
+    fn freest_devices(&self) -> Vec<u32> {
+        let budget = &self.inner.budget;
+        let mut devices: Vec<u32> = (0..budget.devices().max(1)).collect();
+        devices.sort_by_key(|&d| std::cmp::Reverse(budget.free(d)));
+        devices
     }
 }
 
@@ -78,7 +115,10 @@ pub struct PendingPut {
     store: Store,
     name: String,
     mode: PutMode,
+    /// Where the next batch goes.
     device: u32,
+    /// The client named the device: never move to another.
+    fixed: bool,
     schema: Option<SchemaRef>,
     schema_charge: Option<Arc<Reservation>>,
     partitions: Vec<StoredPartition>,
@@ -144,7 +184,7 @@ impl PendingPut {
         let backend = Arc::clone(&self.store.inner.backend);
         let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64)
             .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(&batch)));
-        let reservation = Arc::new(self.store.inner.budget.try_reserve(self.device, bytes)?);
+        let reservation = Arc::new(self.reserve(bytes)?);
         let data_bytes = batch_bytes(&batch);
         self.rows = self.rows.saturating_add(batch.num_rows() as u64);
         self.data_bytes = self.data_bytes.saturating_add(data_bytes);
@@ -164,6 +204,28 @@ impl PendingPut {
             })
             .boxed();
         Ok(Some(upload))
+    }
+
+    /// Reserves `bytes` on the put's device or, for a put the store places, on the freest
+    /// device that has room, which the put then stays on. Fails with the current device's
+    /// error when none has room.
+    fn reserve(&mut self, bytes: u64) -> Result<Reservation, StoreError> {
+        let budget = &self.store.inner.budget;
+        let error = match budget.try_reserve(self.device, bytes) {
+            Ok(reservation) => return Ok(reservation),
+            Err(error) if self.fixed => return Err(error),
+            Err(error) => error,
+        };
+        for device in self.store.freest_devices() {
+            if device == self.device {
+                continue;
+            }
+            if let Ok(reservation) = budget.try_reserve(device, bytes) {
+                self.device = device;
+                return Ok(reservation);
+            }
+        }
+        Err(error)
     }
 
     /// Adds a finished upload to the put.
@@ -190,7 +252,7 @@ impl PendingPut {
             None => Vec::new(),
         };
         combined.extend(self.partitions.iter().cloned());
-        let compacted = store.compact(&schema, combined, self.device).await?;
+        let compacted = store.compact_runs(&schema, combined).await?;
 
         let version = store.next_version();
         let summary = |dataset: &Dataset| PutSummary {
@@ -263,6 +325,28 @@ impl PendingPut {
 }
 
 impl Store {
+    /// Compacts each run of consecutive partitions on one device, on that device, keeping the
+    /// runs in row order: a dataset spread across devices stays spread, each part compact.
+    async fn compact_runs(
+        &self,
+        schema: &Schema,
+        partitions: Vec<StoredPartition>,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        let mut runs: Vec<Vec<StoredPartition>> = Vec::new();
+        for partition in partitions {
+            match runs.last_mut() {
+                Some(run) if run[0].device() == partition.device() => run.push(partition),
+                _ => runs.push(vec![partition]),
+            }
+        }
+        let mut compacted = Vec::new();
+        for run in runs {
+            let device = run[0].device();
+            compacted.extend(self.compact(schema, run, device).await?);
+        }
+        Ok(compacted)
+    }
+
     /// Concatenates partitions into one compact partition, reserving its memory first: the
     /// inputs stay reserved until they are dropped, so the budget covers the transient peak,
     /// and a compaction that does not fit fails with `MemoryExhausted`. Partitions the backend
@@ -310,9 +394,6 @@ impl Store {
         }])
     }
 }
-
-/// Where puts place their data: the backend's first device.
-const PUT_DEVICE: u32 = 0;
 
 /// `append` needs the same fields (names, types, nullability, field metadata). Schema-level
 /// metadata may differ: pandas, for one, writes each frame's index range there.

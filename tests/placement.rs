@@ -1,0 +1,188 @@
+//! Placement across devices, tested on the host backend split into pretend devices (each with
+//! a budget of its own), so every commit checks the policy a multi-GPU server runs.
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array};
+use arrow::compute::concat_batches;
+use arrow::record_batch::RecordBatch;
+use futures::TryStreamExt;
+use gpu_flight::backend::HostBackend;
+use gpu_flight::store::{PutMode, Store, StoreError, StoreOptions};
+
+/// Rows of one batch: 1.6 MB of int64, above the size the host backend concatenates at commit,
+/// so partitions stay as they were placed.
+const ROWS: i64 = 200_000;
+/// Each pretend device holds two such batches, not three.
+const LIMIT: u64 = 4_000_000;
+
+fn store(devices: u32) -> Store {
+    Store::new(
+        Arc::new(HostBackend::new().with_devices(devices)),
+        StoreOptions {
+            memory_limit: Some(LIMIT),
+        },
+    )
+}
+
+fn batch(index: i64) -> RecordBatch {
+    let column: ArrayRef = Arc::new(Int64Array::from_iter_values(
+        index * ROWS..(index + 1) * ROWS,
+    ));
+    RecordBatch::try_from_iter([("x", column)]).expect("batch")
+}
+
+async fn put(
+    store: &Store,
+    name: &str,
+    mode: PutMode,
+    device: Option<u32>,
+    batches: &[RecordBatch],
+) -> Result<(), StoreError> {
+    let mut pending = store.begin_put_on(name.to_owned(), mode, "test", device)?;
+    pending.declare_schema(batches[0].schema())?;
+    for batch in batches {
+        if let Some(upload) = pending.upload(batch.clone(), None)? {
+            pending.add(upload.await?);
+        }
+    }
+    pending.commit().await.map(|_| ())
+}
+
+async fn read_all(store: &Store, name: &str) -> RecordBatch {
+    let dataset = store.get(name).expect("dataset");
+    let batches: Vec<RecordBatch> = dataset
+        .read(0..dataset.num_rows(), 1 << 20, 2)
+        .expect("read")
+        .try_collect()
+        .await
+        .expect("rows");
+    concat_batches(&dataset.schema(), &batches).expect("concat")
+}
+
+fn rows(batches: &[RecordBatch]) -> RecordBatch {
+    concat_batches(&batches[0].schema(), batches).expect("concat")
+}
+
+#[tokio::test]
+async fn a_dataset_larger_than_any_device_is_spread_across_them() {
+    let store = store(2);
+    let batches: Vec<RecordBatch> = (0..3).map(batch).collect();
+    put(&store, "big", PutMode::Create, None, &batches)
+        .await
+        .expect("three batches fit two devices together");
+    let dataset = store.get("big").expect("dataset");
+    let rows_per_batch = ROWS as u64;
+    assert_eq!(
+        dataset.device_runs(),
+        [
+            (0..2 * rows_per_batch, 0),
+            (2 * rows_per_batch..3 * rows_per_batch, 1)
+        ]
+    );
+    assert_eq!(read_all(&store, "big").await, self::rows(&batches));
+    let used: Vec<u64> = store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect();
+    assert!(
+        used.iter().all(|&u| u > 0),
+        "both devices hold rows: {used:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_put_starts_on_the_device_with_the_most_free_memory() {
+    let store = store(3);
+    put(&store, "a", PutMode::Create, Some(0), &[batch(0)])
+        .await
+        .expect("put");
+    put(&store, "b", PutMode::Create, Some(1), &[batch(1), batch(2)])
+        .await
+        .expect("put");
+    put(&store, "c", PutMode::Create, None, &[batch(3)])
+        .await
+        .expect("put");
+    assert_eq!(store.get("c").expect("c").device_runs()[0].1, 2);
+}
+
+#[tokio::test]
+async fn a_put_on_a_named_device_stays_there_or_fails() {
+    let store = store(2);
+    let batches: Vec<RecordBatch> = (0..3).map(batch).collect();
+    put(&store, "kept", PutMode::Create, Some(1), &batches[..1])
+        .await
+        .expect("put");
+    let error = put(&store, "too-big", PutMode::Create, Some(1), &batches)
+        .await
+        .expect_err("device 1 alone cannot hold three batches");
+    assert!(
+        matches!(error, StoreError::MemoryExhausted { device: 1, .. }),
+        "{error}"
+    );
+    assert!(store.get("too-big").is_err());
+    assert_eq!(read_all(&store, "kept").await, batch(0));
+    let error = put(&store, "nowhere", PutMode::Create, Some(2), &batches[..1])
+        .await
+        .expect_err("no device 2");
+    assert!(
+        matches!(
+            error,
+            StoreError::UnknownDevice {
+                device: 2,
+                devices: 2
+            }
+        ),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_put_that_fits_nowhere_fails_and_leaves_the_rest_intact() {
+    let store = store(2);
+    put(&store, "kept", PutMode::Create, None, &[batch(0)])
+        .await
+        .expect("put");
+    let batches: Vec<RecordBatch> = (1..6).map(batch).collect();
+    let error = put(&store, "huge", PutMode::Create, None, &batches)
+        .await
+        .expect_err("five batches do not fit in the room left");
+    assert!(
+        matches!(error, StoreError::MemoryExhausted { .. }),
+        "{error}"
+    );
+    assert!(store.get("huge").is_err());
+    assert_eq!(read_all(&store, "kept").await, batch(0));
+    let used: u64 = store.status().devices.iter().map(|d| d.used_bytes).sum();
+    assert!(
+        used < LIMIT,
+        "the failed put gave back what it held: {used}"
+    );
+}
+
+#[tokio::test]
+async fn appends_and_replaces_work_across_devices() {
+    let store = store(3);
+    let first: Vec<RecordBatch> = (0..3).map(batch).collect();
+    put(&store, "t", PutMode::Create, None, &first)
+        .await
+        .expect("put");
+    put(&store, "t", PutMode::Append, None, &[batch(3)])
+        .await
+        .expect("append");
+    let all: Vec<RecordBatch> = (0..4).map(batch).collect();
+    assert_eq!(read_all(&store, "t").await, rows(&all));
+    let r = ROWS as u64;
+    assert_eq!(
+        store.get("t").expect("t").device_runs(),
+        [(0..2 * r, 0), (2 * r..3 * r, 1), (3 * r..4 * r, 2)],
+        "the append went to the emptiest device"
+    );
+    put(&store, "t", PutMode::Replace, None, &[batch(9)])
+        .await
+        .expect("replace");
+    assert_eq!(read_all(&store, "t").await, batch(9));
+    assert_eq!(store.get("t").expect("t").device_runs().len(), 1);
+}
