@@ -127,8 +127,17 @@ pub fn dataset_name(descriptor: &FlightDescriptor) -> Result<String, Error> {
     }
 }
 
-/// The dataset and mode a `DoPut` descriptor asks for. PATH means `create`.
-pub fn put_target(descriptor: Option<&FlightDescriptor>) -> Result<(String, PutMode), Error> {
+/// What a `DoPut` descriptor asks for: the dataset, the mode, and optionally the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutTarget {
+    pub name: String,
+    pub mode: PutMode,
+    /// The device ordinal to place the put on; `None` lets the server place it.
+    pub device: Option<u32>,
+}
+
+/// The target a `DoPut` descriptor names. PATH means `create`, placed by the server.
+pub fn put_target(descriptor: Option<&FlightDescriptor>) -> Result<PutTarget, Error> {
     let Some(descriptor) = descriptor else {
         return Err(Error::InvalidDescriptor(
             "the first DoPut message must carry a flight descriptor naming the dataset".to_owned(),
@@ -142,17 +151,27 @@ pub fn put_target(descriptor: Option<&FlightDescriptor>) -> Result<(String, PutM
                 name: String,
                 #[serde(default = "create")]
                 mode: PutMode,
+                #[serde(default)]
+                device: Option<u32>,
             }
             fn create() -> PutMode {
                 PutMode::Create
             }
             let command: PutCommand = parse_json_object(
                 &descriptor.cmd,
-                "DoPut CMD must be a JSON object {\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\"}",
+                "DoPut CMD must be a JSON object {\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\", \"device\": ordinal (optional)}",
             )?;
-            Ok((parse_name(command.name.as_bytes())?, command.mode))
+            Ok(PutTarget {
+                name: parse_name(command.name.as_bytes())?,
+                mode: command.mode,
+                device: command.device,
+            })
         }
-        _ => Ok((dataset_name(descriptor)?, PutMode::Create)),
+        _ => Ok(PutTarget {
+            name: dataset_name(descriptor)?,
+            mode: PutMode::Create,
+            device: None,
+        }),
     }
 }
 
@@ -200,18 +219,30 @@ mod tests {
 
     #[test]
     fn put_commands_choose_a_mode() {
+        let target = |name: &str, mode, device| PutTarget {
+            name: name.to_owned(),
+            mode,
+            device,
+        };
         let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "mode": "append"}"#);
         assert_eq!(
             put_target(Some(&cmd)).expect("valid"),
-            ("t".to_owned(), PutMode::Append)
+            target("t", PutMode::Append, None)
+        );
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "device": 1}"#);
+        assert_eq!(
+            put_target(Some(&cmd)).expect("valid"),
+            target("t", PutMode::Create, Some(1))
         );
         let path = FlightDescriptor::new_path(vec!["t".to_owned()]);
         assert_eq!(
             put_target(Some(&path)).expect("valid"),
-            ("t".to_owned(), PutMode::Create)
+            target("t", PutMode::Create, None)
         );
         for bad in [
             r#"{"name": "t", "mode": "upsert"}"#,
+            r#"{"name": "t", "device": -1}"#,
+            r#"{"name": "t", "device": "GPU-1234"}"#,
             "not json",
             r#"{"mode": "create"}"#,
             r#"["t", "create"]"#,

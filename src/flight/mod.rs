@@ -26,6 +26,7 @@ mod put;
 mod router;
 pub mod ticket;
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use arrow::ipc::writer::IpcWriteOptions;
@@ -49,6 +50,7 @@ use descriptor::ReadOptions;
 use doget::IpcMessage;
 pub use lifecycle::{Lifecycle, StreamGuard};
 pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter, Peer};
+use ticket::EndpointMetadata;
 
 /// What Handshake answers on a server without authentication, where tokens are not checked.
 const UNCHECKED_TOKEN: &str = "unauthenticated";
@@ -173,14 +175,31 @@ impl Service {
             .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
             .with_total_bytes(i64::try_from(dataset.data_bytes()).unwrap_or(i64::MAX))
             .with_ordered(true);
-        let mut start = 0u64;
-        loop {
-            let end = rows.min(start.saturating_add(step));
-            let ticket = ticket::encode(dataset.name(), dataset.version(), start..end, read);
-            info = info.with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)));
-            start = end;
-            if start >= rows {
-                break;
+        // Endpoints follow the devices too: each one's rows lie on one device, which its
+        // app_metadata names, so parallel readers pull from every device at once. A dataset
+        // scattered over more runs than the reply may list is split by rows alone.
+        let mut runs: Vec<(Range<u64>, Option<u32>)> = dataset
+            .device_runs()
+            .into_iter()
+            .map(|(rows, device)| (rows, Some(device)))
+            .collect();
+        if runs.is_empty() || runs.len() as u64 > MAX_ENDPOINTS / 2 {
+            runs = vec![(0..rows, None)];
+        }
+        for (run, device) in runs {
+            let mut start = run.start;
+            loop {
+                let end = run.end.min(start.saturating_add(step));
+                let ticket = ticket::encode(dataset.name(), dataset.version(), start..end, read);
+                let mut endpoint = FlightEndpoint::new().with_ticket(Ticket::new(ticket));
+                if let Some(device) = device {
+                    endpoint = endpoint.with_app_metadata(EndpointMetadata { device }.encode()?);
+                }
+                info = info.with_endpoint(endpoint);
+                start = end;
+                if start >= run.end {
+                    break;
+                }
             }
         }
         Ok(info)

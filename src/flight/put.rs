@@ -70,11 +70,11 @@ pub(crate) async fn receive(
         Err(status) => return Err(stream_failure(&inbound, status)),
     };
     let first_charge = inbound.take_charge();
-    let (name, mode) = descriptor::put_target(first.flight_descriptor.as_ref())?;
+    let target = descriptor::put_target(first.flight_descriptor.as_ref())?;
     if let Some(call) = &call {
-        call.set_subject(name.as_str());
+        call.set_subject(target.name.as_str());
     }
-    let mut pending = store.begin_put(name, mode, &caller.name)?;
+    let mut pending = store.begin_put_on(target.name, target.mode, &caller.name, target.device)?;
 
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
     let receiving_inbound = inbound.clone();

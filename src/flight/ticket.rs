@@ -15,6 +15,22 @@ use super::descriptor::{ReadOptions, parse_name};
 use crate::error::Error;
 
 const MAGIC: &[u8] = b"\0gpu-flight-ticket/";
+
+/// An endpoint's `app_metadata` in `GetFlightInfo`: where its rows lie, so a reader can pull
+/// endpoints on different devices in parallel (and a co-located one can pick its own GPU's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EndpointMetadata {
+    /// The ordinal of the device holding the endpoint's rows, as `status` lists devices.
+    pub device: u32,
+}
+
+impl EndpointMetadata {
+    pub fn encode(&self) -> Result<Bytes, Error> {
+        serde_json::to_vec(self)
+            .map(Bytes::from)
+            .map_err(|e| Error::Internal(format!("encoding endpoint metadata: {e}")))
+    }
+}
 const FORMAT_VERSION: u32 = 1;
 
 /// What a ticket asks `DoGet` for.
