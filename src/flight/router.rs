@@ -26,7 +26,9 @@
 //!   which is what the idle timeout reads.
 //!
 //! `DoGet` goes to `doget::respond`, whose reply body hands hyper the Arrow buffers without
-//! copying them; everything else is encoded with prost.
+//! copying them; everything else is encoded with prost. `DoGet` reads its one ticket and
+//! answers without waiting for the request's END_STREAM, so the checks [`GuardedBody`] makes
+//! at the end of a request do not apply to it.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;

@@ -2,9 +2,10 @@
 //!
 //! Pinning memory costs milliseconds per megabyte, far more than a copy, so buffers are reused:
 //! a [`PinnedLease`] returns its buffer to the pool when dropped. Reads hand leases to Arrow as
-//! the backing memory of the record batches they return, so a buffer comes back only once the
-//! `DoGet` encoder has written those batches out. Sizes are rounded to powers of two so that
-//! returned buffers fit later requests.
+//! the backing memory of the record batches they return, so a buffer comes back only once
+//! nothing holds those batches: for `DoGet`, once h2 has written the last of their bytes to
+//! the socket (the reply hands the buffers on without copying them). Sizes are rounded to
+//! powers of two so that returned buffers fit later requests.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

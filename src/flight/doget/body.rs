@@ -44,6 +44,8 @@ impl ReplyBody {
 
     fn end(&mut self, status: &Status) -> Frame<Bytes> {
         self.done = true;
+        // Nothing of an unfinished message may follow; today none is ever left here.
+        self.pending.clear();
         let mut trailers = HeaderMap::new();
         if let Err(unencodable) = status.add_header(&mut trailers) {
             // Only metadata the server itself attached could be unencodable; say so plainly

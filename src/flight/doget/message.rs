@@ -37,6 +37,9 @@ const GRPC_PREFIX_BYTES: usize = 5;
 /// smaller ones are copied beside the framing. A chunk becomes at least one HTTP/2 DATA frame,
 /// and a large one a write of its own, so tiny ones are cheaper copied.
 const ZERO_COPY_BYTES: usize = 64 * 1024;
+/// Largest chunk handed on: h2 refuses a single chunk of 2 GiB or more (its largest window) by
+/// resetting the stream, so a larger buffer (one huge value) goes as several slices of itself.
+const MAX_CHUNK_BYTES: usize = 16 << 20;
 
 /// One IPC message: flatbuffer metadata and body buffers not yet copied anywhere.
 #[derive(Debug, Clone)]
@@ -101,7 +104,13 @@ impl IpcMessage {
             if !chunk.is_empty() {
                 out.push_back(chunk.split().freeze());
             }
-            out.push_back(Bytes::from_owner(buffer));
+            let whole = Bytes::from_owner(buffer);
+            let mut start = 0;
+            while start < whole.len() {
+                let end = whole.len().min(start + MAX_CHUNK_BYTES);
+                out.push_back(whole.slice(start..end));
+                start = end;
+            }
         }
         if !chunk.is_empty() {
             out.push_back(chunk.freeze());
@@ -307,6 +316,27 @@ mod tests {
                 .await
                 .expect("decode");
         assert_eq!(decoded, batches);
+    }
+
+    #[test]
+    fn huge_buffers_are_handed_on_in_slices() {
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..5 << 20)); // 40 MiB
+        let batch = RecordBatch::try_from_iter([("v", values)]).expect("batch");
+        let mut encoder = IpcMessageEncoder::new(&batch.schema(), None).expect("encoder");
+        let message = encoder
+            .encode(&batch)
+            .expect("encode")
+            .pop()
+            .expect("batch");
+        let mut chunks = VecDeque::new();
+        message.clone().into_frame(&mut chunks).expect("frame");
+        assert!(chunks.iter().all(|c| c.len() <= MAX_CHUNK_BYTES));
+        assert_eq!(
+            chunks.iter().filter(|c| c.len() == MAX_CHUNK_BYTES).count(),
+            2
+        );
+        let ours: Vec<u8> = chunks.iter().flatten().copied().collect();
+        assert_eq!(ours[5..], message.into_flight_data().encode_to_vec());
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub(super) async fn respond(
     service: &Arc<Service>,
     request: http::Request<Body>,
 ) -> http::Response<Body> {
+    if let Some(refused) = unsupported_encoding(request.headers()) {
+        return refused.into_http();
+    }
     let limit = service.options.max_request_bytes;
     let request = guard(request, limit, request_too_large, None, true);
     let (parts, body) = request.into_parts();
@@ -79,6 +82,29 @@ pub(super) async fn respond(
         Ok(Err(error)) => Status::from(error).into_http(),
         Err(panic) => panicked(panic.as_ref()).into_http(),
     }
+}
+
+/// A request compressed with anything but `identity` is UNIMPLEMENTED, naming the encoding
+/// this server accepts, as gRPC asks (and as tonic answers for the other methods).
+fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
+    let encoding = headers.get("grpc-encoding")?;
+    if encoding.as_bytes() == b"identity" {
+        return None;
+    }
+    let mut metadata = tonic::metadata::MetadataMap::new();
+    metadata.insert(
+        "grpc-accept-encoding",
+        tonic::metadata::MetadataValue::from_static("identity"),
+    );
+    Some(Status::with_metadata(
+        tonic::Code::Unimplemented,
+        format!(
+            "the request is compressed with {:?}, which this server does not accept; send it \
+             uncompressed",
+            String::from_utf8_lossy(encoding.as_bytes())
+        ),
+        metadata,
+    ))
 }
 
 /// The reply to `ticket`: its rows read from the store and encoded as IPC messages.
@@ -141,4 +167,65 @@ pub(super) fn stream(
             let _running = &guard;
         })
         .boxed())
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use prost::Message;
+    use tonic::Code;
+    use tower_service::Service as _;
+
+    use super::*;
+    use crate::auth::Auth;
+    use crate::backend::HostBackend;
+    use crate::flight::{FlightOptions, Lifecycle, make_server};
+    use crate::store::{Store, StoreOptions};
+
+    fn request(encoding: Option<&str>) -> http::Request<Body> {
+        let ticket = Ticket::new("missing").encode_to_vec();
+        let mut framed = vec![0];
+        framed.extend((ticket.len() as u32).to_be_bytes());
+        framed.extend(ticket);
+        let mut builder = http::Request::builder()
+            .uri("/arrow.flight.protocol.FlightService/DoGet")
+            .header("content-type", "application/grpc");
+        if let Some(encoding) = encoding {
+            builder = builder.header("grpc-encoding", encoding);
+        }
+        builder
+            .body(Body::new(http_body_util::Full::new(Bytes::from(framed))))
+            .expect("request")
+    }
+
+    #[tokio::test]
+    async fn compressed_requests_are_unimplemented_naming_identity() {
+        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
+        let mut router = make_server(
+            store,
+            FlightOptions::default(),
+            Lifecycle::default(),
+            Auth::default(),
+            None,
+        );
+        let response = router.call(request(Some("gzip"))).await.expect("response");
+        let status = Status::from_header_map(response.headers()).expect("trailers-only");
+        assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+        assert_eq!(
+            response
+                .headers()
+                .get("grpc-accept-encoding")
+                .map(|v| v.as_bytes()),
+            Some(&b"identity"[..])
+        );
+        for encoding in [None, Some("identity")] {
+            let response = router.call(request(encoding)).await.expect("response");
+            let status = Status::from_header_map(response.headers()).expect("trailers-only");
+            assert_eq!(
+                status.code(),
+                Code::NotFound,
+                "{encoding:?}: the ticket was read"
+            );
+        }
+    }
 }
