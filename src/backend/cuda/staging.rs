@@ -83,6 +83,13 @@ impl PinnedPool {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .push(buffer);
+            return;
+        }
+        // `cuMemFreeHost` can take milliseconds, and the last reference to a read's buffer is
+        // often dropped on a connection's task (once h2 has written it): free it off that task.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(buffer))),
+            Err(_) => drop(buffer),
         }
     }
 }
