@@ -15,7 +15,7 @@ use arrow::array::{ArrayRef, Int64Array, StringArray};
 use arrow::record_batch::RecordBatch;
 use clap::Parser;
 use futures::TryStreamExt;
-use gpu_flight::backend::{BackendChoice, select};
+use gpu_flight::backend::{BackendChoice, GpuSelection, select};
 use gpu_flight::batch_size::batch_bytes;
 use gpu_flight::store::{PutMode, Store, StoreOptions};
 
@@ -75,7 +75,8 @@ fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let backend = select(args.backend, args.device, 1).expect("backend");
+    let backend =
+        select(args.backend, &GpuSelection::Ordinals(vec![args.device]), 1).expect("backend");
     let store = Store::new(backend, StoreOptions::default());
     println!(
         "{:<8} {:>8} {:>16} {:>16}",

@@ -7,7 +7,7 @@ use bytesize::ByteSize;
 use clap::{Args, Parser, Subcommand};
 
 use crate::auth::Role;
-use crate::backend::BackendChoice;
+use crate::backend::{BackendChoice, GpuSelection};
 use crate::flight::FlightOptions;
 use crate::server::{ConnectionLimits, ServeOptions};
 use crate::store::StoreOptions;
@@ -97,9 +97,14 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
 
-    /// The GPU to keep datasets on (CUDA device ordinal).
-    #[arg(long, env = "GPU_FLIGHT_DEVICE", default_value_t = 0)]
-    pub device: u32,
+    /// The GPUs to keep datasets on: `all` (every GPU `CUDA_VISIBLE_DEVICES` leaves visible)
+    /// or CUDA ordinals such as `0,2,3`. Puts and endpoints number them 0, 1, … in this order.
+    #[arg(long, env = "GPU_FLIGHT_DEVICES", default_value = "all")]
+    pub devices: GpuSelection,
+
+    /// One GPU (a CUDA ordinal): the same as `--devices N`.
+    #[arg(long, env = "GPU_FLIGHT_DEVICE", conflicts_with = "devices")]
+    pub device: Option<u32>,
 
     /// For tests of placement without GPUs: the host backend as this many devices, each with
     /// a budget of its own (`--memory-limit` applies to each).
@@ -216,6 +221,14 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The GPUs asked for: `--device N` alone, else `--devices`.
+    pub fn gpus(&self) -> GpuSelection {
+        match self.device {
+            Some(ordinal) => GpuSelection::Ordinals(vec![ordinal]),
+            None => self.devices.clone(),
+        }
+    }
+
     pub fn store_options(&self) -> StoreOptions {
         StoreOptions {
             memory_limit: self.memory_limit.map(|b| b.as_u64()),
@@ -308,6 +321,33 @@ mod tests {
         assert_eq!(args.store_options().memory_limit, Some(1 << 30));
         assert_eq!(args.backend, BackendChoice::Host);
         assert_eq!(args.flight_options().max_message_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn gpus_default_to_all_and_take_a_list_or_one() {
+        let gpus = |flags: &[&str]| {
+            Cli::try_parse_from(["gpu-flight", "serve"].iter().chain(flags))
+                .map_err(|e| e.to_string())
+                .and_then(|cli| cli.into_serve_args().map_err(|_| "no serve".to_owned()))
+                .map(|args| args.gpus())
+        };
+        assert_eq!(gpus(&[]), Ok(GpuSelection::All));
+        assert_eq!(
+            gpus(&["--devices", "0, 2,3"]),
+            Ok(GpuSelection::Ordinals(vec![0, 2, 3]))
+        );
+        assert_eq!(
+            gpus(&["--device", "1"]),
+            Ok(GpuSelection::Ordinals(vec![1]))
+        );
+        for bad in [
+            &["--devices", "0,0"][..],
+            &["--devices", "gpu0"],
+            &["--devices", ""],
+            &["--devices", "1", "--device", "2"],
+        ] {
+            assert!(gpus(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

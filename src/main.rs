@@ -137,7 +137,7 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         .map_err(Failure::Start)?;
     check_exposure(&args, &addresses, auth.is_on() || mutual, tls.is_some())?;
 
-    let backend = gpu_flight::backend::select(args.backend, args.device, args.host_devices)
+    let backend = gpu_flight::backend::select(args.backend, &args.gpus(), args.host_devices)
         .map_err(|error| {
             Failure::Start(format!(
                 "cannot start the {:?} backend: {error}",

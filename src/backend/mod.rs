@@ -184,40 +184,91 @@ pub enum BackendChoice {
 #[error("{0}")]
 pub struct SelectError(String);
 
-/// Starts the backend `choice` asks for, on GPU `device` where it is a GPU; host memory is
-/// split into `host_devices` pretend devices (see [`HostBackend::with_devices`]). `auto` never
-/// fails: without a usable GPU it falls back to host memory and says why in the log.
+/// Which GPUs a CUDA backend opens.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum GpuSelection {
+    /// Every GPU the driver shows this process (after `CUDA_VISIBLE_DEVICES`).
+    #[default]
+    All,
+    /// These CUDA ordinals, in this order.
+    Ordinals(Vec<u32>),
+}
+
+impl std::str::FromStr for GpuSelection {
+    type Err = String;
+
+    /// `all`, or CUDA ordinals separated by commas (`0,2,3`), each at most once.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.eq_ignore_ascii_case("all") {
+            return Ok(Self::All);
+        }
+        let mut ordinals = Vec::new();
+        for part in text.split(',') {
+            let ordinal: u32 = part.trim().parse().map_err(|_| {
+                format!("expected `all` or CUDA ordinals such as 0,2,3; got {text:?}")
+            })?;
+            if ordinals.contains(&ordinal) {
+                return Err(format!("device {ordinal} is listed twice in {text:?}"));
+            }
+            ordinals.push(ordinal);
+        }
+        Ok(Self::Ordinals(ordinals))
+    }
+}
+
+/// Starts the backend `choice` asks for, on the GPUs `gpus` names where it is CUDA; host
+/// memory is split into `host_devices` pretend devices (see [`HostBackend::with_devices`]).
+/// `auto` never fails: without a usable GPU it falls back to host memory and says why in the
+/// log.
 pub fn select(
     choice: BackendChoice,
-    device: u32,
+    gpus: &GpuSelection,
     host_devices: u32,
 ) -> Result<Arc<dyn Backend>, SelectError> {
     let host = || Arc::new(HostBackend::new().with_devices(host_devices)) as Arc<dyn Backend>;
+    // The GPUs to open; an error here means there are none to try.
+    let ordinals = || match gpus {
+        GpuSelection::All => CudaBackend::visible_devices().and_then(|ordinals| {
+            if ordinals.is_empty() {
+                Err(BackendError::Device(
+                    "the NVIDIA driver reports no CUDA device".to_owned(),
+                ))
+            } else {
+                Ok(ordinals)
+            }
+        }),
+        GpuSelection::Ordinals(ordinals) => Ok(ordinals.clone()),
+    };
     match choice {
         BackendChoice::Host => Ok(host()),
-        BackendChoice::Cuda => CudaBackend::open(device)
+        BackendChoice::Cuda => ordinals()
+            .and_then(|ordinals| CudaBackend::open_all(&ordinals))
             .map(|backend| Arc::new(backend) as Arc<dyn Backend>)
             .map_err(|error| SelectError(format!("{error}; run with --backend host (or auto)"))),
-        BackendChoice::Auto => match cuda::unavailable_reason(device) {
-            None => match CudaBackend::open(device) {
+        BackendChoice::Auto => {
+            let ordinals = match ordinals() {
+                Ok(ordinals) => ordinals,
+                Err(reason) => {
+                    tracing::info!(backend = "host", %reason, "backend selected");
+                    return Ok(host());
+                }
+            };
+            match CudaBackend::open_all(&ordinals) {
                 Ok(backend) => {
                     tracing::info!(
                         backend = "cuda",
-                        device,
-                        "backend selected: a CUDA device is present"
+                        ?ordinals,
+                        "backend selected: CUDA devices are present"
                     );
                     Ok(Arc::new(backend))
                 }
                 Err(error) => {
-                    tracing::warn!(backend = "host", %error, "backend selected: the CUDA device failed to open");
+                    tracing::warn!(backend = "host", %error, "backend selected: a CUDA device failed to open");
                     Ok(host())
                 }
-            },
-            Some(reason) => {
-                tracing::info!(backend = "host", %reason, "backend selected");
-                Ok(host())
             }
-        },
+        }
     }
 }
 

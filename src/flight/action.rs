@@ -18,7 +18,8 @@ pub const ACTIONS: &[(&str, &str)] = &[
     (
         "status",
         "Describe the server. Body: empty. Result: JSON {\"version\", \"backend\", \"devices\": \
-         [{\"ordinal\", \"name\", \"total_bytes\", \"limit_bytes\", \"used_bytes\"}], \"datasets\", \
+         [{\"device\" (what puts and endpoints call it), \"ordinal\" (CUDA's), \"name\", \
+         \"total_bytes\", \"limit_bytes\", \"used_bytes\"}], \"datasets\", \
          \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"leases\" (ids only to their \
          owner and admins), \"leased_only_bytes\", \"puts\" (in flight: rows and bytes so far), \
          \"counters\"}.",
@@ -209,6 +210,9 @@ pub struct StatusDocument {
 
 #[derive(Debug, serde::Serialize)]
 pub struct DeviceDocument {
+    /// The number puts (`"device"`) and endpoints' app_metadata use: the position here.
+    pub device: u32,
+    /// The CUDA ordinal (for the host backend, the same as `device`).
     pub ordinal: u32,
     pub name: String,
     pub total_bytes: Option<u64>,
@@ -249,7 +253,9 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
         devices: status
             .devices
             .iter()
-            .map(|device| DeviceDocument {
+            .enumerate()
+            .map(|(index, device)| DeviceDocument {
+                device: index as u32,
                 ordinal: device.info.ordinal,
                 name: device.info.name.clone(),
                 total_bytes: device.info.total_bytes,

@@ -74,9 +74,16 @@ pub fn unavailable_reason(ordinal: u32) -> Option<String> {
     }
 }
 
-/// Keeps datasets in the memory of one GPU.
+/// Keeps datasets in the memory of the GPUs it opened. The store numbers them by their
+/// position here (device 0, 1, …), whatever their CUDA ordinals.
 #[derive(Debug)]
 pub struct CudaBackend {
+    devices: Vec<Gpu>,
+}
+
+/// One GPU: its context, streams, staging pool and kernel, and what `status` says of it.
+#[derive(Debug)]
+struct Gpu {
     shared: Arc<Shared>,
     name: String,
     total_bytes: u64,
@@ -113,8 +120,49 @@ struct Counters {
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`, or says why it cannot.
+    /// Opens GPU `ordinal` alone, or says why it cannot.
     pub fn open(ordinal: u32) -> Result<Self, BackendError> {
+        Self::open_all(&[ordinal])
+    }
+
+    /// Opens every GPU in `ordinals` (CUDA ordinals, as `CUDA_VISIBLE_DEVICES` numbers them),
+    /// or says why one cannot be.
+    pub fn open_all(ordinals: &[u32]) -> Result<Self, BackendError> {
+        if ordinals.is_empty() {
+            return Err(BackendError::Device(
+                "no CUDA device was asked for".to_owned(),
+            ));
+        }
+        let devices = ordinals
+            .iter()
+            .map(|&ordinal| Gpu::open(ordinal))
+            .collect::<Result<_, _>>()?;
+        Ok(Self { devices })
+    }
+
+    /// Every CUDA device the driver shows this process (after `CUDA_VISIBLE_DEVICES`).
+    pub fn visible_devices() -> Result<Vec<u32>, BackendError> {
+        if !ffi::driver_present() {
+            return Err(BackendError::Device(
+                "no NVIDIA driver library (libcuda) could be loaded".to_owned(),
+            ));
+        }
+        let count = ffi::device_count()?;
+        Ok((0..u32::try_from(count).unwrap_or(0)).collect())
+    }
+
+    fn gpu(&self, device: u32) -> Result<&Gpu, BackendError> {
+        self.devices.get(device as usize).ok_or_else(|| {
+            BackendError::Device(format!(
+                "no device {device}: this backend has {}",
+                self.devices.len()
+            ))
+        })
+    }
+}
+
+impl Gpu {
+    fn open(ordinal: u32) -> Result<Self, BackendError> {
         if let Some(reason) = unavailable_reason(ordinal) {
             return Err(BackendError::Device(reason));
         }
@@ -132,7 +180,7 @@ impl CudaBackend {
         let concat_kernel = match Kernel::load(&context, CONCAT_PTX, "gpu_flight_concat") {
             Ok(kernel) => Some(kernel),
             Err(error) => {
-                tracing::warn!(%error, "the concatenation kernel did not load; datasets stay in their uploaded batches");
+                tracing::warn!(%error, ordinal, "the concatenation kernel did not load; datasets stay in their uploaded batches");
                 None
             }
         };
@@ -156,8 +204,10 @@ impl CudaBackend {
     /// Poisons every concatenation output before the kernel writes it. For tests: it costs a
     /// device memset per output.
     pub fn with_poisoned_outputs(mut self) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.poison_outputs = true;
+        for gpu in &mut self.devices {
+            if let Some(shared) = Arc::get_mut(&mut gpu.shared) {
+                shared.poison_outputs = true;
+            }
         }
         self
     }
@@ -177,7 +227,7 @@ impl CudaBackend {
         let Some(first) = parts.first() else {
             return Ok(FragmentCopies::default());
         };
-        let shared = &self.shared;
+        let shared = one_device(&parts)?;
         let mut copies = Vec::new();
         let mut outputs = Vec::new();
         for column in 0..first.columns.len() {
@@ -433,12 +483,15 @@ impl Backend for CudaBackend {
     }
 
     fn devices(&self) -> Vec<DeviceInfo> {
-        vec![DeviceInfo {
-            ordinal: self.shared.context.ordinal() as u32,
-            name: self.name.clone(),
-            total_bytes: Some(self.total_bytes),
-            default_limit_bytes: Some(self.total_bytes),
-        }]
+        self.devices
+            .iter()
+            .map(|gpu| DeviceInfo {
+                ordinal: gpu.shared.context.ordinal() as u32,
+                name: gpu.name.clone(),
+                total_bytes: Some(gpu.total_bytes),
+                default_limit_bytes: Some(gpu.total_bytes),
+            })
+            .collect()
     }
 
     fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
@@ -447,10 +500,13 @@ impl Backend for CudaBackend {
 
     fn upload(
         &self,
-        _device: u32,
+        device: u32,
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let shared = Arc::clone(&self.shared);
+        let shared = match self.gpu(device) {
+            Ok(gpu) => Arc::clone(&gpu.shared),
+            Err(error) => return futures::future::ready(Err(error)).boxed(),
+        };
         let task = tokio::task::spawn_blocking(move || shared.upload(batch));
         task.map(flatten_join).boxed()
     }
@@ -460,7 +516,7 @@ impl Backend for CudaBackend {
         if parts.is_empty() {
             return Ok(0);
         }
-        if self.shared.concat_kernel.is_none() {
+        if one_device(&parts)?.concat_kernel.is_none() {
             return Err(BackendError::CannotConcatenate {
                 reason: "the concatenation kernel did not load (see the startup log)".to_owned(),
             });
@@ -469,26 +525,58 @@ impl Backend for CudaBackend {
         Ok(arrangement_of(&plan).total_bytes())
     }
 
+    /// Concatenates on the GPU that holds the partitions, which must all be on one.
     fn concatenate(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let shared = Arc::clone(&self.shared);
         let task = tokio::task::spawn_blocking(move || {
             let parts = downcast_all::<CudaPartition>(&partitions, "the cuda backend")?;
+            let shared = Arc::clone(one_device(&parts)?);
             shared.concatenate(&parts)
         });
         task.map(flatten_join).boxed()
     }
 
+    /// Each GPU's counters; with several GPUs, each name starts with `device<N>_`.
     fn counters(&self) -> Map<String, Value> {
-        let c = &self.shared.counters;
-        let free = self.shared.context.memory_info().map(|(free, _)| free).ok();
+        let mut all = Map::new();
+        for (index, gpu) in self.devices.iter().enumerate() {
+            for (key, value) in gpu.shared.counters() {
+                let key = if self.devices.len() == 1 {
+                    key
+                } else {
+                    format!("device{index}_{key}")
+                };
+                all.insert(key, value);
+            }
+        }
+        all
+    }
+}
+
+/// The GPU that holds all of `parts` (none of them is ever moved to another).
+fn one_device<'a>(parts: &[&'a CudaPartition]) -> Result<&'a Arc<Shared>, BackendError> {
+    let first = parts
+        .first()
+        .ok_or_else(|| BackendError::Device("no partitions given".to_owned()))?;
+    if parts.iter().any(|p| !Arc::ptr_eq(&p.shared, &first.shared)) {
+        return Err(BackendError::Device(
+            "partitions on different GPUs cannot be concatenated in one launch".to_owned(),
+        ));
+    }
+    Ok(&first.shared)
+}
+
+impl Shared {
+    fn counters(&self) -> Map<String, Value> {
+        let c = &self.counters;
+        let free = self.context.memory_info().map(|(free, _)| free).ok();
         let counters = json!({
             "device_allocated_bytes": c.device_bytes.load(Ordering::Acquire),
             "device_free_bytes": free,
-            "pinned_leased_bytes": self.shared.pool.leased_bytes(),
-            "pinned_cached_bytes": self.shared.pool.cached_bytes(),
+            "pinned_leased_bytes": self.pool.leased_bytes(),
+            "pinned_cached_bytes": self.pool.cached_bytes(),
             "uploads": c.uploads.load(Ordering::Relaxed),
             "upload_syncs": c.upload_syncs.load(Ordering::Relaxed),
             "read_chunks": c.read_chunks.load(Ordering::Relaxed),
@@ -497,7 +585,7 @@ impl Backend for CudaBackend {
             "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
             "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
             "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
-            "concat_kernel_loaded": self.shared.concat_kernel.is_some(),
+            "concat_kernel_loaded": self.concat_kernel.is_some(),
         });
         match counters {
             Value::Object(map) => map,
