@@ -91,6 +91,9 @@ impl Backend for HostBackend {
                 },
                 total_bytes: share,
                 default_limit_bytes: share.map(|total| total / 4 * 3),
+                uuid: None,
+                pci_bus_id: None,
+                numa_node: None,
             })
             .collect()
     }

@@ -72,6 +72,22 @@ pub struct DeviceInfo {
     /// The budget when `--memory-limit` is not given: what datasets may take of the capacity,
     /// leaving the rest for the server's own work (buffers, messages in flight).
     pub default_limit_bytes: Option<u64>,
+    /// A GPU's UUID (`GPU-…`, as `nvidia-smi` prints it).
+    pub uuid: Option<String>,
+    /// A GPU's PCI bus id (`domain:bus:device.function`).
+    pub pci_bus_id: Option<String>,
+    /// The NUMA node nearest the device, where the system says (sysfs).
+    pub numa_node: Option<u32>,
+}
+
+/// The NUMA node of PCI device `bus_id` under `sysfs` (normally `/sys`), where it reports one:
+/// `-1` (no NUMA affinity) and unreadable files are `None`.
+pub fn pci_numa_node(sysfs: &std::path::Path, bus_id: &str) -> Option<u32> {
+    let path = sysfs
+        .join("bus/pci/devices")
+        .join(bus_id.to_lowercase())
+        .join("numa_node");
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
 /// A place to keep datasets: host memory or a GPU.
@@ -120,6 +136,14 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
+
+    /// Which devices can access which directly: `peer_access()[a][b]` says whether device `a`
+    /// can read and write device `b`'s memory (every device its own). One memory space
+    /// shared by every device (the host) is all true.
+    fn peer_access(&self) -> Vec<Vec<bool>> {
+        let devices = self.devices().len();
+        vec![vec![true; devices]; devices]
+    }
 
     /// Backend-specific counters for `status` (e.g. stream synchronizations), as JSON.
     fn counters(&self) -> serde_json::Map<String, serde_json::Value> {
@@ -277,5 +301,47 @@ pub(crate) fn check_rows(offset: usize, len: usize, rows: usize) -> Result<(), B
     match offset.checked_add(len) {
         Some(end) if end <= rows => Ok(()),
         _ => Err(BackendError::RowsOutOfRange { offset, len, rows }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numa_nodes_come_from_sysfs() {
+        let sysfs = std::env::temp_dir().join(format!("gpu-flight-sysfs-{}", std::process::id()));
+        let write = |bus: &str, node: &str| {
+            let dir = sysfs.join("bus/pci/devices").join(bus);
+            std::fs::create_dir_all(&dir).expect("dir");
+            std::fs::write(dir.join("numa_node"), node).expect("write");
+        };
+        write("0000:1a:00.0", "1\n");
+        write("0000:2b:00.0", "-1\n");
+        assert_eq!(
+            pci_numa_node(&sysfs, "0000:1A:00.0"),
+            Some(1),
+            "bus ids in any case"
+        );
+        assert_eq!(
+            pci_numa_node(&sysfs, "0000:2b:00.0"),
+            None,
+            "-1: no affinity"
+        );
+        assert_eq!(
+            pci_numa_node(&sysfs, "0000:3c:00.0"),
+            None,
+            "no such device"
+        );
+        std::fs::remove_dir_all(&sysfs).expect("clean up");
+    }
+
+    #[test]
+    fn gpu_selections_parse() {
+        assert_eq!("all".parse(), Ok(GpuSelection::All));
+        assert_eq!("ALL".parse(), Ok(GpuSelection::All));
+        assert_eq!("3,1".parse(), Ok(GpuSelection::Ordinals(vec![3, 1])));
+        assert!("1,1".parse::<GpuSelection>().is_err());
+        assert!("-1".parse::<GpuSelection>().is_err());
     }
 }

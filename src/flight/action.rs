@@ -19,7 +19,8 @@ pub const ACTIONS: &[(&str, &str)] = &[
         "status",
         "Describe the server. Body: empty. Result: JSON {\"version\", \"backend\", \"devices\": \
          [{\"device\" (what puts and endpoints call it), \"ordinal\" (CUDA's), \"name\", \
-         \"total_bytes\", \"limit_bytes\", \"used_bytes\"}], \"datasets\", \
+         \"uuid\", \"pci_bus_id\", \"numa_node\" (GPUs), \"total_bytes\", \"limit_bytes\", \
+         \"used_bytes\"}], \"topology\": {\"peer_access\"}, \"datasets\", \
          \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"leases\" (ids only to their \
          owner and admins), \"leased_only_bytes\", \"puts\" (in flight: rows and bytes so far), \
          \"counters\"}.",
@@ -206,6 +207,16 @@ pub struct StatusDocument {
     /// Puts being received now, oldest first.
     pub puts: Vec<PutDocument>,
     pub counters: serde_json::Map<String, Value>,
+    pub topology: TopologyDocument,
+}
+
+/// How the devices reach each other: the first rung of the transfer-cost hierarchy (same
+/// device < a peer over NVLink or PCIe < through host memory < the network).
+#[derive(Debug, serde::Serialize)]
+pub struct TopologyDocument {
+    /// `peer_access[a][b]`: whether device `a` can read and write device `b`'s memory
+    /// directly (`cuDeviceCanAccessPeer`); the host backend's pretend devices share one memory.
+    pub peer_access: Vec<Vec<bool>>,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -214,6 +225,13 @@ pub struct DeviceDocument {
     pub device: u32,
     /// The CUDA ordinal (for the host backend, the same as `device`).
     pub ordinal: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pci_bus_id: Option<String>,
+    /// The NUMA node nearest the device, where the system reports one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
     pub name: String,
     pub total_bytes: Option<u64>,
     pub limit_bytes: Option<u64>,
@@ -257,6 +275,9 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
             .map(|(index, device)| DeviceDocument {
                 device: index as u32,
                 ordinal: device.info.ordinal,
+                uuid: device.info.uuid.clone(),
+                pci_bus_id: device.info.pci_bus_id.clone(),
+                numa_node: device.info.numa_node,
                 name: device.info.name.clone(),
                 total_bytes: device.info.total_bytes,
                 limit_bytes: device.limit_bytes,
@@ -295,6 +316,9 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
             })
             .collect(),
         counters: status.counters.clone(),
+        topology: TopologyDocument {
+            peer_access: status.peer_access.clone(),
+        },
     };
     to_value(&document)
 }
@@ -386,6 +410,7 @@ mod tests {
             bytes: 0,
             data_bytes: 0,
             counters: serde_json::Map::new(),
+            peer_access: vec![],
             leases: vec![lease("aaaa", "alice"), lease("bbbb", "bob")],
             leased_only_bytes: 0,
             puts: vec![],

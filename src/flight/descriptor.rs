@@ -132,8 +132,16 @@ pub fn dataset_name(descriptor: &FlightDescriptor) -> Result<String, Error> {
 pub struct PutTarget {
     pub name: String,
     pub mode: PutMode,
-    /// The device ordinal to place the put on; `None` lets the server place it.
-    pub device: Option<u32>,
+    /// The device to place the put on; `None` lets the server place it.
+    pub device: Option<DeviceRef>,
+}
+
+/// A device as a client names it: its number in `status`, or a GPU's UUID.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(untagged)]
+pub enum DeviceRef {
+    Number(u32),
+    Uuid(String),
 }
 
 /// The target a `DoPut` descriptor names. PATH means `create`, placed by the server.
@@ -152,14 +160,14 @@ pub fn put_target(descriptor: Option<&FlightDescriptor>) -> Result<PutTarget, Er
                 #[serde(default = "create")]
                 mode: PutMode,
                 #[serde(default)]
-                device: Option<u32>,
+                device: Option<DeviceRef>,
             }
             fn create() -> PutMode {
                 PutMode::Create
             }
             let command: PutCommand = parse_json_object(
                 &descriptor.cmd,
-                "DoPut CMD must be a JSON object {\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\", \"device\": ordinal (optional)}",
+                "DoPut CMD must be a JSON object {\"name\": \"...\", \"mode\": \"create\" | \"replace\" | \"append\", \"device\": number or GPU UUID (optional)}",
             )?;
             Ok(PutTarget {
                 name: parse_name(command.name.as_bytes())?,
@@ -232,7 +240,16 @@ mod tests {
         let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "device": 1}"#);
         assert_eq!(
             put_target(Some(&cmd)).expect("valid"),
-            target("t", PutMode::Create, Some(1))
+            target("t", PutMode::Create, Some(DeviceRef::Number(1)))
+        );
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "device": "GPU-12"}"#);
+        assert_eq!(
+            put_target(Some(&cmd)).expect("valid"),
+            target(
+                "t",
+                PutMode::Create,
+                Some(DeviceRef::Uuid("GPU-12".to_owned()))
+            )
         );
         let path = FlightDescriptor::new_path(vec!["t".to_owned()]);
         assert_eq!(
@@ -242,7 +259,7 @@ mod tests {
         for bad in [
             r#"{"name": "t", "mode": "upsert"}"#,
             r#"{"name": "t", "device": -1}"#,
-            r#"{"name": "t", "device": "GPU-1234"}"#,
+            r#"{"name": "t", "device": [0]}"#,
             "not json",
             r#"{"mode": "create"}"#,
             r#"["t", "create"]"#,

@@ -26,7 +26,7 @@ use tonic::{Code, Request, Status, Streaming};
 use super::FlightOptions;
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
-use super::descriptor;
+use super::descriptor::{self, DeviceRef};
 use super::router::Inbound;
 use crate::auth::Principal;
 use crate::error::Error;
@@ -36,6 +36,28 @@ use crate::task::AbortOnDrop;
 
 /// Messages received ahead of the decoder.
 const RECEIVE_AHEAD: usize = 4;
+
+/// The store's number for a device a client named by number (checked by the store) or UUID.
+fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Error> {
+    match device {
+        DeviceRef::Number(number) => Ok(number),
+        DeviceRef::Uuid(uuid) => store
+            .backend()
+            .devices()
+            .iter()
+            .position(|d| {
+                d.uuid
+                    .as_deref()
+                    .is_some_and(|u| u.eq_ignore_ascii_case(&uuid))
+            })
+            .map(|index| index as u32)
+            .ok_or_else(|| {
+                Error::InvalidCommand(format!(
+                    "no device of this server has the UUID {uuid:?}; the status action lists them"
+                ))
+            }),
+    }
+}
 
 /// What the receiving task hands the decoder.
 enum Received {
@@ -74,7 +96,11 @@ pub(crate) async fn receive(
     if let Some(call) = &call {
         call.set_subject(target.name.as_str());
     }
-    let mut pending = store.begin_put_on(target.name, target.mode, &caller.name, target.device)?;
+    let device = target
+        .device
+        .map(|d| resolve_device(store, d))
+        .transpose()?;
+    let mut pending = store.begin_put_on(target.name, target.mode, &caller.name, device)?;
 
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
     let receiving_inbound = inbound.clone();

@@ -18,6 +18,8 @@ pub struct StoreStatus {
     /// Arrow bytes in committed datasets.
     pub data_bytes: u64,
     pub counters: serde_json::Map<String, serde_json::Value>,
+    /// `peer_access[a][b]`: whether device `a` can access device `b`'s memory directly.
+    pub peer_access: Vec<Vec<bool>>,
     pub leases: Vec<LeaseStatus>,
     /// Backend memory held only by leases: datasets dropped or replaced while exported.
     pub leased_only_bytes: u64,
@@ -104,6 +106,7 @@ impl Store {
             bytes,
             data_bytes,
             counters: inner.backend.counters(),
+            peer_access: inner.backend.peer_access(),
             leases,
             leased_only_bytes: leased_only.values().sum(),
             puts: inner.puts.list(),

@@ -51,7 +51,8 @@ def test_a_dataset_larger_than_a_device_is_spread_and_read_back(make_server):
         runs = [d for i, d in enumerate(devices) if i == 0 or devices[i - 1] != d]
         assert len(runs) == 2, f"each device's rows are one run: {devices}"
     status = server.status()
-    assert [d["ordinal"] for d in status["devices"]] == [0, 1]
+    assert [d["device"] for d in status["devices"]] == [0, 1]
+    assert status["topology"]["peer_access"] == [[True, True], [True, True]], "one host memory"
     assert all(d["used_bytes"] > 0 for d in status["devices"]), status["devices"]
 
 
@@ -64,12 +65,21 @@ def test_a_put_may_name_its_device(make_server):
         assert set(endpoint_devices(client, name)) == {2}
         with pytest.raises(pa.ArrowInvalid, match="there is no device 7"):
             put_on(client, unique(), table(1), device=7)
+        with pytest.raises(pa.ArrowInvalid, match="no device of this server has the UUID"):
+            put_on(client, unique(), table(1), device="GPU-00000000-0000-0000-0000-000000000000")
         with pytest.raises(pa.ArrowInvalid, match="memory limit reached on device 1"):
             put_on(client, unique(), table(3), device=1)  # 3.4 MB on a 3 MB device
         assert get(client, name).equals(table(1))
 
 
-def test_endpoints_name_the_device_their_rows_are_on(client):
+def test_endpoints_name_the_device_their_rows_are_on(client, server):
     name = unique()
     put_on(client, name, table(1))
     assert endpoint_devices(client, name) == [0]
+    status = server.status()
+    devices = status["devices"]
+    assert len(status["topology"]["peer_access"]) == len(devices)
+    if BACKEND == "cuda":  # a GPU can be named by its UUID too
+        other = unique()
+        put_on(client, other, table(1), device=devices[0]["uuid"])
+        assert endpoint_devices(client, other) == [0]

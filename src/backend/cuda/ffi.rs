@@ -149,6 +149,20 @@ impl Context {
         Ok(String::from_utf8_lossy(&bytes).to_lowercase())
     }
 
+    /// Whether this device can read and write `peer`'s memory directly (NVLink or PCIe peer
+    /// access), as `cuDeviceCanAccessPeer` says.
+    pub(super) fn can_access_peer(&self, peer: &Context) -> Result<bool, BackendError> {
+        if self.device == peer.device {
+            return Ok(true);
+        }
+        let mut can = 0;
+        // SAFETY: both are valid device handles; the driver writes one int into `can`.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.device, peer.device) }
+            .result()
+            .map_err(|e| device_error("cuDeviceCanAccessPeer", e))?;
+        Ok(can != 0)
+    }
+
     /// (free, total) bytes as the driver sees them, all processes included.
     pub(super) fn memory_info(&self) -> Result<(u64, u64), BackendError> {
         self.bind()?;

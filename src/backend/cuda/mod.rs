@@ -87,6 +87,7 @@ struct Gpu {
     shared: Arc<Shared>,
     name: String,
     total_bytes: u64,
+    numa_node: Option<u32>,
 }
 
 /// What uploads, partitions and reads share.
@@ -184,7 +185,9 @@ impl Gpu {
                 None
             }
         };
+        let numa_node = super::pci_numa_node(std::path::Path::new("/sys"), &identity.pci_bus_id);
         Ok(Self {
+            numa_node,
             shared: Arc::new(Shared {
                 context,
                 identity,
@@ -490,6 +493,22 @@ impl Backend for CudaBackend {
                 name: gpu.name.clone(),
                 total_bytes: Some(gpu.total_bytes),
                 default_limit_bytes: Some(gpu.total_bytes),
+                uuid: Some(gpu.shared.identity.uuid.clone()),
+                pci_bus_id: Some(gpu.shared.identity.pci_bus_id.clone()),
+                numa_node: gpu.numa_node,
+            })
+            .collect()
+    }
+
+    fn peer_access(&self) -> Vec<Vec<bool>> {
+        let contexts: Vec<&Context> = self.devices.iter().map(|g| &*g.shared.context).collect();
+        contexts
+            .iter()
+            .map(|a| {
+                contexts
+                    .iter()
+                    .map(|b| a.can_access_peer(b).unwrap_or(false))
+                    .collect()
             })
             .collect()
     }
