@@ -124,6 +124,7 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,
         StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
+        StoreError::ChangedDuringMove { .. } => Code::Aborted,
         StoreError::Backend(error) => backend_code(error),
     }
 }

@@ -186,3 +186,46 @@ async fn appends_and_replaces_work_across_devices() {
     assert_eq!(read_all(&store, "t").await, batch(9));
     assert_eq!(store.get("t").expect("t").device_runs().len(), 1);
 }
+
+#[tokio::test]
+async fn a_dataset_moves_to_another_device_whole() {
+    let store = store(2);
+    let batches: Vec<RecordBatch> = (0..3).map(batch).collect();
+    put(&store, "t", PutMode::Create, None, &batches)
+        .await
+        .expect("spread over both devices");
+    let before = store.get("t").expect("t");
+    // Device 0 cannot take it all (3 batches, room for 2): nothing changes.
+    let error = store.move_dataset("t", 0).await.expect_err("no room");
+    assert!(
+        matches!(error, StoreError::MemoryExhausted { device: 0, .. }),
+        "{error}"
+    );
+    assert_eq!(store.get("t").expect("t").version(), before.version());
+    // Free device 1 of what device 0 held, then move everything there.
+    drop(before);
+    store.remove("t").expect("drop");
+    put(&store, "t", PutMode::Create, Some(0), &batches[..2])
+        .await
+        .expect("put on device 0");
+    let reader = store.get("t").expect("a reader of the old version");
+    let summary = store.move_dataset("t", 1).await.expect("move");
+    assert_eq!(
+        (summary.device, summary.moved_bytes),
+        (1, 2 * 8 * ROWS as u64)
+    );
+    let moved = store.get("t").expect("t");
+    assert_eq!(moved.device_runs(), [(0..2 * ROWS as u64, 1)]);
+    assert_eq!(read_all(&store, "t").await, rows(&batches[..2]));
+    // The reader keeps the old version until it is done; then device 0 is empty again.
+    assert_eq!(reader.device_runs()[0].1, 0);
+    drop(reader);
+    let used = store.status().devices[0].used_bytes;
+    assert!(used < 10_000, "only the schema's charge, no batch: {used}");
+    let again = store.move_dataset("t", 1).await.expect("already there");
+    assert_eq!(again.moved_bytes, 0);
+    assert!(matches!(
+        store.move_dataset("t", 5).await,
+        Err(StoreError::UnknownDevice { device: 5, .. })
+    ));
+}

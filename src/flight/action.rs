@@ -3,7 +3,7 @@
 use arrow_flight::{Action, ActionType};
 use serde_json::Value;
 
-use super::descriptor::{parse_json_object, parse_name};
+use super::descriptor::{DeviceRef, parse_json_object, parse_name};
 use crate::auth::{Principal, Role};
 use crate::error::Error;
 use crate::store::{PutMode, StoreStatus};
@@ -34,6 +34,13 @@ pub const ACTIONS: &[(&str, &str)] = &[
          (see the README). The memory stays valid until ipc-release or expiry.",
     ),
     (
+        "move",
+        "Move a dataset to another device (see Placement in the README). Body: JSON {\"name\", \
+         \"device\": number or GPU UUID}. Result: JSON {\"name\", \"device\", \"moved_bytes\", \
+         \"version\"}. Readers see the old version or the new one; the old memory returns when \
+         they are done.",
+    ),
+    (
         "ipc-release",
         "End an ipc-export lease. Body: JSON {\"lease\"}. Result: JSON {\"lease\", \"name\"}. \
          Close your handles first: memory of a dropped dataset is freed once its last lease ends.",
@@ -61,6 +68,10 @@ pub enum ActionRequest {
     IpcRelease {
         lease: String,
     },
+    Move {
+        name: String,
+        device: DeviceRef,
+    },
 }
 
 impl ActionRequest {
@@ -71,6 +82,7 @@ impl ActionRequest {
             Self::Status => "status".to_owned(),
             Self::IpcExport { name, .. } => format!("ipc-export {name}"),
             Self::IpcRelease { .. } => "ipc-release".to_owned(),
+            Self::Move { name, .. } => format!("move {name}"),
         }
     }
 }
@@ -130,6 +142,22 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
             )?;
             Ok(ActionRequest::IpcRelease {
                 lease: parse_lease(&body.lease)?,
+            })
+        }
+        "move" => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct MoveBody {
+                name: String,
+                device: DeviceRef,
+            }
+            let body: MoveBody = parse_json_object(
+                &action.body,
+                "move takes a JSON object {\"name\": \"...\", \"device\": number or GPU UUID}",
+            )?;
+            Ok(ActionRequest::Move {
+                name: parse_name(body.name.as_bytes())?,
+                device: body.device,
             })
         }
         other => Err(Error::UnknownAction(other.to_owned())),

@@ -205,7 +205,7 @@ impl Service {
         Ok(info)
     }
 
-    fn run_action(
+    async fn run_action(
         &self,
         action: &Action,
         caller: &Principal,
@@ -227,6 +227,12 @@ impl Service {
                 })
             }
             ActionRequest::Status => action::status_document(&self.store.status(), caller),
+            ActionRequest::Move { name, device } => {
+                caller.require(Role::Write, "the move action")?;
+                let device = put::resolve_device(&self.store, device)?;
+                let summary = self.store.move_dataset(&name, device).await?;
+                action::to_value(&summary)
+            }
             ActionRequest::IpcExport {
                 name,
                 columns,
@@ -425,7 +431,9 @@ impl FlightService for Service {
         self.ensure_serving()?;
         let caller = principal(&request)?;
         let call = call(&request);
-        let result = self.run_action(request.get_ref(), &caller, call.as_deref())?;
+        let result = self
+            .run_action(request.get_ref(), &caller, call.as_deref())
+            .await?;
         let body = serde_json::to_vec(&result)
             .map_err(|e| Error::Internal(format!("encoding action result: {e}")))?;
         Ok(Response::new(one(arrow_flight::Result {

@@ -38,7 +38,7 @@ use crate::task::AbortOnDrop;
 const RECEIVE_AHEAD: usize = 4;
 
 /// The store's number for a device a client named by number (checked by the store) or UUID.
-fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Error> {
+pub(super) fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Error> {
     match device {
         DeviceRef::Number(number) => Ok(number),
         DeviceRef::Uuid(uuid) => store

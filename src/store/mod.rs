@@ -17,7 +17,8 @@
 //! and no shard lock is ever held across an `.await`.
 //!
 //! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction),
-//! `export` (`ipc-export` and its leases), `status` (what the store holds); `dataset`,
+//! `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
+//! `status` (what the store holds); `dataset`,
 //! `lease`, `memory` and `progress` are the parts they share.
 
 mod catalog;
@@ -27,6 +28,7 @@ mod lease;
 pub mod memory;
 mod progress;
 mod put;
+mod relocate;
 mod status;
 
 use std::sync::Arc;
@@ -40,6 +42,7 @@ pub use lease::Lease;
 use memory::MemoryBudget;
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
+pub use relocate::MoveSummary;
 pub use status::{DeviceStatus, LeaseStatus, StoreStatus};
 
 use crate::backend::{Backend, BackendError};
@@ -92,6 +95,11 @@ pub enum StoreError {
         ticket: u64,
         current: u64,
     },
+    #[error(
+        "dataset '{name}' changed while it was being moved; it stays as the change left it: \
+         move it again"
+    )]
+    ChangedDuringMove { name: String },
     #[error("rows {start}..{end} are outside dataset '{name}', which has {rows} rows")]
     RowsOutOfRange {
         name: String,

@@ -327,7 +327,7 @@ impl PendingPut {
 impl Store {
     /// Compacts each run of consecutive partitions on one device, on that device, keeping the
     /// runs in row order: a dataset spread across devices stays spread, each part compact.
-    async fn compact_runs(
+    pub(super) async fn compact_runs(
         &self,
         schema: &Schema,
         partitions: Vec<StoredPartition>,

@@ -83,3 +83,20 @@ def test_endpoints_name_the_device_their_rows_are_on(client, server):
         other = unique()
         put_on(client, other, table(1), device=devices[0]["uuid"])
         assert endpoint_devices(client, other) == [0]
+
+
+@host_only
+def test_the_move_action_moves_a_dataset_whole(make_server):
+    server = make_server("--host-devices", "2", "--memory-limit", "12MB")
+    name = unique()
+    data = table(4)
+    with server.client() as client:
+        put_on(client, name, data, device=0)
+        [result] = client.do_action(flight.Action("move", json.dumps({"name": name, "device": 1}).encode()))
+        moved = json.loads(result.body.to_pybytes())
+        assert (moved["name"], moved["device"], moved["moved_bytes"]) == (name, 1, data.nbytes)
+        assert set(endpoint_devices(client, name)) == {1}
+        assert get(client, name).equals(data)
+        with pytest.raises(pa.ArrowInvalid, match="there is no device 3"):
+            list(client.do_action(flight.Action("move", json.dumps({"name": name, "device": 3}).encode())))
+    assert server.status()["devices"][0]["used_bytes"] < 10_000, "device 0 holds no rows"
