@@ -71,7 +71,7 @@ impl Store {
             store: self.clone(),
             name,
             mode,
-            device: device.unwrap_or_else(|| self.freest_devices()[0]),
+            device: device.unwrap_or_else(|| self.freest_device()),
             fixed: device.is_some(),
             schema: None,
             schema_charge: None,
@@ -93,9 +93,24 @@ impl Store {
     /// the most free memory, where the store places the batches it cannot fit elsewhere: a
     /// message must not fail for lack of room on a device its batch will not go to.
     pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
-        self.inner
-            .budget
-            .try_reserve(self.freest_devices()[0], bytes)
+        self.inner.budget.try_reserve(self.freest_device(), bytes)
+    }
+
+    /// What keeping `batch` in the backend is charged: its stored size (at least a bit a row)
+    /// and an overhead per array. Paid before the batch is uploaded anywhere.
+    pub(super) fn stored_charge(&self, batch: &RecordBatch) -> Result<u64, StoreError> {
+        let stored = self.inner.backend.stored_size(batch)?;
+        Ok(charge(stored, batch.num_rows() as u64)
+            .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(batch))))
+    }
+
+    /// The device with the most free memory (the lowest number on a tie).
+    fn freest_device(&self) -> u32 {
+        let budget = &self.inner.budget;
+        (0..budget.devices())
+            .rev()
+            .max_by_key(|&d| budget.free(d))
+            .unwrap_or(0)
     }
 
     /// Every device, the one with the most free memory first (the lower ordinal on a tie).
@@ -182,8 +197,7 @@ impl PendingPut {
             return Ok(None);
         }
         let backend = Arc::clone(&self.store.inner.backend);
-        let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64)
-            .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(&batch)));
+        let bytes = self.store.stored_charge(&batch)?;
         let reservation = Arc::new(self.reserve(bytes)?);
         let data_bytes = batch_bytes(&batch);
         self.rows = self.rows.saturating_add(batch.num_rows() as u64);
@@ -509,5 +523,50 @@ mod tests {
             "only the appended rows, not the dropped ones"
         );
         assert_eq!(store.get("t").expect("dataset").num_rows(), 10);
+    }
+
+    #[tokio::test]
+    async fn a_move_aborts_when_the_dataset_changes_meanwhile() {
+        let started = Arc::new(tokio::sync::Notify::new());
+        let release = Arc::new(tokio::sync::Notify::new());
+        let backend = GatedBackend {
+            host: HostBackend::new().with_devices(2),
+            started: Arc::clone(&started),
+            release: Arc::clone(&release),
+        };
+        let store = Store::new(Arc::new(backend), StoreOptions::default());
+        for (mode, device, rows) in [(PutMode::Create, 0, 0..10), (PutMode::Append, 1, 10..20)] {
+            let mut pending = store
+                .begin_put_on("t".to_owned(), mode, "test", Some(device))
+                .expect("begin");
+            pending
+                .declare_schema(batch(0..1).schema())
+                .expect("schema");
+            let upload = pending.upload(batch(rows), None).expect("reserve");
+            pending.add(upload.expect("rows").await.expect("upload"));
+            pending
+                .commit()
+                .await
+                .expect("commit: one partition a device");
+        }
+        // Moving onto device 1 compacts there, which the gate holds while the dataset changes.
+        let moving = tokio::spawn({
+            let store = store.clone();
+            async move { store.move_dataset("t", 1).await }
+        });
+        started.notified().await;
+        store.remove("t").expect("drop while the move compacts");
+        release.notify_one();
+        let error = moving.await.expect("task").expect_err("changed meanwhile");
+        assert!(
+            matches!(error, StoreError::ChangedDuringMove { .. }),
+            "{error}"
+        );
+        assert!(store.get("t").is_err(), "the drop stands");
+        assert_eq!(
+            store.status().devices[1].used_bytes,
+            0,
+            "the moved copy was freed"
+        );
     }
 }

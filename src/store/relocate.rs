@@ -17,8 +17,8 @@ use dashmap::mapref::entry::Entry;
 use futures::TryStreamExt;
 
 use super::dataset::StoredPartition;
-use super::{ARRAY_OVERHEAD, Dataset, Store, StoreError, charge};
-use crate::batch_size::{array_count, batch_bytes};
+use super::{Dataset, Store, StoreError};
+use crate::batch_size::batch_bytes;
 
 /// Rows are copied in chunks of about this many bytes, so a move holds little host memory.
 const MOVE_CHUNK_BYTES: u64 = 64 << 20;
@@ -62,12 +62,11 @@ impl Store {
             }
             let mut chunks = base.read(base.partition_rows(index), MOVE_CHUNK_BYTES, 2)?;
             while let Some(batch) = chunks.try_next().await? {
-                let backend = &inner.backend;
-                let bytes = charge(backend.stored_size(&batch)?, batch.num_rows() as u64)
-                    .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(&batch)));
-                let reservation = inner.budget.try_reserve(device, bytes)?;
+                let reservation = inner
+                    .budget
+                    .try_reserve(device, self.stored_charge(&batch)?)?;
                 let data_bytes = batch_bytes(&batch);
-                let data = backend.upload(device, batch).await?;
+                let data = inner.backend.upload(device, batch).await?;
                 moved_bytes += data_bytes;
                 partitions.push(StoredPartition {
                     data,
