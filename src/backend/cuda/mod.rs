@@ -79,6 +79,8 @@ pub fn unavailable_reason(ordinal: u32) -> Option<String> {
 #[derive(Debug)]
 pub struct CudaBackend {
     devices: Vec<Gpu>,
+    /// `peer_access[a][b]`, asked of the driver once at open: the topology does not change.
+    peer_access: Vec<Vec<bool>>,
 }
 
 /// One GPU: its context, streams, staging pool and kernel, and what `status` says of it.
@@ -134,11 +136,23 @@ impl CudaBackend {
                 "no CUDA device was asked for".to_owned(),
             ));
         }
-        let devices = ordinals
+        let devices: Vec<Gpu> = ordinals
             .iter()
             .map(|&ordinal| Gpu::open(ordinal))
             .collect::<Result<_, _>>()?;
-        Ok(Self { devices })
+        let peer_access = devices
+            .iter()
+            .map(|a| {
+                devices
+                    .iter()
+                    .map(|b| a.shared.context.can_access_peer(&b.shared.context))
+                    .collect::<Result<_, _>>()
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            devices,
+            peer_access,
+        })
     }
 
     /// Every CUDA device the driver shows this process (after `CUDA_VISIBLE_DEVICES`).
@@ -501,16 +515,7 @@ impl Backend for CudaBackend {
     }
 
     fn peer_access(&self) -> Vec<Vec<bool>> {
-        let contexts: Vec<&Context> = self.devices.iter().map(|g| &*g.shared.context).collect();
-        contexts
-            .iter()
-            .map(|a| {
-                contexts
-                    .iter()
-                    .map(|b| a.can_access_peer(b).unwrap_or(false))
-                    .collect()
-            })
-            .collect()
+        self.peer_access.clone()
     }
 
     fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
