@@ -1429,6 +1429,48 @@ fn odd_descriptor(rng: &mut StdRng, mode: &str) -> (String, Option<FlightDescrip
             cmd(json(serde_json::json!({"name": 7, "mode": mode}))),
         ),
         (
+            "device 0".into(),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": 0}),
+            )),
+        ),
+        (
+            "no such device".into(),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": 7}),
+            )),
+        ),
+        (
+            "device beyond u32".into(),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": 1_u64 << 40}),
+            )),
+        ),
+        (
+            "negative device".into(),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": -1}),
+            )),
+        ),
+        (
+            "unknown device UUID".into(),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": "GPU-00000000-0000-0000-0000-000000000000"}),
+            )),
+        ),
+        (
+            format!("device UUID of {} bytes", long.len()),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": long}),
+            )),
+        ),
+        (
+            "device list".into(),
+            cmd(json(
+                serde_json::json!({"name": NAME, "mode": mode, "device": [0]}),
+            )),
+        ),
+        (
             "deeply nested name".into(),
             cmd(format!(r#"{{"name": {}, "mode": "{mode}"}}"#, deep(5000, "[", "]")).into_bytes()),
         ),
@@ -2079,6 +2121,8 @@ impl UnaryRig {
             "ipc-export",
             "ipc-export",
             "ipc-release",
+            "move",
+            "move",
             "",
             "DROP",
             "drop ",
@@ -2089,6 +2133,11 @@ impl UnaryRig {
         let name = self.some_name(rng);
         let column = ["c0", "c1", "s", "nope", ""].choose(rng).expect("columns");
         let lease_seconds = [0_u64, 1, 86_400, 86_401, u64::MAX].choose(rng);
+        let move_device = *[1_i64, -1, 1 << 40].choose(rng).expect("devices");
+        let long_uuid = "GPU-".repeat(2000);
+        let move_uuid = *["GPU-x", "", long_uuid.as_str()]
+            .choose(rng)
+            .expect("uuids");
         let lease = *["", "x", "0123456789abcdef", name.as_str()]
             .choose(rng)
             .expect("leases");
@@ -2138,6 +2187,18 @@ impl UnaryRig {
             (
                 "non-UTF-8".into(),
                 b"{\"name\": \"t\xff\xfe\", \"lease\": \"\xc3\"}".to_vec(),
+            ),
+            (
+                "move to device 0".into(),
+                json_body(serde_json::json!({"name": name, "device": 0})),
+            ),
+            (
+                "move to a device out of range".into(),
+                json_body(serde_json::json!({"name": name, "device": move_device})),
+            ),
+            (
+                "move to a UUID".into(),
+                json_body(serde_json::json!({"name": name, "device": move_uuid})),
             ),
             (
                 "export columns".into(),

@@ -39,8 +39,15 @@ const RECEIVE_AHEAD: usize = 4;
 
 /// The store's number for a device a client named by number (checked by the store) or UUID.
 pub(super) fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Error> {
+    /// `GPU-` and 32 hex digits in 8-4-4-4-12, and some room: longer is not a UUID, and is
+    /// not echoed back.
+    const MAX_UUID_BYTES: usize = 64;
     match device {
         DeviceRef::Number(number) => Ok(number),
+        DeviceRef::Uuid(uuid) if uuid.len() > MAX_UUID_BYTES => Err(Error::InvalidCommand(
+            "a device is a number or a GPU UUID (GPU- and 32 hex digits, as status lists them)"
+                .to_owned(),
+        )),
         DeviceRef::Uuid(uuid) => store
             .backend()
             .devices()

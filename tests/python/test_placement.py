@@ -76,6 +76,10 @@ def test_endpoints_name_the_device_their_rows_are_on(client, server):
     name = unique()
     put_on(client, name, table(1))
     assert endpoint_devices(client, name) == [0]
+    long = "GPU-" + "f" * 5000
+    with pytest.raises(pa.ArrowInvalid, match="a device is a number or a GPU UUID") as refused:
+        put_on(client, unique(), table(1), device=long)
+    assert long not in str(refused.value), "a long string is not echoed back"
     status = server.status()
     devices = status["devices"]
     assert len(status["topology"]["peer_access"]) == len(devices)
