@@ -8,7 +8,7 @@ use arrow::compute::concat_batches;
 use arrow::record_batch::RecordBatch;
 use futures::TryStreamExt;
 use gpu_flight::backend::HostBackend;
-use gpu_flight::store::{PutMode, Store, StoreError, StoreOptions};
+use gpu_flight::store::{ExportRequest, PutMode, Store, StoreError, StoreOptions};
 
 /// Rows of one batch: 1.6 MB of int64, above the size the host backend concatenates at commit,
 /// so partitions stay as they were placed.
@@ -81,6 +81,18 @@ async fn a_dataset_larger_than_any_device_is_spread_across_them() {
         ]
     );
     assert_eq!(read_all(&store, "big").await, self::rows(&batches));
+    let export = store.export(ExportRequest {
+        name: "big".to_owned(),
+        columns: None,
+        duration: std::time::Duration::from_secs(60),
+        renew: None,
+        owner: "test".to_owned(),
+    });
+    let error = export.expect_err("a spread dataset has no one device to export from");
+    assert!(
+        error.to_string().contains("spread over several devices"),
+        "{error}"
+    );
     let used: Vec<u64> = store
         .status()
         .devices

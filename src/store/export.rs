@@ -69,11 +69,16 @@ impl Store {
             }
             [partition] => partition,
             many => {
+                let spread = many.iter().any(|p| p.device() != many[0].device());
                 return Err(StoreError::NotCompact {
                     name: dataset.name().to_owned(),
                     partitions: many.len(),
-                    reason: "its batches could not be concatenated, e.g. their merged \
-                             dictionary outgrew the key type",
+                    reason: if spread {
+                        "it is spread over several devices; the move action puts it on one"
+                    } else {
+                        "its batches could not be concatenated, e.g. their merged dictionary \
+                         outgrew the key type"
+                    },
                 });
             }
         };
