@@ -576,6 +576,21 @@ impl Backend for PanickingReads {
     ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         unreachable!("concatenated_size refuses")
     }
+    fn copied_size(
+        &self,
+        _partition: &Arc<dyn Partition>,
+        _columns: &[usize],
+    ) -> Result<u64, BackendError> {
+        Err(BackendError::Device("not in this test".to_owned()))
+    }
+    fn copy_to(
+        &self,
+        _partition: Arc<dyn Partition>,
+        _columns: Vec<usize>,
+        _device: u32,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        unreachable!("copied_size refuses")
+    }
 }
 
 #[tokio::test]

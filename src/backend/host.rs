@@ -132,6 +132,52 @@ impl Backend for HostBackend {
         Ok(partitions.iter().map(|p| p.bytes()).sum())
     }
 
+    fn copied_size(
+        &self,
+        partition: &Arc<dyn Partition>,
+        columns: &[usize],
+    ) -> Result<u64, BackendError> {
+        let [part] =
+            downcast_all::<HostPartition>(std::slice::from_ref(partition), "the host backend")?[..]
+        else {
+            return Err(BackendError::Device("no partition given".to_owned()));
+        };
+        Ok(batch_bytes(&part.project(columns)?))
+    }
+
+    /// A deep copy: pretend devices share one memory, but a copy on one must not share
+    /// buffers with the original, or the budgets would charge twice for memory held once.
+    fn copy_to(
+        &self,
+        partition: Arc<dyn Partition>,
+        columns: Vec<usize>,
+        _device: u32,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let copied =
+            downcast_all::<HostPartition>(std::slice::from_ref(&partition), "the host backend")
+                .and_then(|parts| {
+                    let [part] = parts[..] else {
+                        return Err(BackendError::Device("no partition given".to_owned()));
+                    };
+                    let batch = part.project(&columns)?;
+                    let copy_failed = |e: arrow::error::ArrowError| {
+                        BackendError::Device(format!("copying a batch: {e}"))
+                    };
+                    let arrays = batch
+                        .columns()
+                        .iter()
+                        .map(|column| owned(&column.to_data()).map(make_array))
+                        .collect::<Result<Vec<ArrayRef>, _>>()
+                        .map_err(copy_failed)?;
+                    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+                    let batch = RecordBatch::try_new_with_options(batch.schema(), arrays, &options)
+                        .map_err(copy_failed)?;
+                    let bytes = batch_bytes(&batch);
+                    Ok(Arc::new(HostPartition { batch, bytes }) as Arc<dyn Partition>)
+                });
+        futures::future::ready(copied).boxed()
+    }
+
     /// Arrow's own concatenation, except for dictionary columns, whose dictionaries are merged
     /// (see `dictionary`). It is the host reference the CUDA kernel is checked against.
     fn concatenate(
@@ -200,6 +246,14 @@ fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
 struct HostPartition {
     batch: RecordBatch,
     bytes: u64,
+}
+
+impl HostPartition {
+    fn project(&self, columns: &[usize]) -> Result<RecordBatch, BackendError> {
+        self.batch
+            .project(columns)
+            .map_err(|e| BackendError::Device(format!("choosing columns to copy: {e}")))
+    }
 }
 
 impl Partition for HostPartition {

@@ -137,6 +137,24 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
+    /// Bytes [`Backend::copy_to`] of `columns` of `partition` allocates, so the store can
+    /// reserve them on the target first.
+    fn copied_size(
+        &self,
+        partition: &Arc<dyn Partition>,
+        columns: &[usize],
+    ) -> Result<u64, BackendError>;
+
+    /// Copies `columns` of `partition` (in that order) onto `device` as a new partition, for
+    /// moves and for `ipc-export` replicas on a consumer's GPU. A GPU backend copies between
+    /// devices directly and keeps the layout, so the copy exports like the original.
+    fn copy_to(
+        &self,
+        partition: Arc<dyn Partition>,
+        columns: Vec<usize>,
+        device: u32,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
+
     /// Which devices can access which directly: `peer_access()[a][b]` says whether device `a`
     /// can read and write device `b`'s memory (every device its own). One memory space
     /// shared by every device (the host) is all true.

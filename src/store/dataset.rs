@@ -131,11 +131,6 @@ impl Dataset {
         &self.partitions
     }
 
-    /// The rows of partition `index`.
-    pub(crate) fn partition_rows(&self, index: usize) -> Range<u64> {
-        self.row_starts[index]..self.row_starts[index + 1]
-    }
-
     /// The dataset's rows as runs of consecutive partitions on one device: `(rows, device)`,
     /// in row order.
     pub fn device_runs(&self) -> Vec<(Range<u64>, u32)> {

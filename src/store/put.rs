@@ -482,6 +482,21 @@ mod tests {
         ) -> Result<u64, BackendError> {
             self.host.concatenated_size(partitions)
         }
+        fn copied_size(
+            &self,
+            partition: &Arc<dyn crate::backend::Partition>,
+            columns: &[usize],
+        ) -> Result<u64, BackendError> {
+            self.host.copied_size(partition, columns)
+        }
+        fn copy_to(
+            &self,
+            partition: Arc<dyn crate::backend::Partition>,
+            columns: Vec<usize>,
+            device: u32,
+        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
+            self.host.copy_to(partition, columns, device)
+        }
         fn concatenate(
             &self,
             partitions: Vec<Arc<dyn crate::backend::Partition>>,

@@ -1,27 +1,19 @@
 //! Moving a dataset to another device, atomically for its readers.
 //!
-//! Every partition not yet on the target is read back in chunks and uploaded there, paid for
-//! by reservations on the target taken before each upload; the moved partitions are then
-//! compacted on the target as a put's would be. The new version replaces the old in one
-//! catalog operation, and only if nothing committed to the name meanwhile: readers see the
-//! old version or the new one, never a mix, and keep reading the version they started on.
-//! The old partitions' memory returns when their last reader is done.
-//!
-//! The copy goes through host memory (a device backend's read, then its upload), which works
-//! between any two devices; peer copies between GPUs that can reach each other directly are
-//! the faster path still to come.
+//! Every partition not yet on the target is copied there by the backend (peer to peer between
+//! GPUs, through host memory by the driver where they cannot reach each other), paid for by a
+//! reservation on the target taken before the copy; the moved partitions are then compacted
+//! on the target as a put's would be. The new version replaces the old in one catalog
+//! operation, and only if nothing committed to the name meanwhile: readers see the old
+//! version or the new one, never a mix, and keep reading the version they started on. The old
+//! partitions' memory returns when their last reader is done.
 
 use std::sync::Arc;
 
 use dashmap::mapref::entry::Entry;
-use futures::TryStreamExt;
 
 use super::dataset::StoredPartition;
 use super::{Dataset, Store, StoreError};
-use crate::batch_size::batch_bytes;
-
-/// Rows are copied in chunks of about this many bytes, so a move holds little host memory.
-const MOVE_CHUNK_BYTES: u64 = 64 << 20;
 
 /// What a move did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -53,29 +45,30 @@ impl Store {
                 version: base.version(),
             });
         }
+        let schema = base.schema();
+        let all_columns: Vec<usize> = (0..schema.fields().len()).collect();
         let mut partitions: Vec<StoredPartition> = Vec::new();
         let mut moved_bytes = 0;
-        for (index, partition) in base.partitions().iter().enumerate() {
+        for partition in base.partitions() {
             if partition.device() == device {
                 partitions.push(partition.clone());
                 continue;
             }
-            let mut chunks = base.read(base.partition_rows(index), MOVE_CHUNK_BYTES, 2)?;
-            while let Some(batch) = chunks.try_next().await? {
-                let reservation = inner
-                    .budget
-                    .try_reserve(device, self.stored_charge(&batch)?)?;
-                let data_bytes = batch_bytes(&batch);
-                let data = inner.backend.upload(device, batch).await?;
-                moved_bytes += data_bytes;
-                partitions.push(StoredPartition {
-                    data,
-                    reservation: Arc::new(reservation),
-                    data_bytes,
-                });
-            }
+            // The copy has the original's layout, so it costs what the original does.
+            let reservation = inner
+                .budget
+                .try_reserve(device, partition.reservation.bytes())?;
+            let data = inner
+                .backend
+                .copy_to(Arc::clone(&partition.data), all_columns.clone(), device)
+                .await?;
+            moved_bytes += partition.data_bytes;
+            partitions.push(StoredPartition {
+                data,
+                reservation: Arc::new(reservation),
+                data_bytes: partition.data_bytes,
+            });
         }
-        let schema = base.schema();
         let partitions = self.compact_runs(&schema, partitions).await?;
         let version = self.next_version();
         match inner.catalog.entry(name.to_owned()) {

@@ -163,6 +163,23 @@ impl Context {
         Ok(can != 0)
     }
 
+    /// Lets this context read and write `peer`'s memory directly, so copies between them
+    /// take the direct link (NVLink or PCIe) instead of a trip through host memory. Only for
+    /// a pair [`Context::can_access_peer`] allows; enabling twice is not an error.
+    pub(super) fn enable_peer_access(&self, peer: &Context) -> Result<(), BackendError> {
+        if self.device == peer.device {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `peer.raw` is a retained primary context, alive as long as `peer`; flags
+        // must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.raw, 0) } {
+            sys::cudaError_enum::CUDA_SUCCESS
+            | sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            error => Err(device_error("cuCtxEnablePeerAccess", DriverError(error))),
+        }
+    }
+
     /// (free, total) bytes as the driver sees them, all processes included.
     pub(super) fn memory_info(&self) -> Result<(u64, u64), BackendError> {
         self.bind()?;
@@ -451,6 +468,35 @@ impl<'a> CopyBatch<'a> {
             )
         }
         .map_err(|e| device_error("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Queues a copy of `len` bytes from `src` at `src_offset`, on any GPU, to `dst` at
+    /// `dst_offset`, on any GPU (`cuMemcpyPeerAsync`: direct where peer access is enabled,
+    /// through host memory by the driver otherwise).
+    pub(super) fn copy_between_devices(
+        &mut self,
+        dst: &'a DeviceAllocation,
+        dst_offset: usize,
+        src: &'a DeviceAllocation,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        check_device_range(dst, dst_offset, len)?;
+        check_device_range(src, src_offset, len)?;
+        // SAFETY: both ranges lie inside their allocations (checked), each named with the
+        // context it was allocated in; both stay borrowed until the stream is synchronized.
+        unsafe {
+            sys::cuMemcpyPeerAsync(
+                dst.ptr + dst_offset as u64,
+                dst.context.raw,
+                src.ptr + src_offset as u64,
+                src.context.raw,
+                len,
+                self.stream.raw,
+            )
+        }
+        .result()
+        .map_err(|e| device_error("cuMemcpyPeerAsync", e))
     }
 
     /// Queues a device-to-host copy of `len` bytes at `offset` of `src` into `dst`.

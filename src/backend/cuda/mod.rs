@@ -115,6 +115,9 @@ struct Counters {
     read_chunks: AtomicU64,
     read_syncs: AtomicU64,
     concat_launches: AtomicU64,
+    /// Copies onto this GPU from another (moves and `ipc-export` replicas), and their bytes.
+    peer_copies: AtomicU64,
+    peer_copy_bytes: AtomicU64,
     /// The last concatenation: all of it, allocating its outputs, and the task-table copy +
     /// launch + sync.
     concat_last_total_ns: AtomicU64,
@@ -148,7 +151,14 @@ impl CudaBackend {
                     .map(|b| a.shared.context.can_access_peer(&b.shared.context))
                     .collect::<Result<_, _>>()
             })
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<Vec<Vec<bool>>, _>>()?;
+        for (a, row) in devices.iter().zip(&peer_access) {
+            for (b, &can) in devices.iter().zip(row) {
+                if can && let Err(error) = a.shared.context.enable_peer_access(&b.shared.context) {
+                    tracing::warn!(%error, "peer access could not be enabled; copies between these GPUs go through host memory");
+                }
+            }
+        }
         Ok(Self {
             devices,
             peer_access,
@@ -331,6 +341,53 @@ impl Shared {
             columns: Arc::new(plan.columns.into_iter().map(|array| (0, array)).collect()),
             schema: batch.schema(),
             rows: batch.num_rows(),
+        }))
+    }
+
+    /// Copies `columns` of `source` (on any GPU) into new allocations on this one, laid out
+    /// as they are: every allocation those columns use, whole, with one copy each.
+    fn copy_from(
+        self: &Arc<Self>,
+        source: &CudaPartition,
+        columns: &[usize],
+    ) -> Result<Arc<dyn Partition>, BackendError> {
+        let used = source.allocations_of(columns)?;
+        let allocations = used
+            .iter()
+            .map(|&index| TrackedAllocation::new(self, source.allocations[index].inner.bytes()))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.with_stream(|stream| {
+            stream.copies(|batch| {
+                for (copy, &index) in allocations.iter().zip(&used) {
+                    let original = &source.allocations[index].inner;
+                    batch.copy_between_devices(&copy.inner, 0, original, 0, original.bytes())?;
+                }
+                Ok(())
+            })
+        })?;
+        let bytes: usize = allocations.iter().map(|a| a.inner.bytes()).sum();
+        self.counters.peer_copies.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .peer_copy_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        let remapped = columns
+            .iter()
+            .map(|&column| {
+                let (allocation, array) = &source.columns[column];
+                let position = used.binary_search(allocation).unwrap_or_default();
+                (position, array.clone())
+            })
+            .collect();
+        let schema = source
+            .schema
+            .project(columns)
+            .map_err(|e| BackendError::Device(format!("projecting the copied columns: {e}")))?;
+        Ok(Arc::new(CudaPartition {
+            shared: Arc::clone(self),
+            allocations: Arc::new(allocations),
+            columns: Arc::new(remapped),
+            schema: Arc::new(schema),
+            rows: source.rows,
         }))
     }
 
@@ -562,6 +619,46 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
+    fn copied_size(
+        &self,
+        partition: &Arc<dyn Partition>,
+        columns: &[usize],
+    ) -> Result<u64, BackendError> {
+        let [part] =
+            downcast_all::<CudaPartition>(std::slice::from_ref(partition), "the cuda backend")?[..]
+        else {
+            return Err(BackendError::Device("no partition given".to_owned()));
+        };
+        Ok(part
+            .allocations_of(columns)?
+            .iter()
+            .map(|&index| part.allocations[index].inner.bytes() as u64)
+            .sum())
+    }
+
+    /// One `cuMemcpyPeerAsync` per allocation, queued on the target GPU.
+    fn copy_to(
+        &self,
+        partition: Arc<dyn Partition>,
+        columns: Vec<usize>,
+        device: u32,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let target = match self.gpu(device) {
+            Ok(gpu) => Arc::clone(&gpu.shared),
+            Err(error) => return futures::future::ready(Err(error)).boxed(),
+        };
+        let task = tokio::task::spawn_blocking(move || {
+            let [source] = downcast_all::<CudaPartition>(
+                std::slice::from_ref(&partition),
+                "the cuda backend",
+            )?[..] else {
+                return Err(BackendError::Device("no partition given".to_owned()));
+            };
+            target.copy_from(source, &columns)
+        });
+        task.map(flatten_join).boxed()
+    }
+
     /// Each GPU's counters; with several GPUs, each name starts with `device<N>_`.
     fn counters(&self) -> Map<String, Value> {
         let mut all = Map::new();
@@ -606,6 +703,8 @@ impl Shared {
             "read_chunks": c.read_chunks.load(Ordering::Relaxed),
             "read_syncs": c.read_syncs.load(Ordering::Relaxed),
             "concat_launches": c.concat_launches.load(Ordering::Relaxed),
+            "peer_copies": c.peer_copies.load(Ordering::Relaxed),
+            "peer_copy_bytes": c.peer_copy_bytes.load(Ordering::Relaxed),
             "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
             "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
             "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
@@ -675,6 +774,26 @@ struct CudaPartition {
     columns: Arc<Vec<(usize, DeviceArray)>>,
     schema: SchemaRef,
     rows: usize,
+}
+
+impl CudaPartition {
+    /// The allocations `columns` lie in, ascending, each once.
+    fn allocations_of(&self, columns: &[usize]) -> Result<Vec<usize>, BackendError> {
+        let mut used = columns
+            .iter()
+            .map(|&column| {
+                self.columns
+                    .get(column)
+                    .map(|(allocation, _)| *allocation)
+                    .ok_or_else(|| {
+                        BackendError::Device(format!("no column {column} in this partition"))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        used.sort_unstable();
+        used.dedup();
+        Ok(used)
+    }
 }
 
 impl Partition for CudaPartition {
