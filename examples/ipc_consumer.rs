@@ -6,7 +6,9 @@
 //! cargo run --release --example ipc_consumer -- --server http://127.0.0.1:8815 --name trips
 //! ```
 //!
-//! `--verify` also reads the dataset with DoGet and checks that both agree.
+//! `--verify` also reads the dataset with DoGet and checks that both agree; `--device N`
+//! names the GPU this process computes on, and `--copy` replicates onto it what lies
+//! elsewhere. The first partition's buffers are printed.
 
 use std::time::Instant;
 
@@ -14,7 +16,7 @@ use arrow::array::Array;
 use arrow_flight::FlightClient;
 use clap::Parser;
 use futures::TryStreamExt;
-use gpu_flight::consumer::{self, MappedDataset};
+use gpu_flight::consumer::{self, ExportOptions, MappedDataset};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -29,6 +31,13 @@ struct Args {
     lease_seconds: u64,
     #[arg(long)]
     verify: bool,
+    /// The GPU this process computes on (its ordinal here): partitions on other GPUs are
+    /// mapped for peer access from it.
+    #[arg(long)]
+    device: Option<u32>,
+    /// With --device: replicate partitions on other GPUs onto it for the lease.
+    #[arg(long, requires = "device")]
+    copy: bool,
 }
 
 #[tokio::main]
@@ -38,32 +47,41 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect()
         .await?;
     let mut client = FlightClient::new(channel);
-    let columns: Vec<&str> = args.columns.iter().map(String::as_str).collect();
+    let mut options = ExportOptions {
+        columns: (!args.columns.is_empty()).then(|| args.columns.clone()),
+        lease_seconds: args.lease_seconds,
+        ..ExportOptions::default()
+    };
+    if let Some(ordinal) = args.device {
+        options = options.on_device(ordinal)?;
+        options.copy = args.copy;
+    }
     let started = Instant::now();
-    let document = consumer::export(
-        &mut client,
-        &args.name,
-        (!columns.is_empty()).then_some(columns.as_slice()),
-        args.lease_seconds,
-    )
-    .await?;
+    let document = consumer::export(&mut client, &args.name, &options).await?;
     let exported = started.elapsed();
     let mapped = MappedDataset::open(&document)?;
     let opened = started.elapsed();
     println!(
-        "'{}': {} rows, {} columns in {} allocations on GPU {} (here device {}); \
-         export {:.3} ms, export + open {:.3} ms; lease {} until {}",
+        "'{}': {} rows in {} partitions, {} allocations mapped; export {:.3} ms, \
+         export + open {:.3} ms; lease {} until {}",
         args.name,
         mapped.num_rows(),
-        document.columns.len(),
+        mapped.partitions().len(),
         mapped.mapped_allocations(),
-        document.device.uuid,
-        mapped.device_ordinal(),
         exported.as_secs_f64() * 1e3,
         opened.as_secs_f64() * 1e3,
         document.lease,
         document.expires_at
     );
+    for (index, partition) in mapped.partitions().iter().enumerate() {
+        println!(
+            "  partition {index}: {} rows on GPU {} ({:?}), mapped on device {} here",
+            partition.num_rows(),
+            partition.holder().uuid,
+            partition.access(),
+            partition.device_ordinal()
+        );
+    }
     let expected = if args.verify {
         let batches: Vec<_> = client
             .do_get(arrow_flight::Ticket::new(args.name.clone()))
@@ -78,7 +96,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None
     };
     for (index, field) in mapped.schema().fields().iter().enumerate() {
-        let buffers: Vec<String> = mapped
+        let buffers: Vec<String> = mapped.partitions()[0]
             .column_buffers(index)
             .iter()
             .map(|b| format!("{:?} {:#x} ({} B)", b.kind, b.address, b.length))

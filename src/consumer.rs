@@ -3,12 +3,15 @@
 //!
 //! ```no_run
 //! # async fn run(mut client: arrow_flight::FlightClient) -> Result<(), gpu_flight::consumer::ConsumerError> {
-//! use gpu_flight::consumer::{MappedDataset, export, release};
-//! let document = export(&mut client, "trips", None, 300).await?;
+//! use gpu_flight::consumer::{ExportOptions, MappedDataset, export, release};
+//! let options = ExportOptions::default().on_device(0)?; // where this process computes
+//! let document = export(&mut client, "trips", &options).await?;
 //! let mapped = MappedDataset::open(&document)?;
-//! let fares = mapped.column_buffers(0); // device pointers, for kernels
-//! let copy = mapped.read_column(0)?;    // or a host copy, as Arrow
-//! drop(mapped);                          // unmap first...
+//! for partition in mapped.partitions() {
+//!     let fares = partition.column_buffers(0); // device pointers, for kernels
+//! }
+//! let copy = mapped.read_column(0)?; // or a host copy of every partition, as Arrow
+//! drop(mapped);                       // unmap first...
 //! release(&mut client, &document.lease).await?; // ...then end the lease
 //! # Ok(()) }
 //! ```
@@ -24,7 +27,10 @@ use futures::TryStreamExt;
 
 use crate::backend::cuda::{ImportDevice, ImportedAllocation};
 use crate::backend::{BackendError, BufferKind};
-use crate::flight::ipc_export::{ArrayDocument, ExportDocument, VERSION};
+use crate::flight::ipc_export::{
+    ArrayDocument, DeviceDocument, ExportDocument, PartitionDocument, VERSION,
+};
+use crate::store::Access;
 
 /// What can go wrong consuming an export.
 #[derive(Debug, thiserror::Error)]
@@ -44,17 +50,56 @@ pub enum ConsumerError {
     Arrow(#[from] arrow::error::ArrowError),
 }
 
-/// Calls `ipc-export` for `columns` of `name` (all when `None`) under a lease of
-/// `lease_seconds`.
+/// What to ask `ipc-export` for.
+#[derive(Debug, Clone)]
+pub struct ExportOptions {
+    /// Column names; all when `None`.
+    pub columns: Option<Vec<String>>,
+    pub lease_seconds: u64,
+    /// The UUID of the GPU this process computes on. Partitions on another GPU are then
+    /// exported for peer access from it, or copied onto it with `copy`.
+    pub device: Option<String>,
+    /// Replicate partitions held by other GPUs onto `device` for the lease (the server needs
+    /// the memory; the caller needs the write role).
+    pub copy: bool,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        Self {
+            columns: None,
+            lease_seconds: 300,
+            device: None,
+            copy: false,
+        }
+    }
+}
+
+impl ExportOptions {
+    /// These options for a process computing on its device `ordinal` (as it numbers them).
+    pub fn on_device(mut self, ordinal: u32) -> Result<Self, ConsumerError> {
+        self.device = Some(ImportDevice::by_ordinal(ordinal)?.uuid()?);
+        Ok(self)
+    }
+}
+
+/// Calls `ipc-export` for `name` and returns its document (version 2).
 pub async fn export(
     client: &mut FlightClient,
     name: &str,
-    columns: Option<&[&str]>,
-    lease_seconds: u64,
+    options: &ExportOptions,
 ) -> Result<ExportDocument, ConsumerError> {
-    let mut body = serde_json::json!({"name": name, "lease_seconds": lease_seconds});
-    if let Some(columns) = columns {
+    let mut body = serde_json::json!({
+        "name": name,
+        "lease_seconds": options.lease_seconds,
+        "version": VERSION,
+    });
+    if let Some(columns) = &options.columns {
         body["columns"] = serde_json::json!(columns);
+    }
+    if let Some(device) = &options.device {
+        body["device"] = serde_json::json!(device);
+        body["copy"] = serde_json::json!(options.copy);
     }
     let reply = action(client, "ipc-export", &body).await?;
     let document: ExportDocument =
@@ -103,11 +148,19 @@ pub struct DeviceBuffer {
     pub length: u64,
 }
 
-/// An export's columns, mapped into this process (each distinct handle opened once) until
-/// dropped.
+/// An export's partitions, mapped into this process until dropped. Each distinct handle is
+/// opened once per device it is mapped on.
 #[derive(Debug)]
 pub struct MappedDataset {
     document: ExportDocument,
+    schema: SchemaRef,
+    partitions: Vec<MappedPartition>,
+}
+
+/// One partition's columns, mapped on one device of this process.
+#[derive(Debug)]
+pub struct MappedPartition {
+    document: PartitionDocument,
     schema: SchemaRef,
     device: ImportDevice,
     /// One mapping per column, shared by columns packed into one allocation.
@@ -115,42 +168,68 @@ pub struct MappedDataset {
 }
 
 impl MappedDataset {
-    /// Finds the export's GPU among the visible ones and maps every column.
+    /// Maps every column of every partition: on the GPU holding it, or for `peer` access on
+    /// the consumer's GPU.
     pub fn open(document: &ExportDocument) -> Result<Self, ConsumerError> {
         let schema = Arc::new(document.decode_schema().map_err(ConsumerError::Document)?);
-        if schema.fields().len() != document.columns.len() {
-            return Err(ConsumerError::Document(format!(
-                "the schema has {} fields but {} columns are described",
-                schema.fields().len(),
-                document.columns.len()
-            )));
-        }
-        let device = &document.device;
-        let found = ImportDevice::find(&device.uuid, &device.pci_bus_id)?.ok_or_else(|| {
-            ConsumerError::DeviceNotVisible {
-                uuid: device.uuid.clone(),
-                pci_bus_id: device.pci_bus_id.clone(),
+        let mut devices: HashMap<String, ImportDevice> = HashMap::new();
+        let mut find = |wanted: &DeviceDocument| -> Result<ImportDevice, ConsumerError> {
+            if let Some(device) = devices.get(&wanted.uuid) {
+                return Ok(device.clone());
             }
-        })?;
-        let mut opened: HashMap<&str, Arc<ImportedAllocation>> = HashMap::new();
-        let mut mappings = Vec::with_capacity(document.columns.len());
-        for column in &document.columns {
-            let mapping = match opened.get(column.handle.as_str()) {
-                Some(mapping) => Arc::clone(mapping),
-                None => {
-                    let handle = column.handle_bytes().map_err(ConsumerError::Document)?;
-                    let mapping = Arc::new(found.open(&handle, column.allocation_bytes)?);
-                    opened.insert(&column.handle, Arc::clone(&mapping));
-                    mapping
+            let found = ImportDevice::find(&wanted.uuid, &wanted.pci_bus_id)?.ok_or_else(|| {
+                ConsumerError::DeviceNotVisible {
+                    uuid: wanted.uuid.clone(),
+                    pci_bus_id: wanted.pci_bus_id.clone(),
                 }
+            })?;
+            devices.insert(wanted.uuid.clone(), found.clone());
+            Ok(found)
+        };
+        let mut opened: HashMap<(u32, &str), Arc<ImportedAllocation>> = HashMap::new();
+        let mut partitions = Vec::with_capacity(document.partitions.len());
+        for partition in &document.partitions {
+            if schema.fields().len() != partition.columns.len() {
+                return Err(ConsumerError::Document(format!(
+                    "the schema has {} fields but a partition describes {} columns",
+                    schema.fields().len(),
+                    partition.columns.len()
+                )));
+            }
+            let on = match partition.access {
+                Access::Peer => document.consumer_device.as_ref().ok_or_else(|| {
+                    ConsumerError::Document(
+                        "a partition is for peer access but no consumer device is named".to_owned(),
+                    )
+                })?,
+                Access::Local | Access::Replica => &partition.device,
             };
-            mappings.push(mapping);
+            let device = find(on)?;
+            let mut mappings = Vec::with_capacity(partition.columns.len());
+            for column in &partition.columns {
+                let key = (device.ordinal(), column.handle.as_str());
+                let mapping = match opened.get(&key) {
+                    Some(mapping) => Arc::clone(mapping),
+                    None => {
+                        let handle = column.handle_bytes().map_err(ConsumerError::Document)?;
+                        let mapping = Arc::new(device.open(&handle, column.allocation_bytes)?);
+                        opened.insert(key, Arc::clone(&mapping));
+                        mapping
+                    }
+                };
+                mappings.push(mapping);
+            }
+            partitions.push(MappedPartition {
+                document: partition.clone(),
+                schema: Arc::clone(&schema),
+                device,
+                mappings,
+            });
         }
         Ok(Self {
             document: document.clone(),
             schema,
-            device: found,
-            mappings,
+            partitions,
         })
     }
 
@@ -162,17 +241,63 @@ impl MappedDataset {
         self.document.num_rows
     }
 
-    /// This process's ordinal of the GPU the columns live on.
-    pub fn device_ordinal(&self) -> u32 {
-        self.device.ordinal()
+    /// In row order.
+    pub fn partitions(&self) -> &[MappedPartition] {
+        &self.partitions
     }
 
-    /// Distinct allocations mapped.
+    /// Distinct mappings opened.
     pub fn mapped_allocations(&self) -> usize {
-        let mut bases: Vec<u64> = self.mappings.iter().map(|m| m.device_address()).collect();
+        let mut bases: Vec<(u32, u64)> = self
+            .partitions
+            .iter()
+            .flat_map(|p| {
+                p.mappings
+                    .iter()
+                    .map(|m| (p.device.ordinal(), m.device_address()))
+            })
+            .collect();
         bases.sort_unstable();
         bases.dedup();
         bases.len()
+    }
+
+    /// Copies column `index` of every partition to host memory as one Arrow array.
+    pub fn read_column(&self, index: usize) -> Result<ArrayRef, ConsumerError> {
+        let parts = self
+            .partitions
+            .iter()
+            .map(|p| p.read_column(index))
+            .collect::<Result<Vec<_>, _>>()?;
+        match parts.as_slice() {
+            [one] => Ok(Arc::clone(one)),
+            _ => {
+                let arrays: Vec<&dyn arrow::array::Array> =
+                    parts.iter().map(|a| a.as_ref()).collect();
+                Ok(arrow::compute::concat(&arrays)?)
+            }
+        }
+    }
+}
+
+impl MappedPartition {
+    pub fn num_rows(&self) -> u64 {
+        self.document.num_rows
+    }
+
+    /// How the server said to reach it.
+    pub fn access(&self) -> Access {
+        self.document.access
+    }
+
+    /// The server's device holding the memory.
+    pub fn holder(&self) -> &DeviceDocument {
+        &self.document.device
+    }
+
+    /// This process's ordinal of the GPU the columns are mapped on.
+    pub fn device_ordinal(&self) -> u32 {
+        self.device.ordinal()
     }
 
     /// Column `index`'s own buffers as device pointers (children: see the document).

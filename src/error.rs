@@ -119,8 +119,11 @@ fn store_code(error: &StoreError) -> Code {
         | StoreError::MissingSchema
         | StoreError::RowsOutOfRange { .. }
         | StoreError::UnknownColumn { .. }
-        | StoreError::LeaseMismatch { .. } => Code::InvalidArgument,
-        StoreError::NotCompact { .. } | StoreError::EmptyDataset { .. } => Code::FailedPrecondition,
+        | StoreError::LeaseMismatch { .. }
+        | StoreError::RenewalChangesTerms { .. } => Code::InvalidArgument,
+        StoreError::NotCompact { .. }
+        | StoreError::EmptyDataset { .. }
+        | StoreError::NoPeerAccess { .. } => Code::FailedPrecondition,
         StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,
         StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,

@@ -16,7 +16,9 @@ use std::time::Duration;
 use arrow::array::Array;
 use common::*;
 use gpu_flight::backend::{Backend, CudaBackend, HostBackend};
-use gpu_flight::consumer::{self, MappedDataset};
+use gpu_flight::consumer::{self, ExportOptions, MappedDataset};
+use gpu_flight::server::ServeOptions;
+use gpu_flight::store::StoreOptions;
 use serde_json::json;
 use tonic::Code;
 
@@ -153,6 +155,140 @@ async fn a_second_process_maps_every_column_and_reads_what_do_get_returns() {
     server.shutdown_and_wait().await;
 }
 
+/// Two devices of the server: GPUs 0 and 1 where this node has two, else GPU 0 opened twice
+/// (one memory, two budgets), so that every path across devices runs on one GPU too: peer
+/// copies, peer access and replicas.
+fn two_devices() -> Arc<dyn Backend> {
+    let visible = CudaBackend::visible_devices().expect("CUDA").len();
+    let ordinals = if visible >= 2 { [0, 1] } else { [0, 0] };
+    Arc::new(CudaBackend::open_all(&ordinals).expect("CUDA devices"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn a_dataset_spread_over_two_devices_maps_from_either() {
+    // Each 3.2 MB batch of four int64 columns; a device holds three.
+    let options = StoreOptions {
+        memory_limit: Some(11 << 20),
+    };
+    let server = TestServer::start_with(two_devices(), options, ServeOptions::default()).await;
+    let mut client = server.client().await;
+    // One batch on each device; then four more, which no one device holds.
+    for (device, mode) in [(0, "create"), (1, "append")] {
+        let command = json!({"name": "pair", "mode": mode, "device": device});
+        let descriptor = arrow_flight::FlightDescriptor::new_cmd(command.to_string());
+        put(
+            &mut client,
+            descriptor,
+            vec![int64_batch(100_000, 4, device)],
+        )
+        .await
+        .expect("put on a device");
+    }
+    let batches: Vec<_> = (0..4).map(|i| int64_batch(100_000, 4, i * 3)).collect();
+    put(&mut client, path("spread"), batches)
+        .await
+        .expect("put");
+    let used = |status: &serde_json::Value| -> Vec<u64> {
+        status["devices"]
+            .as_array()
+            .expect("devices")
+            .iter()
+            .map(|d| d["used_bytes"].as_u64().expect("used"))
+            .collect()
+    };
+    let placed = status(&mut client).await;
+    let ordinals: Vec<u64> = placed["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .map(|d| d["ordinal"].as_u64().expect("ordinal"))
+        .collect();
+    let expected = get_all(&mut client, "spread").await.expect("DoGet");
+    // Mapped where each partition lies; from device 1's GPU (peer access); then, with room
+    // made, copied onto it.
+    for (names, device, copy) in [
+        (json!(["spread", "pair"]), None, false),
+        (json!(["spread", "pair"]), Some(ordinals[1]), false),
+        (json!(["pair"]), Some(ordinals[1]), true),
+    ] {
+        if copy {
+            action(&mut client, "drop", json!({"name": "spread"}))
+                .await
+                .expect("drop");
+        }
+        let before = used(&status(&mut client).await);
+        let task = json!({
+            "mode": "verify",
+            "addr": server.addr.to_string(),
+            "names": names,
+            "device_ordinal": device,
+            "copy": copy,
+        });
+        let output = tokio::task::spawn_blocking(move || consumer_command(task).output())
+            .await
+            .expect("join")
+            .expect("run the consumer");
+        let log = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && log.contains("verified"),
+            "consumer ({device:?}, copy {copy}) failed:\n{log}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let after = status(&mut client).await;
+        assert_eq!(after["leases"], json!([]), "the consumer released");
+        assert_eq!(used(&after), before, "replicas freed with their lease");
+    }
+    // A move copies between the devices' memory directly and reads back the same.
+    let batches: Vec<_> = (0..4).map(|i| int64_batch(100_000, 4, i * 3)).collect();
+    put(&mut client, path("spread"), batches)
+        .await
+        .expect("put again");
+    action(&mut client, "drop", json!({"name": "pair"}))
+        .await
+        .expect("drop");
+    for device in [0, 1, 0] {
+        let error = action(
+            &mut client,
+            "move",
+            json!({"name": "spread", "device": device}),
+        )
+        .await
+        .expect_err("no one device holds it");
+        assert_eq!(code_of(&error), Code::ResourceExhausted, "{error}");
+    }
+    put(&mut client, path("small"), vec![int64_batch(10_000, 2, 1)])
+        .await
+        .expect("put small");
+    for device in [0, 1, 0] {
+        action(
+            &mut client,
+            "move",
+            json!({"name": "small", "device": device}),
+        )
+        .await
+        .expect("move");
+    }
+    let moved = get_all(&mut client, "small").await.expect("DoGet");
+    assert_eq!(
+        concat(&moved[0].schema(), &moved),
+        int64_batch(10_000, 2, 1)
+    );
+    let counters = &status(&mut client).await["counters"];
+    assert!(
+        counters["device0_peer_copies"].as_u64() >= Some(1)
+            && counters["device1_peer_copies"].as_u64() >= Some(1),
+        "{counters}"
+    );
+    let again = get_all(&mut client, "spread").await.expect("DoGet");
+    assert_eq!(
+        concat(&again[0].schema(), &again),
+        concat(&expected[0].schema(), &expected),
+        "the failed moves left it as it was"
+    );
+    server.shutdown_and_wait().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
 async fn release_and_expiry_free_the_memory_of_dropped_datasets() {
@@ -266,7 +402,11 @@ fn consumer_process() {
             .collect();
         match task["mode"].as_str() {
             Some("hold") => {
-                let document = consumer::export(&mut client, names[0], None, 2)
+                let options = ExportOptions {
+                    lease_seconds: 2,
+                    ..ExportOptions::default()
+                };
+                let document = consumer::export(&mut client, names[0], &options)
                     .await
                     .expect("export");
                 let _mapped = MappedDataset::open(&document).expect("map");
@@ -274,8 +414,18 @@ fn consumer_process() {
                 std::thread::sleep(Duration::from_secs(600));
             }
             _ => {
+                let mut options = ExportOptions {
+                    lease_seconds: 60,
+                    ..ExportOptions::default()
+                };
+                if let Some(ordinal) = task["device_ordinal"].as_u64() {
+                    options = options
+                        .on_device(ordinal as u32)
+                        .expect("the consumer's GPU");
+                    options.copy = task["copy"].as_bool().unwrap_or(false);
+                }
                 for name in names {
-                    verify(&mut client, name).await;
+                    verify(&mut client, name, &options).await;
                 }
                 println!("verified");
             }
@@ -284,8 +434,8 @@ fn consumer_process() {
 }
 
 /// Maps every column of `name`, checks it against DoGet, maps a subset, releases.
-async fn verify(client: &mut arrow_flight::FlightClient, name: &str) {
-    let document = consumer::export(client, name, None, 60)
+async fn verify(client: &mut arrow_flight::FlightClient, name: &str, options: &ExportOptions) {
+    let document = consumer::export(client, name, options)
         .await
         .expect("export");
     let mapped = MappedDataset::open(&document).expect("map every column");
@@ -303,13 +453,20 @@ async fn verify(client: &mut arrow_flight::FlightClient, name: &str) {
             "{name}.{}",
             field.name()
         );
+        let null_count: u64 = document
+            .partitions
+            .iter()
+            .map(|p| p.columns[index].array.null_count)
+            .sum();
         assert_eq!(
-            document.columns[index].array.null_count,
+            null_count,
             column.null_count() as u64,
             "{name}.{} null count",
             field.name()
         );
-        assert!(!mapped.column_buffers(index).is_empty() || field.data_type().is_nested());
+        for partition in mapped.partitions() {
+            assert!(!partition.column_buffers(index).is_empty() || field.data_type().is_nested());
+        }
     }
     drop(again);
     println!(
@@ -323,10 +480,14 @@ async fn verify(client: &mut arrow_flight::FlightClient, name: &str) {
         .expect("release");
 
     let first = expected.schema().field(0).name().clone();
-    let subset = consumer::export(client, name, Some(&[first.as_str()]), 60)
+    let options = ExportOptions {
+        columns: Some(vec![first]),
+        ..options.clone()
+    };
+    let subset = consumer::export(client, name, &options)
         .await
         .expect("export one column");
-    assert_eq!(subset.columns.len(), 1);
+    assert!(subset.partitions.iter().all(|p| p.columns.len() == 1));
     let mapped = MappedDataset::open(&subset).expect("map one column");
     assert_eq!(
         mapped.read_column(0).expect("read").as_ref(),

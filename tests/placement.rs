@@ -1,68 +1,11 @@
 //! Placement across devices, tested on the host backend split into pretend devices (each with
 //! a budget of its own), so every commit checks the policy a multi-GPU server runs.
 
-use std::sync::Arc;
+mod common;
 
-use arrow::array::{ArrayRef, Int64Array};
-use arrow::compute::concat_batches;
 use arrow::record_batch::RecordBatch;
-use futures::TryStreamExt;
-use gpu_flight::backend::HostBackend;
-use gpu_flight::store::{ExportRequest, PutMode, Store, StoreError, StoreOptions};
-
-/// Rows of one batch: 1.6 MB of int64, above the size the host backend concatenates at commit,
-/// so partitions stay as they were placed.
-const ROWS: i64 = 200_000;
-/// Each pretend device holds two such batches, not three.
-const LIMIT: u64 = 4_000_000;
-
-fn store(devices: u32) -> Store {
-    Store::new(
-        Arc::new(HostBackend::new().with_devices(devices)),
-        StoreOptions {
-            memory_limit: Some(LIMIT),
-        },
-    )
-}
-
-fn batch(index: i64) -> RecordBatch {
-    let column: ArrayRef = Arc::new(Int64Array::from_iter_values(
-        index * ROWS..(index + 1) * ROWS,
-    ));
-    RecordBatch::try_from_iter([("x", column)]).expect("batch")
-}
-
-async fn put(
-    store: &Store,
-    name: &str,
-    mode: PutMode,
-    device: Option<u32>,
-    batches: &[RecordBatch],
-) -> Result<(), StoreError> {
-    let mut pending = store.begin_put_on(name.to_owned(), mode, "test", device)?;
-    pending.declare_schema(batches[0].schema())?;
-    for batch in batches {
-        if let Some(upload) = pending.upload(batch.clone(), None)? {
-            pending.add(upload.await?);
-        }
-    }
-    pending.commit().await.map(|_| ())
-}
-
-async fn read_all(store: &Store, name: &str) -> RecordBatch {
-    let dataset = store.get(name).expect("dataset");
-    let batches: Vec<RecordBatch> = dataset
-        .read(0..dataset.num_rows(), 1 << 20, 2)
-        .expect("read")
-        .try_collect()
-        .await
-        .expect("rows");
-    concat_batches(&dataset.schema(), &batches).expect("concat")
-}
-
-fn rows(batches: &[RecordBatch]) -> RecordBatch {
-    concat_batches(&batches[0].schema(), batches).expect("concat")
-}
+use common::devices::{LIMIT, ROWS, batch, put, read_all, rows, store};
+use gpu_flight::store::{PutMode, StoreError};
 
 #[tokio::test]
 async fn a_dataset_larger_than_any_device_is_spread_across_them() {
@@ -81,18 +24,6 @@ async fn a_dataset_larger_than_any_device_is_spread_across_them() {
         ]
     );
     assert_eq!(read_all(&store, "big").await, self::rows(&batches));
-    let export = store.export(ExportRequest {
-        name: "big".to_owned(),
-        columns: None,
-        duration: std::time::Duration::from_secs(60),
-        renew: None,
-        owner: "test".to_owned(),
-    });
-    let error = export.expect_err("a spread dataset has no one device to export from");
-    assert!(
-        error.to_string().contains("spread over several devices"),
-        "{error}"
-    );
     let used: Vec<u64> = store
         .status()
         .devices

@@ -6,17 +6,23 @@ Drop this file next to your code. It needs pyarrow and CuPy; PyTorch and cuDF ar
     from gpu_flight_ipc import ExportedDataset
 
     client = flight.connect("grpc://127.0.0.1:8815")
-    with ExportedDataset(client, "trips", columns=["fare", "city"]) as trips:
+    with ExportedDataset(client, "trips", columns=["fare", "city"], device=0) as trips:
         fares = trips["fare"].to_cupy()      # a CuPy view of the server's GPU memory
         tensor = trips["fare"].to_torch()    # the same memory as a PyTorch tensor (DLPack)
         valid = trips["fare"].validity()     # the Arrow validity bitmap (CuPy uint8) or None
         check = trips["city"].to_arrow()     # a host copy as a pyarrow array
     # leaving the block unmaps the memory and releases the lease
 
+A dataset larger than one GPU is held in several partitions, each on one GPU:
+`trips.partitions` lists them (rows, device, columns), and `trips["fare"]` works only for a
+dataset of one partition. `device` is the CuPy ordinal this process computes on: partitions
+on another GPU are mapped on it for peer access (read over NVLink or PCIe), or, with
+`copy=True`, copied onto it by the server for the lease (the server's write role needed).
+
 Views are valid until the dataset is closed (or the lease, 300 s by default, runs out):
-copy what you keep (`.copy()`). Each distinct IPC handle is opened once per process, however
-many exports use it. On another node, or where CUDA_VISIBLE_DEVICES hides the server's GPU,
-`DeviceNotVisible` says so: read the dataset with DoGet there.
+copy what you keep (`.copy()`). Each distinct IPC handle is opened once per process and
+device, however many exports use it. On another node, or where CUDA_VISIBLE_DEVICES hides
+the server's GPU, `DeviceNotVisible` says so: read the dataset with DoGet there.
 """
 
 import base64
@@ -27,7 +33,7 @@ import cupy as cp
 import pyarrow as pa
 import pyarrow.flight as flight
 
-DOCUMENT_VERSION = 1
+DOCUMENT_VERSION = 2
 
 
 class DeviceNotVisible(RuntimeError):
@@ -38,6 +44,11 @@ def _uuid_string(raw):
     """CUDA's 16 UUID bytes as nvidia-smi prints them."""
     h = bytes(raw).hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def device_uuid(ordinal):
+    """The UUID of this process's CuPy device `ordinal`: what the server knows it by."""
+    return _uuid_string(cp.cuda.runtime.getDeviceProperties(ordinal)["uuid"])
 
 
 _DEVICES = {}
@@ -67,30 +78,30 @@ def _search_devices(uuid, pci_bus_id):
 
 
 class _Mappings:
-    """Process-wide: each handle opened once, closed when its last user is done."""
+    """Process-wide: each handle opened once per device, closed when its last user is done."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._open = {}  # handle bytes -> [pointer, users]
+        self._open = {}  # (handle bytes, device) -> [pointer, users]
 
     def acquire(self, handle, device):
         with self._lock:
-            entry = self._open.get(handle)
+            entry = self._open.get((handle, device))
             if entry is None:
                 with cp.cuda.Device(device):
                     pointer = cp.cuda.runtime.ipcOpenMemHandle(
                         handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
                     )
-                entry = self._open[handle] = [pointer, 0]
+                entry = self._open[(handle, device)] = [pointer, 0]
             entry[1] += 1
             return entry[0]
 
     def release(self, handle, device):
         with self._lock:
-            entry = self._open[handle]
+            entry = self._open[(handle, device)]
             entry[1] -= 1
             if entry[1] == 0:
-                del self._open[handle]
+                del self._open[(handle, device)]
                 with cp.cuda.Device(device):
                     cp.cuda.runtime.ipcCloseMemHandle(entry[0])
 
@@ -115,7 +126,7 @@ class Array:
     """One Arrow array of an exported column: buffers as CuPy views, and conversions."""
 
     def __init__(self, owner, base, doc, arrow_type):
-        self._owner = owner
+        self._owner = owner  # the Partition: its device, and whether it is still open
         self.name = doc["name"]
         self.type = arrow_type
         self.length = doc["length"]
@@ -192,49 +203,106 @@ class Array:
         return pa.Array.from_buffers(self.type, self.length, buffers, self.null_count, children=children)
 
 
+class Partition:
+    """Rows of an exported dataset held together on one GPU: `num_rows`, `access` ("local",
+    "peer" or "replica"), `server_device` (the server's number for the GPU holding them),
+    `device` (the CuPy ordinal they are mapped on here) and `columns` ({name: Array})."""
+
+    def __init__(self, dataset, schema, doc, device):
+        self._dataset = dataset
+        self.num_rows = doc["num_rows"]
+        self.access = doc["access"]
+        self.server_device = doc["device"].get("device")
+        self.device = device
+        self.columns = {}
+        self._handles = []
+        for field, column in zip(schema, doc["columns"]):
+            handle = base64.b64decode(column["handle"])
+            base = MAPPINGS.acquire(handle, device)
+            self._handles.append(handle)
+            self.columns[field.name] = Array(self, base, column, field.type)
+
+    def _check_open(self):
+        self._dataset._check_open()
+
+    def __getitem__(self, key):
+        self._check_open()
+        if isinstance(key, int):
+            return list(self.columns.values())[key]
+        return self.columns[key]
+
+    def _close(self):
+        for handle in self._handles:
+            MAPPINGS.release(handle, self.device)
+        self._handles = []
+
+
 class ExportedDataset:
     """A dataset's columns mapped from a gpu-flight server on this node, under a lease.
 
     Use as a context manager, or call close(): it unmaps the memory and releases the lease.
-    `options` (a pyarrow.flight.FlightCallOptions) is passed to every call, e.g. the
-    `authorization` header of a server that requires authentication.
+    `device` (a CuPy ordinal) says where this process computes; `copy=True` asks for copies
+    of partitions held elsewhere on it. `options` (a pyarrow.flight.FlightCallOptions) is
+    passed to every call, e.g. the `authorization` header of a server that requires
+    authentication.
     """
 
-    def __init__(self, client, name, columns=None, lease_seconds=300, options=None):
+    def __init__(self, client, name, columns=None, lease_seconds=300, options=None, device=None, copy=False):
         self._client = client
         self._options = options
-        body = {"name": name, "lease_seconds": lease_seconds}
+        self._closed = True
+        body = {"name": name, "lease_seconds": lease_seconds, "version": DOCUMENT_VERSION}
         if columns is not None:
             body["columns"] = list(columns)
+        if device is not None:
+            body["device"] = device_uuid(device)
+            body["copy"] = bool(copy)
+        elif copy:
+            raise ValueError("copy=True copies onto this process's GPU: pass device=")
         self.document = self._action("ipc-export", body)
-        if self.document.get("version") != DOCUMENT_VERSION:
-            raise RuntimeError(f"unsupported export document version {self.document.get('version')}")
         self.name = name
         self.lease = self.document["lease"]
+        if self.document.get("version") != DOCUMENT_VERSION:
+            self._release_lease()
+            raise RuntimeError(f"unsupported export document version {self.document.get('version')}")
         self.expires_at = self.document["expires_at"]
         self.num_rows = self.document["num_rows"]
         self.schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.document["schema"])))
-        device = self.document["device"]
-        self.device = find_device(device["uuid"], device["pci_bus_id"])
-        if self.device is None:
-            self._release_lease()
-            raise DeviceNotVisible(
-                f"'{name}' lives on GPU {device['uuid']} (PCI {device['pci_bus_id']}) of the server's "
-                "node, which this process cannot see: run on that node with the GPU visible "
-                "(check CUDA_VISIBLE_DEVICES), or read the dataset with DoGet"
-            )
-        self._handles = []
+        self.partitions = []
         self._closed = False
-        self.columns = {}
         try:
-            for field, column in zip(self.schema, self.document["columns"]):
-                handle = base64.b64decode(column["handle"])
-                base = MAPPINGS.acquire(handle, self.device)
-                self._handles.append(handle)
-                self.columns[field.name] = Array(self, base, column, field.type)
+            for doc in self.document["partitions"]:
+                where = self.document["consumer_device"] if doc["access"] == "peer" else doc["device"]
+                ordinal = find_device(where["uuid"], where["pci_bus_id"])
+                if ordinal is None:
+                    raise DeviceNotVisible(
+                        f"'{name}' lives on GPU {where['uuid']} (PCI {where['pci_bus_id']}) of the "
+                        "server's node, which this process cannot see: run on that node with the GPU "
+                        "visible (check CUDA_VISIBLE_DEVICES), or read the dataset with DoGet"
+                    )
+                self.partitions.append(Partition(self, self.schema, doc, ordinal))
         except BaseException:
             self.close()
             raise
+
+    @property
+    def columns(self):
+        """{name: Array} of a dataset of one partition."""
+        return self._only().columns
+
+    @property
+    def device(self):
+        """The CuPy ordinal a dataset of one partition is mapped on."""
+        return self._only().device
+
+    def _only(self):
+        self._check_open()
+        if len(self.partitions) != 1:
+            raise ValueError(
+                f"'{self.name}' is held in {len(self.partitions)} partitions (it spans several GPUs): "
+                "use .partitions, or to_arrow() for a host copy of all of it"
+            )
+        return self.partitions[0]
 
     def _action(self, name, body):
         action = flight.Action(name, json.dumps(body).encode())
@@ -254,30 +322,32 @@ class ExportedDataset:
             raise RuntimeError(f"the export of '{self.name}' is closed; its memory is no longer mapped")
 
     def __getitem__(self, key):
-        self._check_open()
-        if isinstance(key, int):
-            return list(self.columns.values())[key]
-        return self.columns[key]
+        return self._only()[key]
 
     def renew(self, lease_seconds=300):
         """Extends the lease; returns the new expiry."""
         self._check_open()
-        renewed = self._action("ipc-export", {"name": self.name, "lease": self.lease, "lease_seconds": lease_seconds})
+        body = {"name": self.name, "lease": self.lease, "lease_seconds": lease_seconds, "version": DOCUMENT_VERSION}
+        renewed = self._action("ipc-export", body)
         self.expires_at = renewed["expires_at"]
         return self.expires_at
 
     def to_arrow(self):
-        """A host copy of every exported column as a pyarrow Table."""
-        return pa.Table.from_arrays([c.to_arrow() for c in self.columns.values()], schema=self.schema)
+        """A host copy of every exported column of every partition as a pyarrow Table."""
+        self._check_open()
+        batches = [
+            pa.record_batch([c.to_arrow() for c in p.columns.values()], schema=self.schema)
+            for p in self.partitions
+        ]
+        return pa.Table.from_batches(batches, schema=self.schema)
 
     def close(self):
         """Unmaps every handle this export opened, then releases the lease. Idempotent."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        for handle in self._handles:
-            MAPPINGS.release(handle, self.device)
-        self._handles = []
+        for partition in self.partitions:
+            partition._close()
         self._release_lease()
 
     def __enter__(self):

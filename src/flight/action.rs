@@ -4,6 +4,7 @@ use arrow_flight::{Action, ActionType};
 use serde_json::Value;
 
 use super::descriptor::{DeviceRef, parse_json_object, parse_name};
+use super::ipc_export;
 use crate::auth::{Principal, Role};
 use crate::error::Error;
 use crate::store::{PutMode, StoreStatus};
@@ -64,6 +65,11 @@ pub enum ActionRequest {
         columns: Option<Vec<String>>,
         lease_seconds: u64,
         renew: Option<String>,
+        /// The consumer's device.
+        device: Option<DeviceRef>,
+        copy: bool,
+        /// The document version to write.
+        version: u32,
     },
     IpcRelease {
         lease: String,
@@ -111,12 +117,31 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                 columns: Option<Vec<String>>,
                 lease_seconds: Option<u64>,
                 lease: Option<String>,
+                device: Option<DeviceRef>,
+                #[serde(default)]
+                copy: bool,
+                version: Option<u32>,
             }
             let body: ExportBody = parse_json_object(
                 &action.body,
                 "ipc-export takes a JSON object {\"name\": \"...\", \"columns\": [...], \
-                 \"lease_seconds\": N, \"lease\": \"...\"} (all but name optional)",
+                 \"lease_seconds\": N, \"lease\": \"...\", \"device\": number or GPU UUID, \
+                 \"copy\": bool, \"version\": 1 or 2} (all but name optional)",
             )?;
+            let version = body.version.unwrap_or(ipc_export::VERSION_1);
+            if !(ipc_export::VERSION_1..=ipc_export::VERSION).contains(&version) {
+                return Err(Error::InvalidCommand(format!(
+                    "this server writes export documents of versions {} and {}, not {version}",
+                    ipc_export::VERSION_1,
+                    ipc_export::VERSION
+                )));
+            }
+            if body.copy && body.device.is_none() {
+                return Err(Error::InvalidCommand(
+                    "\"copy\": true copies onto the consumer's device: name it with \"device\""
+                        .to_owned(),
+                ));
+            }
             let lease_seconds = body.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS);
             if !(1..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
                 return Err(Error::InvalidCommand(format!(
@@ -128,6 +153,9 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                 columns: body.columns,
                 lease_seconds,
                 renew: body.lease.map(|lease| parse_lease(&lease)).transpose()?,
+                device: body.device,
+                copy: body.copy,
+                version,
             })
         }
         "ipc-release" => {
@@ -275,7 +303,11 @@ pub struct LeaseDocument {
     pub name: String,
     pub version: u64,
     pub columns: Vec<String>,
+    /// The consumer's device, where it named one.
+    pub device: Option<u32>,
     pub bytes: u64,
+    /// Memory of the replicas made for this lease (`"copy": true`), freed when it ends.
+    pub replica_bytes: u64,
     pub expires_at: String,
     pub in_catalog: bool,
 }
@@ -325,7 +357,9 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
                 name: lease.dataset.clone(),
                 version: lease.version,
                 columns: lease.columns.clone(),
+                device: lease.device,
                 bytes: lease.bytes,
+                replica_bytes: lease.replica_bytes,
                 expires_at: rfc3339(lease.expires_at),
                 in_catalog: lease.in_catalog,
             })
@@ -393,6 +427,25 @@ mod tests {
                 columns: None,
                 lease_seconds: DEFAULT_LEASE_SECONDS,
                 renew: None,
+                device: None,
+                copy: false,
+                version: 1,
+            }
+        );
+        assert_eq!(
+            parse(&Action::new(
+                "ipc-export",
+                r#"{"name": "t", "device": "GPU-1", "copy": true, "version": 2}"#
+            ))
+            .expect("valid"),
+            ActionRequest::IpcExport {
+                name: "t".to_owned(),
+                columns: None,
+                lease_seconds: DEFAULT_LEASE_SECONDS,
+                renew: None,
+                device: Some(DeviceRef::Uuid("GPU-1".to_owned())),
+                copy: true,
+                version: 2,
             }
         );
         for bad in [
@@ -402,6 +455,10 @@ mod tests {
             r#"{"columns": ["x"]}"#,
             r#"["t"]"#,
             r#"{"name": "t", "lease": "a\nb"}"#,
+            r#"{"name": "t", "copy": true}"#,
+            r#"{"name": "t", "version": 3}"#,
+            r#"{"name": "t", "version": 0}"#,
+            r#"{"name": "t", "device": -1}"#,
         ] {
             assert!(
                 matches!(
@@ -427,7 +484,9 @@ mod tests {
             dataset: "d".to_owned(),
             version: 1,
             columns: vec![],
+            device: None,
             bytes: 0,
+            replica_bytes: 0,
             expires_at: std::time::SystemTime::now(),
             in_catalog: true,
         };

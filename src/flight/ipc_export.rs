@@ -1,10 +1,12 @@
 //! The `ipc-export` document: how a co-located process finds and maps a dataset's columns.
 //!
-//! Version 1 (described in the README) is one JSON object: the lease, the device (by UUID and
-//! PCI bus id, since ordinals depend on the consumer's `CUDA_VISIBLE_DEVICES`), the Arrow IPC
-//! schema of the exported columns, and per column a CUDA IPC handle with the byte offset of
-//! every buffer from the base of the allocation the handle maps. The same types parse it back
-//! for Rust consumers.
+//! Version 2 (described in the README) is one JSON object: the lease, the Arrow IPC schema of
+//! the exported columns, and each partition in row order: its rows, the device holding it (by
+//! UUID and PCI bus id, since ordinals depend on the consumer's `CUDA_VISIBLE_DEVICES`), how
+//! the consumer reaches it, and per column a CUDA IPC handle with the byte offset of every
+//! buffer from the base of the allocation the handle maps. Version 1, what a client gets
+//! unless it asks for 2, is the same for a dataset of one partition, with that partition's
+//! device and columns at the top level. The same types parse it back for Rust consumers.
 
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::ipc::writer::IpcWriteOptions;
@@ -13,14 +15,16 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BufferKind, ExportDevice, ExportedArray};
+use crate::backend::{BufferKind, ExportDevice, ExportedArray, PartitionExport};
 use crate::error::Error;
-use crate::store::{Dataset, Export};
+use crate::store::{Access, Dataset, Export, ExportedPartition};
 
-/// The document version this server writes.
-pub const VERSION: u32 = 1;
+/// The document version a client gets unless it asks for another.
+pub const VERSION_1: u32 = 1;
+/// The newest document version this server writes.
+pub const VERSION: u32 = 2;
 
-/// The whole `ipc-export` result.
+/// The whole `ipc-export` result, version 2.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportDocument {
     pub version: u32,
@@ -28,16 +32,49 @@ pub struct ExportDocument {
     pub lease: String,
     /// RFC 3339, UTC. After this the server may free the memory.
     pub expires_at: String,
-    pub device: DeviceDocument,
     pub num_rows: u64,
     /// Base64 of the Arrow IPC schema message of the exported columns.
+    pub schema: String,
+    /// The device the consumer named (`"device"`): where it maps partitions whose `access`
+    /// is `peer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer_device: Option<DeviceDocument>,
+    /// In row order.
+    pub partitions: Vec<PartitionDocument>,
+}
+
+/// Rows of the dataset held together on one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionDocument {
+    pub num_rows: u64,
+    /// The device whose memory holds these columns.
+    pub device: DeviceDocument,
+    /// `local`: map the handles on `device`. `peer`: map them on the consumer's device, which
+    /// reads `device`'s memory directly. `replica`: a copy on the consumer's device, made for
+    /// this lease and freed with it.
+    pub access: Access,
+    pub columns: Vec<ColumnDocument>,
+}
+
+/// The whole `ipc-export` result, version 1: one partition's columns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportDocumentV1 {
+    pub version: u32,
+    pub lease: String,
+    pub expires_at: String,
+    pub device: DeviceDocument,
+    pub num_rows: u64,
     pub schema: String,
     pub columns: Vec<ColumnDocument>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceDocument {
-    /// The server's ordinal; a consumer matches `uuid` or `pci_bus_id` instead.
+    /// The server's number for the device, as `status` and endpoints' `app_metadata` give
+    /// it (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<u32>,
+    /// The server's CUDA ordinal; a consumer matches `uuid` or `pci_bus_id` instead.
     pub ordinal: u32,
     pub uuid: String,
     pub pci_bus_id: String,
@@ -80,8 +117,13 @@ pub struct BufferDocument {
     pub length: u64,
 }
 
-/// The document for `export` of `dataset`.
-pub fn document(dataset: &Dataset, export: &Export) -> Result<ExportDocument, Error> {
+/// The document of `version` for `export` of `dataset`.
+pub fn document(
+    dataset: &Dataset,
+    export: &Export,
+    version: u32,
+    consumer: Option<&ExportDevice>,
+) -> Result<serde_json::Value, Error> {
     let schema = dataset.schema();
     let fields: Vec<&Field> = export
         .columns
@@ -95,28 +137,64 @@ pub fn document(dataset: &Dataset, export: &Export) -> Result<ExportDocument, Er
     let options = IpcWriteOptions::default();
     let message = IpcMessage::try_from(SchemaAsIpc::new(&exported_schema, &options))
         .map_err(|e| Error::Internal(format!("encoding the exported schema: {e}")))?;
-    let columns = fields
-        .iter()
-        .zip(&export.partition.columns)
-        .map(|(field, column)| ColumnDocument {
-            handle: BASE64.encode(column.handle),
-            allocation_bytes: column.allocation_bytes,
-            array: array_document(field.name(), field.data_type(), &column.array),
+    let columns = |export: &PartitionExport| -> Vec<ColumnDocument> {
+        fields
+            .iter()
+            .zip(&export.columns)
+            .map(|(field, column)| ColumnDocument {
+                handle: BASE64.encode(column.handle),
+                allocation_bytes: column.allocation_bytes,
+                array: array_document(field.name(), field.data_type(), &column.array),
+            })
+            .collect()
+    };
+    let lease = export.lease.id.clone();
+    let expires_at = super::action::rfc3339(export.lease.expires_at);
+    let schema = BASE64.encode(&message.0);
+    let encoded = if version == VERSION_1 {
+        let [partition] = export.partitions.as_slice() else {
+            return Err(Error::Internal(format!(
+                "a version 1 document describes one partition, not {}",
+                export.partitions.len()
+            )));
+        };
+        serde_json::to_value(ExportDocumentV1 {
+            version,
+            lease,
+            expires_at,
+            device: device_document(None, &partition.export.device),
+            num_rows: dataset.num_rows(),
+            schema,
+            columns: columns(&partition.export),
         })
-        .collect();
-    Ok(ExportDocument {
-        version: VERSION,
-        lease: export.lease.id.clone(),
-        expires_at: super::action::rfc3339(export.lease.expires_at),
-        device: device_document(&export.partition.device),
-        num_rows: dataset.num_rows(),
-        schema: BASE64.encode(&message.0),
-        columns,
-    })
+    } else {
+        let partition_document = |partition: &ExportedPartition| PartitionDocument {
+            num_rows: partition.rows,
+            device: device_document(Some(partition.device), &partition.export.device),
+            access: partition.access,
+            columns: columns(&partition.export),
+        };
+        serde_json::to_value(ExportDocument {
+            version: VERSION,
+            lease,
+            expires_at,
+            num_rows: dataset.num_rows(),
+            schema,
+            consumer_device: export
+                .lease
+                .terms
+                .consumer
+                .zip(consumer)
+                .map(|(index, device)| device_document(Some(index), device)),
+            partitions: export.partitions.iter().map(partition_document).collect(),
+        })
+    };
+    encoded.map_err(|e| Error::Internal(format!("encoding the export document: {e}")))
 }
 
-fn device_document(device: &ExportDevice) -> DeviceDocument {
+fn device_document(index: Option<u32>, device: &ExportDevice) -> DeviceDocument {
     DeviceDocument {
+        device: index,
         ordinal: device.ordinal,
         uuid: device.uuid.clone(),
         pci_bus_id: device.pci_bus_id.clone(),

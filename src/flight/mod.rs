@@ -40,6 +40,7 @@ use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::{Auth, Principal, Role};
+use crate::backend::ExportDevice;
 use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::store::{Dataset, ExportRequest, Store};
@@ -238,24 +239,55 @@ impl Service {
                 columns,
                 lease_seconds,
                 renew,
+                device,
+                copy,
+                version,
             } => {
-                let export = self.store.export(ExportRequest {
+                if copy {
+                    caller.require(
+                        Role::Write,
+                        "ipc-export with \"copy\": true, which allocates device memory,",
+                    )?;
+                }
+                let consumer = device
+                    .map(|device| put::resolve_device(&self.store, device))
+                    .transpose()?;
+                let mut request = ExportRequest::new(
                     name,
-                    columns,
-                    duration: std::time::Duration::from_secs(lease_seconds),
-                    renew,
-                    owner: caller.name.to_string(),
-                })?;
-                let document = ipc_export::document(&export.lease.dataset, &export)?;
+                    std::time::Duration::from_secs(lease_seconds),
+                    caller.name.to_string(),
+                );
+                request.columns = columns;
+                request.renew = renew;
+                request.consumer = consumer;
+                request.copy = copy;
+                request.one_partition = version == ipc_export::VERSION_1;
+                let export = self.store.export(request).await?;
+                let consumer_identity = export.lease.terms.consumer.and_then(|index| {
+                    let devices = self.store.backend().devices();
+                    devices.get(index as usize).map(|info| ExportDevice {
+                        ordinal: info.ordinal,
+                        uuid: info.uuid.clone().unwrap_or_default(),
+                        pci_bus_id: info.pci_bus_id.clone().unwrap_or_default(),
+                    })
+                });
+                let document = ipc_export::document(
+                    &export.lease.dataset,
+                    &export,
+                    version,
+                    consumer_identity.as_ref(),
+                )?;
                 tracing::info!(
                     lease = action::lease_prefix(&export.lease.id),
                     owner = %caller.name,
                     dataset = export.lease.dataset.name(),
                     columns = export.columns.len(),
+                    partitions = export.partitions.len(),
+                    replica_bytes = export.lease.terms.replica_bytes(),
                     lease_seconds,
                     "dataset exported"
                 );
-                action::to_value(&document)
+                Ok(document)
             }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;

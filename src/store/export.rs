@@ -1,9 +1,18 @@
 //! `ipc-export`: columns of a dataset handed to another process under a lease.
+//!
+//! Every partition is described, each on the device that holds it. A consumer may name its
+//! own device: partitions there are exported as they are; partitions on another GPU are
+//! either exported for peer access (the consumer maps them on its own GPU, which reads them
+//! over the link between the two) or, with `copy`, replicated onto the consumer's GPU. A
+//! replica is paid for on that device's budget before it is made, belongs to the lease, and
+//! is freed when the lease ends.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Lease, Store, StoreError, lease};
+use super::dataset::StoredPartition;
+use super::lease::{Lease, LeaseTerms};
+use super::{ARRAY_OVERHEAD, Dataset, Store, StoreError, charge, lease};
 use crate::backend::PartitionExport;
 
 /// What `ipc-export` asks for.
@@ -17,82 +26,200 @@ pub struct ExportRequest {
     pub renew: Option<String>,
     /// Who asks, recorded on a new lease.
     pub owner: String,
+    /// The device the consumer computes on, if it says.
+    pub consumer: Option<u32>,
+    /// Replicate partitions held by other devices onto `consumer`'s, for this lease.
+    pub copy: bool,
+    /// The caller can describe only one partition (document version 1): refuse datasets of
+    /// several rather than grant a lease on them.
+    pub one_partition: bool,
+}
+
+impl ExportRequest {
+    /// A new lease on all columns of `name`, for a consumer that does not say where it runs.
+    pub fn new(name: impl Into<String>, duration: Duration, owner: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            columns: None,
+            duration,
+            renew: None,
+            owner: owner.into(),
+            consumer: None,
+            copy: false,
+            one_partition: false,
+        }
+    }
+}
+
+/// How a consumer reaches an exported partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Access {
+    /// On the consumer's device, or the consumer named none: map it on the device holding it.
+    Local,
+    /// On another GPU than the consumer's, which can reach it: map it on the consumer's GPU.
+    Peer,
+    /// A copy on the consumer's GPU, made for this lease and freed when it ends.
+    Replica,
 }
 
 /// An exported dataset under its lease.
 #[derive(Debug, Clone)]
 pub struct Export {
     pub lease: Lease,
-    /// Indices of the exported columns in the dataset's schema, as `partition` lists them.
+    /// Indices of the exported columns in the dataset's schema, as each partition lists them.
     pub columns: Vec<usize>,
-    pub partition: PartitionExport,
+    /// In row order.
+    pub partitions: Vec<ExportedPartition>,
+}
+
+/// One partition of an export.
+#[derive(Debug, Clone)]
+pub struct ExportedPartition {
+    pub rows: u64,
+    /// The device holding these columns (the consumer's, for a replica).
+    pub device: u32,
+    pub access: Access,
+    pub export: PartitionExport,
 }
 
 impl Store {
-    /// Exports columns of a dataset for zero-copy use by another process, under a new or
-    /// renewed lease. Fails, granting nothing, where the dataset cannot be exported.
-    pub fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
+    /// Exports columns of a dataset for zero-copy use by other processes, under a new or
+    /// renewed lease. Fails, granting nothing and keeping no replica, where the dataset cannot
+    /// be exported.
+    pub async fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
         let inner = &self.inner;
-        let renewed = match &request.renew {
-            Some(id) => Some(inner.leases.renew(id, &request.name, request.duration)?),
-            None => None,
-        };
-        let dataset = match &renewed {
-            Some(lease) => Arc::clone(&lease.dataset),
-            None => self.get(&request.name)?,
-        };
-        let schema = dataset.schema();
-        let names: Vec<String> = match request.columns {
+        if let Some(device) = request.consumer {
+            let devices = inner.budget.devices();
+            if device >= devices {
+                return Err(StoreError::UnknownDevice { device, devices });
+            }
+        }
+        if let Some(id) = &request.renew {
+            let lease = inner.leases.renew(id, &request.name, request.duration)?;
+            let asked = |names: &Vec<String>| names != &lease.terms.columns;
+            if request.columns.as_ref().is_some_and(asked)
+                || request
+                    .consumer
+                    .is_some_and(|d| Some(d) != lease.terms.consumer)
+                || (request.copy && !lease.terms.copy)
+            {
+                return Err(StoreError::RenewalChangesTerms {
+                    lease: id.to_owned(),
+                });
+            }
+            check_partitions(&lease.dataset, request.one_partition)?;
+            return self.describe(lease);
+        }
+        let dataset = self.get(&request.name)?;
+        let names = match request.columns {
             Some(names) => names,
-            None => schema.fields().iter().map(|f| f.name().clone()).collect(),
+            None => dataset
+                .schema()
+                .fields()
+                .iter()
+                .map(|f| f.name().clone())
+                .collect(),
         };
-        let columns = names
+        let columns = column_indices(&dataset, &names)?;
+        check_partitions(&dataset, request.one_partition)?;
+        let peer_access = inner.backend.peer_access();
+        let mut replicas = Vec::with_capacity(dataset.num_partitions());
+        for partition in dataset.partitions() {
+            let holder = partition.device();
+            let replica = match request.consumer {
+                Some(consumer) if consumer != holder && request.copy => {
+                    Some(self.replicate(partition, &columns, consumer).await?)
+                }
+                Some(consumer) if consumer != holder => {
+                    let reachable = peer_access
+                        .get(consumer as usize)
+                        .and_then(|row| row.get(holder as usize))
+                        .copied()
+                        .unwrap_or(false);
+                    if !reachable {
+                        return Err(StoreError::NoPeerAccess {
+                            name: dataset.name().to_owned(),
+                            holder,
+                            consumer,
+                        });
+                    }
+                    None
+                }
+                _ => None,
+            };
+            replicas.push(replica);
+        }
+        let terms = LeaseTerms {
+            columns: names,
+            consumer: request.consumer,
+            copy: request.copy,
+            replicas: Arc::new(replicas),
+        };
+        let lease = Lease::new(dataset, terms, request.duration, request.owner);
+        let export = self.describe(lease)?;
+        inner.leases.insert(export.lease.clone());
+        Ok(export)
+    }
+
+    /// A copy of `columns` of `partition` on `device`, paid for there first.
+    async fn replicate(
+        &self,
+        partition: &StoredPartition,
+        columns: &[usize],
+        device: u32,
+    ) -> Result<StoredPartition, StoreError> {
+        let inner = &self.inner;
+        let bytes = inner.backend.copied_size(&partition.data, columns)?;
+        let rows = partition.data.num_rows() as u64;
+        let cost =
+            charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(columns.len() as u64));
+        let reservation = inner.budget.try_reserve(device, cost)?;
+        let data = inner
+            .backend
+            .copy_to(Arc::clone(&partition.data), columns.to_vec(), device)
+            .await?;
+        tracing::debug!(
+            dataset_bytes = bytes,
+            device,
+            "partition replicated for an export"
+        );
+        Ok(StoredPartition {
+            data,
+            reservation: Arc::new(reservation),
+            data_bytes: bytes,
+        })
+    }
+
+    /// What `lease` exports, partition by partition.
+    fn describe(&self, lease: Lease) -> Result<Export, StoreError> {
+        let dataset = &lease.dataset;
+        let columns = column_indices(dataset, &lease.terms.columns)?;
+        let replica_columns: Vec<usize> = (0..columns.len()).collect();
+        let partitions = dataset
+            .partitions()
             .iter()
-            .map(|column| {
-                schema
-                    .index_of(column)
-                    .map_err(|_| StoreError::UnknownColumn {
-                        name: dataset.name().to_owned(),
-                        column: column.clone(),
-                        available: format!(
-                            "{:?}",
-                            schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>()
-                        ),
-                    })
+            .zip(lease.terms.replicas.iter())
+            .map(|(partition, replica)| {
+                let (stored, columns, access) = match (replica, lease.terms.consumer) {
+                    (Some(replica), _) => (replica, &replica_columns, Access::Replica),
+                    (None, Some(consumer)) if consumer != partition.device() => {
+                        (partition, &columns, Access::Peer)
+                    }
+                    (None, _) => (partition, &columns, Access::Local),
+                };
+                Ok(ExportedPartition {
+                    rows: stored.data.num_rows() as u64,
+                    device: stored.device(),
+                    access,
+                    export: stored.data.export(columns)?,
+                })
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let partition = match dataset.partitions() {
-            [] => {
-                return Err(StoreError::EmptyDataset {
-                    name: dataset.name().to_owned(),
-                });
-            }
-            [partition] => partition,
-            many => {
-                let spread = many.iter().any(|p| p.device() != many[0].device());
-                return Err(StoreError::NotCompact {
-                    name: dataset.name().to_owned(),
-                    partitions: many.len(),
-                    reason: if spread {
-                        "it is spread over several devices; the move action puts it on one"
-                    } else {
-                        "its batches could not be concatenated, e.g. their merged dictionary \
-                         outgrew the key type"
-                    },
-                });
-            }
-        };
-        let partition = partition.data.export(&columns)?;
-        let lease = match renewed {
-            Some(lease) => lease,
-            None => inner
-                .leases
-                .grant(dataset, names, request.duration, request.owner),
-        };
+            .collect::<Result<Vec<_>, StoreError>>()?;
         Ok(Export {
             lease,
             columns,
-            partition,
+            partitions,
         })
     }
 
@@ -111,4 +238,51 @@ impl Store {
     pub fn spawn_lease_reaper(&self, period: Duration) -> tokio::task::JoinHandle<()> {
         lease::spawn_reaper(Arc::downgrade(&self.inner), period)
     }
+}
+
+/// The schema positions of columns `names` of `dataset`.
+fn column_indices(dataset: &Dataset, names: &[String]) -> Result<Vec<usize>, StoreError> {
+    let schema = dataset.schema();
+    names
+        .iter()
+        .map(|column| {
+            schema
+                .index_of(column)
+                .map_err(|_| StoreError::UnknownColumn {
+                    name: dataset.name().to_owned(),
+                    column: column.clone(),
+                    available: format!(
+                        "{:?}",
+                        schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>()
+                    ),
+                })
+        })
+        .collect()
+}
+
+/// Refuses a dataset with nothing to export, or with several partitions where the caller
+/// can describe only one.
+fn check_partitions(dataset: &Dataset, one_partition: bool) -> Result<(), StoreError> {
+    let partitions = dataset.partitions();
+    if partitions.is_empty() {
+        return Err(StoreError::EmptyDataset {
+            name: dataset.name().to_owned(),
+        });
+    }
+    if one_partition && partitions.len() > 1 {
+        let spread = partitions
+            .iter()
+            .any(|p| p.device() != partitions[0].device());
+        return Err(StoreError::NotCompact {
+            name: dataset.name().to_owned(),
+            partitions: partitions.len(),
+            reason: if spread {
+                "it is spread over several devices"
+            } else {
+                "its batches could not be concatenated, e.g. their merged dictionary \
+                 outgrew the key type"
+            },
+        });
+    }
+    Ok(())
 }

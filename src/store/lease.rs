@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
+use super::dataset::StoredPartition;
 use super::{Dataset, StoreError};
 
 /// One consumer's hold on an exported dataset.
@@ -19,8 +20,8 @@ use super::{Dataset, StoreError};
 pub struct Lease {
     pub id: String,
     pub dataset: Arc<Dataset>,
-    /// The columns exported under this lease.
-    pub columns: Vec<String>,
+    /// What was exported under it, kept as granted when it is renewed.
+    pub terms: LeaseTerms,
     /// The principal it was granted to: with the admins, the only one `status` shows its id.
     pub owner: String,
     /// When the lease ends unless renewed, on the wall clock (reported) and the monotonic one
@@ -29,12 +30,42 @@ pub struct Lease {
     deadline: Instant,
 }
 
+/// What a lease exports.
+#[derive(Debug, Clone)]
+pub struct LeaseTerms {
+    /// The exported columns.
+    pub columns: Vec<String>,
+    /// The device the consumer said it computes on.
+    pub consumer: Option<u32>,
+    /// Whether partitions on other devices were replicated onto the consumer's.
+    pub copy: bool,
+    /// Per partition of the dataset, its replica on the consumer's device, if one was made:
+    /// held by the lease alone, so its memory returns when the lease ends.
+    pub(crate) replicas: Arc<Vec<Option<StoredPartition>>>,
+}
+
+impl LeaseTerms {
+    /// Backend memory the lease's replicas hold.
+    pub fn replica_bytes(&self) -> u64 {
+        self.replicas
+            .iter()
+            .flatten()
+            .map(|r| r.reservation.bytes())
+            .sum()
+    }
+}
+
 impl Lease {
-    fn new(dataset: Arc<Dataset>, columns: Vec<String>, duration: Duration, owner: String) -> Self {
+    pub(super) fn new(
+        dataset: Arc<Dataset>,
+        terms: LeaseTerms,
+        duration: Duration,
+        owner: String,
+    ) -> Self {
         Self {
             id: new_lease_id(),
             dataset,
-            columns,
+            terms,
             owner,
             expires_at: SystemTime::now() + duration,
             deadline: Instant::now() + duration,
@@ -76,17 +107,9 @@ impl Leases {
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Starts a lease on `dataset` for `duration`.
-    pub(super) fn grant(
-        &self,
-        dataset: Arc<Dataset>,
-        columns: Vec<String>,
-        duration: Duration,
-        owner: String,
-    ) -> Lease {
-        let lease = Lease::new(dataset, columns, duration, owner);
-        self.lock().insert(lease.id.clone(), lease.clone());
-        lease
+    /// Starts `lease`.
+    pub(super) fn insert(&self, lease: Lease) {
+        self.lock().insert(lease.id.clone(), lease);
     }
 
     /// Extends lease `id`, which must be on dataset `name`, to end `duration` from now.
@@ -182,10 +205,22 @@ mod tests {
         ))
     }
 
+    fn grant(leases: &Leases, name: &str) -> Lease {
+        let terms = LeaseTerms {
+            columns: vec![],
+            consumer: None,
+            copy: false,
+            replicas: Arc::new(vec![]),
+        };
+        let lease = Lease::new(dataset(name), terms, Duration::from_secs(10), "o".into());
+        leases.insert(lease.clone());
+        lease
+    }
+
     #[test]
     fn leases_renew_for_their_own_dataset_and_expire() {
         let leases = Leases::default();
-        let lease = leases.grant(dataset("a"), vec![], Duration::from_secs(10), "o".into());
+        let lease = grant(&leases, "a");
         assert_eq!(lease.id.len(), 32);
         assert!(matches!(
             leases.renew(&lease.id, "b", Duration::from_secs(60)),
@@ -207,7 +242,7 @@ mod tests {
             Err(StoreError::LeaseNotFound { .. })
         ));
         assert!(leases.release(&lease.id).is_none());
-        let other = leases.grant(dataset("a"), vec![], Duration::from_secs(10), "o".into());
+        let other = grant(&leases, "a");
         assert_ne!(other.id, lease.id);
         assert_eq!(leases.release(&other.id).map(|l| l.id), Some(other.id));
         assert!(leases.list().is_empty());

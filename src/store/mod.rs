@@ -37,8 +37,8 @@ use std::sync::atomic::AtomicU64;
 use dashmap::DashMap;
 
 pub use dataset::Dataset;
-pub use export::{Export, ExportRequest};
-pub use lease::Lease;
+pub use export::{Access, Export, ExportRequest, ExportedPartition};
+pub use lease::{Lease, LeaseTerms};
 use memory::MemoryBudget;
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
@@ -114,8 +114,9 @@ pub enum StoreError {
         available: String,
     },
     #[error(
-        "dataset '{name}' is held as {partitions} separate batches ({reason}), so its columns \
-         are not contiguous and cannot be exported; read it with DoGet"
+        "dataset '{name}' is held as {partitions} partitions ({reason}), which a version 1 \
+         export document cannot describe: ask ipc-export for \"version\": 2, move the \
+         dataset onto one device, or read it with DoGet"
     )]
     NotCompact {
         name: String,
@@ -124,6 +125,21 @@ pub enum StoreError {
     },
     #[error("dataset '{name}' has no rows, so there is no memory to export")]
     EmptyDataset { name: String },
+    #[error(
+        "dataset '{name}' has rows on device {holder}, which device {consumer} cannot access \
+         directly: export with \"copy\": true for a replica on device {consumer}, or move \
+         the dataset there"
+    )]
+    NoPeerAccess {
+        name: String,
+        holder: u32,
+        consumer: u32,
+    },
+    #[error(
+        "lease '{lease}' is renewed as it was granted: its columns, device and copy cannot \
+         change; ask for a new export instead"
+    )]
+    RenewalChangesTerms { lease: String },
     #[error("lease '{lease}' does not exist: it expired, was released, or was never granted")]
     LeaseNotFound { lease: String },
     #[error("lease '{lease}' is for dataset '{leased}', not '{requested}'")]

@@ -21,7 +21,8 @@ pub struct StoreStatus {
     /// `peer_access[a][b]`: whether device `a` can access device `b`'s memory directly.
     pub peer_access: Vec<Vec<bool>>,
     pub leases: Vec<LeaseStatus>,
-    /// Backend memory held only by leases: datasets dropped or replaced while exported.
+    /// Backend memory held only by leases: datasets dropped or replaced while exported, and
+    /// replicas made for consumers on other devices.
     pub leased_only_bytes: u64,
     /// Puts being received, oldest first.
     pub puts: Vec<Arc<PutProgress>>,
@@ -39,8 +40,12 @@ pub struct LeaseStatus {
     pub dataset: String,
     pub version: u64,
     pub columns: Vec<String>,
+    /// The device the consumer said it computes on.
+    pub device: Option<u32>,
     /// Backend memory of the leased dataset.
     pub bytes: u64,
+    /// Backend memory of the replicas made for this lease alone.
+    pub replica_bytes: u64,
     pub expires_at: SystemTime,
     /// Whether the leased version is still the one in the catalog.
     pub in_catalog: bool,
@@ -79,6 +84,7 @@ impl Store {
         });
         let mut leases = Vec::new();
         let mut leased_only = std::collections::HashMap::new();
+        let mut replicas = 0;
         for lease in inner.leases.list() {
             let dataset = &lease.dataset;
             let in_catalog = inner
@@ -88,13 +94,17 @@ impl Store {
             if !in_catalog {
                 leased_only.insert(dataset.version(), dataset.memory_bytes());
             }
+            let replica_bytes = lease.terms.replica_bytes();
+            replicas += replica_bytes;
             leases.push(LeaseStatus {
                 id: lease.id,
                 owner: lease.owner,
                 dataset: dataset.name().to_owned(),
                 version: dataset.version(),
-                columns: lease.columns,
+                columns: lease.terms.columns,
+                device: lease.terms.consumer,
                 bytes: dataset.memory_bytes(),
+                replica_bytes,
                 expires_at: lease.expires_at,
                 in_catalog,
             });
@@ -108,7 +118,7 @@ impl Store {
             counters: inner.backend.counters(),
             peer_access: inner.backend.peer_access(),
             leases,
-            leased_only_bytes: leased_only.values().sum(),
+            leased_only_bytes: leased_only.values().sum::<u64>() + replicas,
             puts: inner.puts.list(),
             concatenations: inner.concatenations.load(Ordering::Relaxed),
             concatenation_seconds: Duration::from_nanos(

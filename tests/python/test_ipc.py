@@ -169,3 +169,69 @@ def test_another_node_is_told_to_use_do_get(client, monkeypatch):
     assert json.dumps(get(client, name).to_pydict()) == json.dumps({"x": [1, 2]})
     with pytest.raises(pa.ArrowKeyError):
         action(client, "ipc-release", {"lease": "0" * 32})
+
+
+@cuda_only
+def test_a_consumer_names_its_device_and_gets_every_partition(client):
+    ipc = consumer_module()
+    name = unique("ondevice")
+    n = 100_000
+    table = pa.table({"x": np.arange(n), "s": [str(i) for i in range(n)]})
+    put(client, name, table, chunk=10_000)
+    expected = get(client, name)
+    for copy in (False, True):
+        with ipc.ExportedDataset(client, name, device=0, copy=copy) as exported:
+            assert exported.document["version"] == 2
+            assert exported.document["consumer_device"]["uuid"] == ipc.device_uuid(0)
+            assert [p.access for p in exported.partitions] == ["local"], "one GPU holds it all"
+            assert exported.to_arrow().equals(expected)
+    assert action(client, "status")["leases"] == []
+    with pytest.raises(ValueError, match="device="):
+        ipc.ExportedDataset(client, name, copy=True)
+
+
+@cuda_only
+def test_a_dataset_spread_over_two_gpus_maps_from_either(make_server):
+    """Every partition maps where it lies, for peer access from the consumer's GPU, or as a
+    replica on it; all three read back equal to DoGet. Runs where the node has two GPUs."""
+    ipc = consumer_module()
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    server = make_server("--devices", "0,1", "--memory-limit", "48MB")
+    client = server.client()
+    name = unique("spread")
+    n = 8_000_000  # 64 MB of int64: more than one GPU's limit
+    put(client, name, pa.table({"x": np.arange(n)}), chunk=500_000)
+    expected = get(client, name)
+    placed = {d["device"]: d["uuid"] for d in server.status()["devices"]}
+    with ipc.ExportedDataset(client, name) as exported:
+        servers = [p.server_device for p in exported.partitions]
+        assert sorted(set(servers)) == [0, 1], servers
+        assert {p.access for p in exported.partitions} == {"local"}
+        assert [ipc.device_uuid(p.device) for p in exported.partitions] == [placed[d] for d in servers]
+        assert exported.to_arrow().equals(expected)
+        with pytest.raises(ValueError, match="partitions"):
+            exported["x"]
+    with ipc.ExportedDataset(client, name, device=0) as exported:
+        assert [p.access for p in exported.partitions] == ["local" if d == 0 else "peer" for d in servers]
+        assert {p.device for p in exported.partitions} == {0}, "all mapped on the consumer's GPU"
+        assert exported.to_arrow().equals(expected)
+    before = [d["used_bytes"] for d in server.status()["devices"]]
+    with pytest.raises(pa.ArrowException, match="out of memory|memory limit"):
+        ipc.ExportedDataset(client, name, device=1, copy=True)  # the replicas do not fit beside
+    assert [d["used_bytes"] for d in server.status()["devices"]] == before
+    action(client, "drop", {"name": name})
+    subset = unique("spread-small")
+    put(client, subset, pa.table({"x": np.arange(1_000_000)}))
+    action(client, "move", {"name": subset, "device": 0})
+    before = [d["used_bytes"] for d in server.status()["devices"]]
+    with ipc.ExportedDataset(client, subset, device=1, copy=True) as exported:
+        assert [p.access for p in exported.partitions] == ["replica"]
+        assert exported.partitions[0].device == 1
+        leases = server.status()["leases"]
+        assert leases[0]["replica_bytes"] >= 8_000_000, leases
+        assert exported.to_arrow().equals(get(client, subset))
+    assert server.status()["leases"] == []
+    assert [d["used_bytes"] for d in server.status()["devices"]] == before

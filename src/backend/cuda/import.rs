@@ -33,6 +33,25 @@ impl ImportDevice {
         Ok(None)
     }
 
+    /// Device `ordinal` as this process numbers it (after `CUDA_VISIBLE_DEVICES`).
+    pub fn by_ordinal(ordinal: u32) -> Result<Self, BackendError> {
+        if !ffi::driver_present() {
+            return Err(BackendError::Device(
+                "no NVIDIA driver library (libcuda) could be loaded".to_owned(),
+            ));
+        }
+        let ordinal = i32::try_from(ordinal)
+            .map_err(|_| BackendError::Device(format!("device ordinal {ordinal} is too large")))?;
+        Ok(Self {
+            context: Context::open(ordinal)?,
+        })
+    }
+
+    /// The device's UUID, as `nvidia-smi` prints it: what a consumer tells `ipc-export`.
+    pub fn uuid(&self) -> Result<String, BackendError> {
+        self.context.uuid()
+    }
+
     /// This process's ordinal for the device.
     pub fn ordinal(&self) -> u32 {
         self.context.ordinal() as u32

@@ -1,0 +1,356 @@
+//! `ipc-export` of datasets on several devices, on pretend GPUs (see `common::devices`), so
+//! CI checks what the document says of every partition, peer access, replicas on the
+//! consumer's device and their leases. Mapping the handles for real is the GPU tests' part.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::devices::{LIMIT, PretendGpus, ROWS, batch, put, store_over};
+use common::{TestServer, action, code_of, status};
+use gpu_flight::server::ServeOptions;
+use gpu_flight::store::{Access, ExportRequest, PutMode, Store, StoreError, StoreOptions};
+use serde_json::json;
+use tonic::Code;
+
+fn request(name: &str) -> ExportRequest {
+    ExportRequest::new(name, Duration::from_secs(60), "test")
+}
+
+fn used(store: &Store) -> Vec<u64> {
+    store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect()
+}
+
+/// One batch on each of devices 0 and 1.
+async fn one_batch_per_device(store: &Store) {
+    put(store, "t", PutMode::Create, Some(0), &[batch(0)])
+        .await
+        .expect("put on 0");
+    put(store, "t", PutMode::Append, Some(1), &[batch(1)])
+        .await
+        .expect("append on 1");
+}
+
+#[tokio::test]
+async fn an_export_describes_every_partition_on_its_device() {
+    let store = store_over(Arc::new(PretendGpus::new(2, true)));
+    put(
+        &store,
+        "t",
+        PutMode::Create,
+        None,
+        &[batch(0), batch(1), batch(2)],
+    )
+    .await
+    .expect("spread over both devices");
+    let export = store.export(request("t")).await.expect("export");
+    let described: Vec<(u64, u32, Access)> = export
+        .partitions
+        .iter()
+        .map(|p| (p.rows, p.device, p.access))
+        .collect();
+    let rows = ROWS as u64;
+    assert_eq!(
+        described,
+        [
+            (rows, 0, Access::Local),
+            (rows, 0, Access::Local),
+            (rows, 1, Access::Local)
+        ]
+    );
+    assert_eq!(
+        export.partitions[2].export.device.uuid,
+        PretendGpus::uuid(1)
+    );
+    let handles: std::collections::HashSet<[u8; 64]> = export
+        .partitions
+        .iter()
+        .map(|p| p.export.columns[0].handle)
+        .collect();
+    assert_eq!(handles.len(), 3, "each partition its own memory");
+
+    let mut one = request("t");
+    one.one_partition = true;
+    let error = store
+        .export(one)
+        .await
+        .expect_err("version 1 has one partition");
+    assert!(
+        matches!(error, StoreError::NotCompact { partitions: 3, .. }),
+        "{error}"
+    );
+    assert_eq!(
+        store.status().leases.len(),
+        1,
+        "only the first export's lease"
+    );
+}
+
+#[tokio::test]
+async fn a_consumer_elsewhere_gets_peer_access_or_a_replica_its_lease_holds() {
+    let store = store_over(Arc::new(PretendGpus::new(2, true)));
+    one_batch_per_device(&store).await;
+    let before = used(&store);
+
+    let mut peer = request("t");
+    peer.consumer = Some(1);
+    let export = store.export(peer).await.expect("peer export");
+    let access: Vec<(u32, Access)> = export
+        .partitions
+        .iter()
+        .map(|p| (p.device, p.access))
+        .collect();
+    assert_eq!(access, [(0, Access::Peer), (1, Access::Local)]);
+    assert_eq!(used(&store), before, "peer access copies nothing");
+    store.release(&export.lease.id).expect("release");
+    drop(export);
+
+    let mut copy = request("t");
+    copy.consumer = Some(1);
+    copy.copy = true;
+    let export = store.export(copy).await.expect("copy export");
+    let access: Vec<(u32, Access)> = export
+        .partitions
+        .iter()
+        .map(|p| (p.device, p.access))
+        .collect();
+    assert_eq!(access, [(1, Access::Replica), (1, Access::Local)]);
+    let with_replica = used(&store);
+    assert_eq!(with_replica[0], before[0]);
+    assert!(
+        with_replica[1] >= before[1] + (ROWS as u64) * 8,
+        "the replica is paid for on the consumer's device: {before:?} then {with_replica:?}"
+    );
+    let status = store.status();
+    assert_eq!(status.leases[0].device, Some(1));
+    assert_eq!(
+        status.leases[0].replica_bytes,
+        with_replica[1] - before[1],
+        "the lease holds the replica"
+    );
+    assert_eq!(status.leased_only_bytes, status.leases[0].replica_bytes);
+
+    // Dropping the dataset leaves the replica to the lease; releasing it frees both.
+    store.remove("t").expect("drop");
+    let lease = export.lease.id.clone();
+    drop(export);
+    store.release(&lease).expect("release");
+    assert_eq!(used(&store), [0, 0]);
+}
+
+#[tokio::test]
+async fn a_replica_that_does_not_fit_fails_and_grants_nothing() {
+    let store = store_over(Arc::new(PretendGpus::new(2, true)));
+    put(
+        &store,
+        "t",
+        PutMode::Create,
+        None,
+        &[batch(0), batch(1), batch(2)],
+    )
+    .await
+    .expect("spread: two batches on 0, one on 1");
+    let before = used(&store);
+    let mut copy = request("t");
+    copy.consumer = Some(1);
+    copy.copy = true;
+    let error = store
+        .export(copy)
+        .await
+        .expect_err("two batches do not fit beside one");
+    assert!(
+        matches!(error, StoreError::MemoryExhausted { device: 1, .. }),
+        "{error}"
+    );
+    assert_eq!(used(&store), before, "no replica kept");
+    assert!(store.status().leases.is_empty(), "no lease granted");
+    assert!(before[1] < LIMIT);
+}
+
+#[tokio::test]
+async fn without_peer_access_only_a_copy_reaches_another_device() {
+    let store = store_over(Arc::new(PretendGpus::new(2, false)));
+    one_batch_per_device(&store).await;
+    let mut peer = request("t");
+    peer.consumer = Some(0);
+    let error = store
+        .export(peer)
+        .await
+        .expect_err("device 0 cannot reach 1");
+    assert!(
+        matches!(
+            error,
+            StoreError::NoPeerAccess {
+                holder: 1,
+                consumer: 0,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.to_string().contains("\"copy\": true"), "{error}");
+    assert!(store.status().leases.is_empty());
+    let mut copy = request("t");
+    copy.consumer = Some(0);
+    copy.copy = true;
+    let export = store
+        .export(copy)
+        .await
+        .expect("a copy needs no peer access");
+    assert!(export.partitions.iter().all(|p| p.device == 0));
+
+    let mut unknown = request("t");
+    unknown.consumer = Some(2);
+    let error = store.export(unknown).await.expect_err("no device 2");
+    assert!(
+        matches!(error, StoreError::UnknownDevice { device: 2, .. }),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_renewal_keeps_the_terms_it_was_granted() {
+    let store = store_over(Arc::new(PretendGpus::new(2, true)));
+    one_batch_per_device(&store).await;
+    let mut copy = request("t");
+    copy.consumer = Some(1);
+    copy.copy = true;
+    let granted = store.export(copy).await.expect("export");
+    let held = used(&store);
+    let renewal = |consumer, copy, columns: Option<Vec<String>>| {
+        let mut renew = request("t");
+        renew.renew = Some(granted.lease.id.clone());
+        renew.consumer = consumer;
+        renew.copy = copy;
+        renew.columns = columns;
+        renew
+    };
+    let renewed = store
+        .export(renewal(None, false, None))
+        .await
+        .expect("a plain renewal");
+    let handles = |export: &gpu_flight::store::Export| -> Vec<[u8; 64]> {
+        export
+            .partitions
+            .iter()
+            .map(|p| p.export.columns[0].handle)
+            .collect()
+    };
+    assert_eq!(handles(&renewed), handles(&granted), "the same replica");
+    assert_eq!(used(&store), held, "no second replica");
+    store
+        .export(renewal(Some(1), true, Some(vec!["x".to_owned()])))
+        .await
+        .expect("a renewal repeating its terms");
+    for changed in [
+        renewal(Some(0), false, None),
+        renewal(None, false, Some(vec![])),
+    ] {
+        let error = store.export(changed).await.expect_err("terms changed");
+        assert!(
+            matches!(error, StoreError::RenewalChangesTerms { .. }),
+            "{error}"
+        );
+    }
+    let (lease, replica_bytes) = (
+        granted.lease.id.clone(),
+        granted.lease.terms.replica_bytes(),
+    );
+    drop((granted, renewed));
+    store.release(&lease).expect("release");
+    assert_eq!(used(&store)[1], held[1] - replica_bytes);
+}
+
+#[tokio::test]
+async fn the_export_document_describes_partitions_by_version() {
+    let backend = Arc::new(PretendGpus::new(2, true));
+    let options = StoreOptions {
+        memory_limit: Some(LIMIT),
+    };
+    let server = TestServer::start_with(backend, options, ServeOptions::default()).await;
+    let mut client = server.client().await;
+    common::put(&mut client, common::path("one"), vec![batch(0)])
+        .await
+        .expect("put");
+    // Version 1, what a client gets by default: one partition at the top level.
+    let v1 = action(&mut client, "ipc-export", json!({"name": "one"}))
+        .await
+        .expect("export");
+    assert_eq!(v1["version"], 1);
+    assert_eq!(v1["columns"].as_array().map(Vec::len), Some(1));
+    assert!(
+        v1["device"]["uuid"].is_string() && v1.get("partitions").is_none(),
+        "{v1}"
+    );
+
+    let store = &server.store;
+    put(store, "t", PutMode::Create, Some(0), &[batch(0)])
+        .await
+        .expect("put on 0");
+    put(store, "t", PutMode::Append, Some(1), &[batch(1)])
+        .await
+        .expect("append on 1");
+    let refused = action(&mut client, "ipc-export", json!({"name": "t"}))
+        .await
+        .expect_err("version 1 cannot describe two partitions");
+    assert_eq!(code_of(&refused), Code::FailedPrecondition, "{refused}");
+    assert!(refused.to_string().contains("version"), "{refused}");
+
+    let body = json!({"name": "t", "version": 2, "device": PretendGpus::uuid(1)});
+    let v2 = action(&mut client, "ipc-export", body)
+        .await
+        .expect("export");
+    assert_eq!(v2["version"], 2);
+    assert_eq!(v2["num_rows"], 2 * ROWS);
+    assert_eq!(v2["consumer_device"]["device"], 1);
+    assert_eq!(v2["consumer_device"]["uuid"], PretendGpus::uuid(1));
+    let partitions = v2["partitions"].as_array().expect("partitions");
+    let described: Vec<(serde_json::Value, serde_json::Value, serde_json::Value)> = partitions
+        .iter()
+        .map(|p| {
+            (
+                p["device"]["device"].clone(),
+                p["access"].clone(),
+                p["num_rows"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        described,
+        [
+            (json!(0), json!("peer"), json!(ROWS)),
+            (json!(1), json!("local"), json!(ROWS))
+        ]
+    );
+    assert_eq!(partitions[0]["columns"][0]["name"], "x");
+    let status = status(&mut client).await;
+    assert_eq!(status["leases"][1]["device"], 1, "{status}");
+
+    for (body, code) in [
+        (
+            json!({"name": "t", "version": 2, "copy": true}),
+            Code::InvalidArgument,
+        ),
+        (json!({"name": "t", "version": 3}), Code::InvalidArgument),
+        (
+            json!({"name": "t", "version": 2, "device": 7}),
+            Code::InvalidArgument,
+        ),
+        (
+            json!({"name": "t", "version": 2, "device": "GPU-nope"}),
+            Code::InvalidArgument,
+        ),
+    ] {
+        let error = action(&mut client, "ipc-export", body.clone())
+            .await
+            .expect_err("refused");
+        assert_eq!(code_of(&error), code, "{body}: {error}");
+    }
+    server.shutdown_and_wait().await;
+}
