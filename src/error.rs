@@ -134,7 +134,9 @@ fn store_code(error: &StoreError) -> Code {
 
 fn backend_code(error: &BackendError) -> Code {
     match error {
-        BackendError::OutOfMemory { .. } => Code::ResourceExhausted,
+        BackendError::OutOfMemory { .. } | BackendError::StagingExhausted { .. } => {
+            Code::ResourceExhausted
+        }
         BackendError::UnsupportedType { .. } => Code::InvalidArgument,
         BackendError::CannotConcatenate { .. } | BackendError::NotExportable { .. } => {
             Code::FailedPrecondition

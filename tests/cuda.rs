@@ -143,3 +143,60 @@ async fn status_reports_the_gpu() {
     assert!(counter(&status, "device_free_bytes") > 0);
     server.shutdown_and_wait().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn pinned_staging_is_capped_and_a_read_beyond_the_cap_is_refused() {
+    let backend = CudaBackend::open(0)
+        .expect("CUDA device 0")
+        .with_pinned_limit(16 << 20);
+    // Uploads of 2 MB batches fit the 16 MiB cap; reads of 32 MiB chunks do not, 1 MiB ones do.
+    let big = ServeOptions {
+        flight: FlightOptions {
+            read_chunk_bytes: 32 << 20,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(Arc::new(backend), StoreOptions::default(), big).await;
+    let mut client = server.client().await;
+    let data: Vec<_> = (0..16).map(|i| int64_batch(62_500, 4, i)).collect();
+    put(&mut client, path("t"), data.clone())
+        .await
+        .expect("put: each batch stages within the cap");
+    let error = get_by_name(&mut client, "t")
+        .await
+        .expect_err("a 32 MiB chunk is over the cap");
+    assert_eq!(code_of(&error), Code::ResourceExhausted, "{error}");
+    assert!(error.to_string().contains("pinned staging"), "{error}");
+    let after = status(&mut client).await;
+    assert_eq!(
+        counter(&after, "pinned_leased_bytes"),
+        0,
+        "nothing left leased"
+    );
+    server.shutdown_and_wait().await;
+
+    let small = ServeOptions {
+        flight: FlightOptions {
+            read_chunk_bytes: 1 << 20,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let backend = CudaBackend::open(0)
+        .expect("CUDA device 0")
+        .with_pinned_limit(16 << 20);
+    let server = TestServer::start_with(Arc::new(backend), StoreOptions::default(), small).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), data.clone())
+        .await
+        .expect("put");
+    assert_same_data(
+        &data,
+        &get_by_name(&mut client, "t")
+            .await
+            .expect("1 MiB chunks fit"),
+    );
+    server.shutdown_and_wait().await;
+}

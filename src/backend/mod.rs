@@ -12,6 +12,7 @@ pub mod cuda;
 pub(crate) mod dictionary;
 pub mod export;
 pub mod host;
+pub mod numa;
 pub(crate) mod owned;
 
 use std::fmt;
@@ -34,6 +35,18 @@ pub enum BackendError {
     /// The device has no room for an allocation of this size.
     #[error("device {device} is out of memory: could not allocate {requested} bytes")]
     OutOfMemory { device: u32, requested: u64 },
+    /// Transfers in flight already hold as much pinned host memory as a device may.
+    #[error(
+        "pinned staging memory for device {device} is exhausted: transfers in flight hold \
+         {in_use} of {limit} bytes and this one needs {requested}; retry when readers have \
+         caught up"
+    )]
+    StagingExhausted {
+        device: u32,
+        requested: u64,
+        in_use: u64,
+        limit: u64,
+    },
     /// The data uses a type this backend cannot hold.
     #[error("column type {data_type} cannot be stored by the {backend} backend")]
     UnsupportedType {

@@ -58,6 +58,10 @@ const CONCAT_PTX: &str = include_str!("../../../kernels/concat.ptx");
 /// Pinned memory kept for reuse between transfers.
 const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
 
+/// Pinned memory leased at once per GPU, by reads in flight (and the chunks their readers
+/// have not taken yet) and uploads: 256 reads of 16 MiB chunks.
+pub const MAX_LEASED_PINNED_BYTES: u64 = 4 << 30;
+
 /// Why CUDA cannot be used here, if it cannot; `None` when a driver and device `ordinal` exist.
 pub fn unavailable_reason(ordinal: u32) -> Option<String> {
     if !ffi::driver_present() {
@@ -196,12 +200,28 @@ impl Gpu {
         let context = Context::open(ordinal)?;
         let name = context.name()?;
         let total_bytes = context.total_bytes()?;
-        let pool = PinnedPool::new(Arc::clone(&context), MAX_CACHED_PINNED_BYTES);
         let identity = ExportDevice {
             ordinal: context.ordinal() as u32,
             uuid: context.uuid()?,
             pci_bus_id: context.pci_bus_id()?,
         };
+        let sysfs = std::path::Path::new("/sys");
+        let numa_node = super::pci_numa_node(sysfs, &identity.pci_bus_id);
+        let cpus = numa_node.and_then(|node| super::numa::node_cpus(sysfs, node));
+        if let (Some(node), Some(cpus)) = (numa_node, &cpus) {
+            tracing::info!(
+                ordinal,
+                node,
+                cpus = cpus.len(),
+                "pinned staging on the GPU's NUMA node"
+            );
+        }
+        let pool = PinnedPool::new(
+            Arc::clone(&context),
+            cpus,
+            MAX_CACHED_PINNED_BYTES,
+            MAX_LEASED_PINNED_BYTES,
+        );
         let concat_kernel = match Kernel::load(&context, CONCAT_PTX, "gpu_flight_concat") {
             Ok(kernel) => Some(kernel),
             Err(error) => {
@@ -209,7 +229,6 @@ impl Gpu {
                 None
             }
         };
-        let numa_node = super::pci_numa_node(std::path::Path::new("/sys"), &identity.pci_bus_id);
         Ok(Self {
             numa_node,
             shared: Arc::new(Shared {
@@ -228,6 +247,15 @@ impl Gpu {
 }
 
 impl CudaBackend {
+    /// Caps the pinned staging memory leased at once on each GPU (default
+    /// [`MAX_LEASED_PINNED_BYTES`]).
+    pub fn with_pinned_limit(self, bytes: u64) -> Self {
+        for gpu in &self.devices {
+            gpu.shared.pool.set_max_leased_bytes(bytes);
+        }
+        self
+    }
+
     /// Poisons every concatenation output before the kernel writes it. For tests: it costs a
     /// device memset per output.
     pub fn with_poisoned_outputs(mut self) -> Self {

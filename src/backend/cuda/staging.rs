@@ -5,13 +5,19 @@
 //! the backing memory of the record batches they return, so a buffer comes back only once
 //! nothing holds those batches: for `DoGet`, once h2 has written the last of their bytes to
 //! the socket (the reply hands the buffers on without copying them). Sizes are rounded to
-//! powers of two so that returned buffers fit later requests.
+//! powers of two so that returned buffers fit later requests. Buffers are allocated on the
+//! GPU's NUMA node where the system reports one (see `backend::numa`).
+//!
+//! The pinned memory leased at once is capped: a reader that stops reading holds its chunks
+//! until its stream ends, and pinned memory cannot be paged out, so without a cap enough
+//! stalled readers could pin all of the host's memory. A lease beyond the cap fails with
+//! `StagingExhausted` (RESOURCE_EXHAUSTED) rather than wait on readers that may never move.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::ffi::{Context, PinnedBuffer};
-use crate::backend::BackendError;
+use crate::backend::{BackendError, numa};
 
 /// Smallest pinned buffer handed out.
 const MIN_BUFFER_BYTES: usize = 1 << 20;
@@ -19,18 +25,29 @@ const MIN_BUFFER_BYTES: usize = 1 << 20;
 #[derive(Debug)]
 pub(super) struct PinnedPool {
     context: Arc<Context>,
+    /// The CPUs of the GPU's NUMA node, which allocate its buffers; `None` where unknown.
+    cpus: Option<Vec<usize>>,
     free: Mutex<Vec<PinnedBuffer>>,
     max_cached_bytes: u64,
+    /// The most bytes leased at once.
+    max_leased_bytes: AtomicU64,
     cached_bytes: AtomicU64,
     leased_bytes: AtomicU64,
 }
 
 impl PinnedPool {
-    pub(super) fn new(context: Arc<Context>, max_cached_bytes: u64) -> Arc<Self> {
+    pub(super) fn new(
+        context: Arc<Context>,
+        cpus: Option<Vec<usize>>,
+        max_cached_bytes: u64,
+        max_leased_bytes: u64,
+    ) -> Arc<Self> {
         Arc::new(Self {
             context,
+            cpus,
             free: Mutex::new(Vec::new()),
             max_cached_bytes,
+            max_leased_bytes: AtomicU64::new(max_leased_bytes),
             cached_bytes: AtomicU64::new(0),
             leased_bytes: AtomicU64::new(0),
         })
@@ -39,6 +56,39 @@ impl PinnedPool {
     /// A buffer of at least `bytes` bytes, reused when one is free.
     pub(super) fn lease(self: &Arc<Self>, bytes: usize) -> Result<PinnedLease, BackendError> {
         let class = bytes.max(MIN_BUFFER_BYTES).next_power_of_two();
+        self.reserve(class as u64)?;
+        let leased = self.take_or_allocate(class);
+        if leased.is_err() {
+            self.leased_bytes.fetch_sub(class as u64, Ordering::AcqRel);
+        }
+        Ok(PinnedLease {
+            buffer: Some(leased?),
+            pool: Arc::clone(self),
+        })
+    }
+
+    /// Counts `bytes` as leased, if that stays within the cap.
+    fn reserve(&self, bytes: u64) -> Result<(), BackendError> {
+        let limit = self.max_leased_bytes.load(Ordering::Acquire);
+        self.leased_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |in_use| {
+                in_use.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .map(|_| ())
+            .map_err(|in_use| BackendError::StagingExhausted {
+                device: self.context.ordinal() as u32,
+                requested: bytes,
+                in_use,
+                limit,
+            })
+    }
+
+    /// Sets the cap on bytes leased at once.
+    pub(super) fn set_max_leased_bytes(&self, bytes: u64) {
+        self.max_leased_bytes.store(bytes, Ordering::Release);
+    }
+
+    fn take_or_allocate(&self, class: usize) -> Result<PinnedBuffer, BackendError> {
         let reused = {
             let mut free = self
                 .free
@@ -48,20 +98,17 @@ impl PinnedPool {
                 .position(|b| b.len() == class)
                 .map(|i| free.swap_remove(i))
         };
-        let buffer = match reused {
+        match reused {
             Some(buffer) => {
                 self.cached_bytes
                     .fetch_sub(buffer.len() as u64, Ordering::AcqRel);
-                buffer
+                Ok(buffer)
             }
-            None => PinnedBuffer::new(&self.context, class)?,
-        };
-        self.leased_bytes
-            .fetch_add(buffer.len() as u64, Ordering::AcqRel);
-        Ok(PinnedLease {
-            buffer: Some(buffer),
-            pool: Arc::clone(self),
-        })
+            None => match &self.cpus {
+                Some(cpus) => numa::on_cpus(cpus, || PinnedBuffer::new(&self.context, class)),
+                None => PinnedBuffer::new(&self.context, class),
+            },
+        }
     }
 
     /// Pinned bytes held by leases now.
