@@ -2227,6 +2227,29 @@ impl UnaryRig {
                 })),
             ),
             ("release number".into(), br#"{"lease": 5}"#.to_vec()),
+            (
+                "export to a device".into(),
+                json_body(serde_json::json!({
+                    "name": name,
+                    "version": *[1_i64, 2, 3, -1].choose(rng).expect("versions"),
+                    "device": move_device,
+                    "copy": rng.random_bool(0.5),
+                })),
+            ),
+            (
+                "export to a UUID".into(),
+                json_body(serde_json::json!({
+                    "name": name,
+                    "version": 2,
+                    "device": move_uuid,
+                    "copy": true,
+                    "columns": [column],
+                })),
+            ),
+            (
+                "export copy without a device".into(),
+                json_body(serde_json::json!({"name": name, "version": 2, "copy": true})),
+            ),
         ];
         let chosen = rng.random_range(0..bodies.len());
         let (label, mut body) = bodies.into_iter().nth(chosen).expect("a body");
