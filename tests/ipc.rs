@@ -167,25 +167,26 @@ fn two_devices() -> Arc<dyn Backend> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
 async fn a_dataset_spread_over_two_devices_maps_from_either() {
-    // Each 3.2 MB batch of four int64 columns; a device holds three.
+    // Batches of 1.6 MB (four int64 columns); a device holds six, with room for the
+    // message being received.
     let options = StoreOptions {
         memory_limit: Some(11 << 20),
     };
     let server = TestServer::start_with(two_devices(), options, ServeOptions::default()).await;
     let mut client = server.client().await;
-    // One batch on each device; then four more, which no one device holds.
+    // One batch on each device; then eight more, which no one device holds.
     for (device, mode) in [(0, "create"), (1, "append")] {
         let command = json!({"name": "pair", "mode": mode, "device": device});
         let descriptor = arrow_flight::FlightDescriptor::new_cmd(command.to_string());
         put(
             &mut client,
             descriptor,
-            vec![int64_batch(100_000, 4, device)],
+            vec![int64_batch(50_000, 4, device)],
         )
         .await
         .expect("put on a device");
     }
-    let batches: Vec<_> = (0..4).map(|i| int64_batch(100_000, 4, i * 3)).collect();
+    let batches: Vec<_> = (0..8).map(|i| int64_batch(50_000, 4, i * 3)).collect();
     put(&mut client, path("spread"), batches)
         .await
         .expect("put");
@@ -240,7 +241,7 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
         assert_eq!(used(&after), before, "replicas freed with their lease");
     }
     // A move copies between the devices' memory directly and reads back the same.
-    let batches: Vec<_> = (0..4).map(|i| int64_batch(100_000, 4, i * 3)).collect();
+    let batches: Vec<_> = (0..8).map(|i| int64_batch(50_000, 4, i * 3)).collect();
     put(&mut client, path("spread"), batches)
         .await
         .expect("put again");

@@ -26,6 +26,7 @@ the server's GPU, `DeviceNotVisible` says so: read the dataset with DoGet there.
 """
 
 import base64
+import functools
 import json
 import threading
 
@@ -46,6 +47,7 @@ def _uuid_string(raw):
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+@functools.cache
 def device_uuid(ordinal):
     """The UUID of this process's CuPy device `ordinal`: what the server knows it by."""
     return _uuid_string(cp.cuda.runtime.getDeviceProperties(ordinal)["uuid"])
