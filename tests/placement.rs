@@ -172,3 +172,26 @@ async fn a_dataset_moves_to_another_device_whole() {
         Err(StoreError::UnknownDevice { device: 5, .. })
     ));
 }
+
+#[tokio::test]
+async fn a_put_that_fits_commits_where_its_compact_copy_would_not() {
+    // Small batches, which the host backend concatenates at commit when there is room: 3.2
+    // MB of them under a 4 MB limit leave no room for a copy.
+    let store = store(1);
+    let small: Vec<RecordBatch> = (0..20)
+        .map(|i| batch(i).slice(0, (ROWS / 10) as usize))
+        .collect();
+    put(&store, "t", PutMode::Create, None, &small)
+        .await
+        .expect("the rows fit, so the put commits");
+    let dataset = store.get("t").expect("dataset");
+    assert_eq!(dataset.num_partitions(), 20, "kept as they came");
+    assert_eq!(read_all(&store, "t").await, rows(&small));
+    // With room, the same batches are compacted.
+    drop(dataset);
+    store.remove("t").expect("drop");
+    put(&store, "t", PutMode::Create, None, &small[..10])
+        .await
+        .expect("put");
+    assert_eq!(store.get("t").expect("dataset").num_partitions(), 1);
+}

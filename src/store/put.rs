@@ -362,9 +362,9 @@ impl Store {
     }
 
     /// Concatenates partitions into one compact partition, reserving its memory first: the
-    /// inputs stay reserved until they are dropped, so the budget covers the transient peak,
-    /// and a compaction that does not fit fails with `MemoryExhausted`. Partitions the backend
-    /// cannot concatenate (a merged dictionary its keys cannot index) are returned unchanged.
+    /// inputs stay reserved until they are dropped, so the budget covers the transient peak.
+    /// Partitions are returned unchanged where the compact copy does not fit beside them, or
+    /// the backend cannot concatenate them (a merged dictionary its keys cannot index).
     async fn compact(
         &self,
         schema: &Schema,
@@ -391,7 +391,29 @@ impl Store {
             Err(error) => return Err(error.into()),
         };
         let rows = partitions.iter().map(|p| p.data.num_rows() as u64).sum();
-        let reservation = self.inner.budget.try_reserve(device, charge(size, rows))?;
+        let reservation = match self.inner.budget.try_reserve(device, charge(size, rows)) {
+            Ok(reservation) => reservation,
+            Err(StoreError::MemoryExhausted {
+                requested,
+                used,
+                limit,
+                ..
+            }) => {
+                // The rows are stored and paid for already; only the compact copy does not
+                // fit beside them. Keep the batches as they are rather than fail a put whose
+                // data fits (reads and ipc-export serve them as they are).
+                tracing::info!(
+                    device,
+                    partitions = partitions.len(),
+                    requested,
+                    used,
+                    limit,
+                    "batches kept uncompacted: no room for their compact copy"
+                );
+                return Ok(partitions);
+            }
+            Err(error) => return Err(error),
+        };
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         let started = std::time::Instant::now();
         let compacted = backend.concatenate(data).await?;
