@@ -30,9 +30,11 @@ pub const ACTIONS: &[(&str, &str)] = &[
         "ipc-export",
         "Map a dataset's columns zero-copy from another process on this node (CUDA backend). \
          Body: JSON {\"name\", \"columns\" (optional), \"lease_seconds\" (optional, default 300), \
-         \"lease\" (optional: renew this lease)}. Result: JSON document version 1 with the lease, \
-         device UUID and PCI bus id, schema, and per column a CUDA IPC handle and buffer offsets \
-         (see the README). The memory stays valid until ipc-release or expiry.",
+         \"lease\" (optional: renew this lease), \"version\" (1, the default, or 2), \"device\" \
+         (optional: the consumer's GPU, number or UUID), \"copy\" (optional: replicate onto it)}. \
+         Result: a JSON document with the lease, schema, and per partition its device (UUID, PCI \
+         bus id), how to open it, and per column a CUDA IPC handle and buffer offsets (see the \
+         README). The memory stays valid until ipc-release or expiry.",
     ),
     (
         "move",
