@@ -2123,6 +2123,7 @@ impl UnaryRig {
             "ipc-release",
             "move",
             "move",
+            "copy",
             "",
             "DROP",
             "drop ",
@@ -2245,6 +2246,12 @@ impl UnaryRig {
                     "copy": true,
                     "columns": [column],
                 })),
+            ),
+            (
+                "copy as".into(),
+                json_body(
+                    serde_json::json!({"name": name, "as": self.some_name(rng), "device": move_device}),
+                ),
             ),
             (
                 "export copy without a device".into(),

@@ -195,3 +195,70 @@ async fn a_put_that_fits_commits_where_its_compact_copy_would_not() {
         .expect("put");
     assert_eq!(store.get("t").expect("dataset").num_partitions(), 1);
 }
+
+#[tokio::test]
+async fn a_dataset_copies_to_a_new_name_on_a_device() {
+    let store = store(2);
+    let batches: Vec<RecordBatch> = (0..2).map(batch).collect();
+    put(&store, "t", PutMode::Create, Some(0), &batches)
+        .await
+        .expect("put on device 0");
+    let before: Vec<u64> = store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect();
+    let summary = store.copy_dataset("t", "u", 1).await.expect("copy");
+    assert_eq!(
+        (summary.device, summary.copied_bytes, summary.copy.as_str()),
+        (1, 2 * 8 * ROWS as u64, "u")
+    );
+    let copy = store.get("u").expect("the copy");
+    assert_eq!(copy.device_runs(), [(0..2 * ROWS as u64, 1)]);
+    assert_eq!(read_all(&store, "u").await, rows(&batches));
+    let after: Vec<u64> = store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect();
+    assert_eq!(after[0], before[0], "the original is untouched");
+    assert!(after[1] >= before[1] + 2 * 8 * ROWS as u64, "{after:?}");
+    // The copy is its own memory: dropping the original leaves it readable.
+    store.remove("t").expect("drop the original");
+    assert_eq!(read_all(&store, "u").await, rows(&batches));
+    // Refusals change nothing.
+    put(&store, "t", PutMode::Create, Some(0), &batches[..1])
+        .await
+        .expect("put again");
+    let before: Vec<u64> = store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect();
+    for (copy, device, expected) in [
+        ("u", 0, "AlreadyExists"),
+        ("v", 1, "MemoryExhausted"),
+        ("v", 9, "UnknownDevice"),
+    ] {
+        let error = store
+            .copy_dataset("t", copy, device)
+            .await
+            .expect_err("refused");
+        assert!(format!("{error:?}").starts_with(expected), "{error:?}");
+    }
+    assert!(store.get("v").is_err());
+    let after: Vec<u64> = store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect();
+    assert_eq!(after, before, "nothing of a refused copy is kept");
+    assert!(matches!(
+        store.copy_dataset("absent", "w", 0).await,
+        Err(StoreError::NotFound { .. })
+    ));
+}

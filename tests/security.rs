@@ -121,11 +121,14 @@ enum Op {
     ListActions,
     Status,
     Drop,
+    Move,
+    Copy,
     IpcExport,
+    IpcExportCopy,
     IpcRelease,
 }
 
-const OPS: [Op; 13] = [
+const OPS: [Op; 16] = [
     Op::Handshake,
     Op::ListFlights,
     Op::GetFlightInfo,
@@ -137,7 +140,10 @@ const OPS: [Op; 13] = [
     Op::ListActions,
     Op::Status,
     Op::Drop,
+    Op::Move,
+    Op::Copy,
     Op::IpcExport,
+    Op::IpcExportCopy,
     Op::IpcRelease,
 ];
 
@@ -145,7 +151,9 @@ impl Op {
     /// The least role that may make the call.
     fn needs(self) -> &'static str {
         match self {
-            Op::DoPut | Op::DoExchange | Op::Drop => "write",
+            Op::DoPut | Op::DoExchange | Op::Drop | Op::Move | Op::Copy | Op::IpcExportCopy => {
+                "write"
+            }
             _ => "read",
         }
     }
@@ -204,12 +212,29 @@ async fn call(client: &mut FlightClient, op: Op, tag: &str) -> Result<(), Flight
             )
             .await
         }
+        Op::Move => {
+            run_action(
+                client,
+                action("move", serde_json::json!({"name": "shared", "device": 0})),
+            )
+            .await
+        }
+        Op::Copy => {
+            let body =
+                serde_json::json!({"name": "shared", "as": format!("copy-{tag}"), "device": 0});
+            run_action(client, action("copy", body)).await
+        }
         Op::IpcExport => {
             run_action(
                 client,
                 action("ipc-export", serde_json::json!({"name": "shared"})),
             )
             .await
+        }
+        Op::IpcExportCopy => {
+            let body =
+                serde_json::json!({"name": "shared", "version": 2, "device": 0, "copy": true});
+            run_action(client, action("ipc-export", body)).await
         }
         Op::IpcRelease => {
             run_action(

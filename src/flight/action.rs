@@ -44,6 +44,12 @@ pub const ACTIONS: &[(&str, &str)] = &[
          they are done.",
     ),
     (
+        "copy",
+        "Copy a dataset to a new name on a device (see Placement in the README). Body: JSON \
+         {\"name\", \"as\" (the new name), \"device\": number or GPU UUID}. Result: JSON \
+         {\"name\", \"as\", \"device\", \"copied_bytes\", \"version\"}.",
+    ),
+    (
         "ipc-release",
         "End an ipc-export lease. Body: JSON {\"lease\"}. Result: JSON {\"lease\", \"name\"}. \
          Close your handles first: memory of a dropped dataset is freed once its last lease ends.",
@@ -80,6 +86,11 @@ pub enum ActionRequest {
         name: String,
         device: DeviceRef,
     },
+    Copy {
+        name: String,
+        copy: String,
+        device: DeviceRef,
+    },
 }
 
 impl ActionRequest {
@@ -91,6 +102,7 @@ impl ActionRequest {
             Self::IpcExport { name, .. } => format!("ipc-export {name}"),
             Self::IpcRelease { .. } => "ipc-release".to_owned(),
             Self::Move { name, .. } => format!("move {name}"),
+            Self::Copy { name, copy, .. } => format!("copy {name} as {copy}"),
         }
     }
 }
@@ -187,6 +199,26 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
             )?;
             Ok(ActionRequest::Move {
                 name: parse_name(body.name.as_bytes())?,
+                device: body.device,
+            })
+        }
+        "copy" => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct CopyBody {
+                name: String,
+                #[serde(rename = "as")]
+                copy: String,
+                device: DeviceRef,
+            }
+            let body: CopyBody = parse_json_object(
+                &action.body,
+                "copy takes a JSON object {\"name\": \"...\", \"as\": \"...\", \"device\": \
+                 number or GPU UUID}",
+            )?;
+            Ok(ActionRequest::Copy {
+                name: parse_name(body.name.as_bytes())?,
+                copy: parse_name(body.copy.as_bytes())?,
                 device: body.device,
             })
         }
@@ -450,6 +482,32 @@ mod tests {
                 version: 2,
             }
         );
+        assert_eq!(
+            parse(&Action::new(
+                "copy",
+                r#"{"name": "t", "as": "u", "device": 1}"#
+            ))
+            .expect("valid"),
+            ActionRequest::Copy {
+                name: "t".to_owned(),
+                copy: "u".to_owned(),
+                device: DeviceRef::Number(1),
+            }
+        );
+        for bad in [
+            r#"{"name": "t", "device": 1}"#,
+            r#"{"name": "t", "as": "", "device": 1}"#,
+            r#"{"name": "t", "as": "u"}"#,
+            r#"{"name": "t", "as": "u", "device": 1, "mode": "replace"}"#,
+        ] {
+            assert!(
+                matches!(
+                    parse(&Action::new("copy", bad)),
+                    Err(Error::InvalidCommand(_) | Error::InvalidDescriptor(_))
+                ),
+                "{bad}"
+            );
+        }
         for bad in [
             r#"{"name": "t", "lease_seconds": 0}"#,
             r#"{"name": "t", "lease_seconds": 86401}"#,

@@ -234,6 +234,12 @@ impl Service {
                 let summary = self.store.move_dataset(&name, device).await?;
                 action::to_value(&summary)
             }
+            ActionRequest::Copy { name, copy, device } => {
+                caller.require(Role::Write, "the copy action")?;
+                let device = put::resolve_device(&self.store, device)?;
+                let summary = self.store.copy_dataset(&name, &copy, device).await?;
+                action::to_value(&summary)
+            }
             ActionRequest::IpcExport {
                 name,
                 columns,

@@ -42,7 +42,7 @@ pub use lease::{Lease, LeaseTerms};
 use memory::MemoryBudget;
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
-pub use relocate::MoveSummary;
+pub use relocate::{CopySummary, MoveSummary};
 pub use status::{DeviceStatus, LeaseStatus, StoreStatus};
 
 use crate::backend::{Backend, BackendError};

@@ -1,4 +1,5 @@
-//! Moving a dataset to another device, atomically for its readers.
+//! Moving a dataset to another device, atomically for its readers, and copying one to a new
+//! name on a device (the `move` and `copy` actions).
 //!
 //! Every partition not yet on the target is copied there by the backend (peer to peer between
 //! GPUs, through host memory by the driver where they cannot reach each other), paid for by a
@@ -14,6 +15,21 @@ use dashmap::mapref::entry::Entry;
 
 use super::dataset::StoredPartition;
 use super::{Dataset, Store, StoreError};
+use crate::batch_size::schema_bytes;
+
+/// What a copy did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CopySummary {
+    pub name: String,
+    /// The new dataset's name.
+    #[serde(rename = "as")]
+    pub copy: String,
+    pub device: u32,
+    /// Arrow bytes copied.
+    pub copied_bytes: u64,
+    /// The new dataset's version.
+    pub version: u64,
+}
 
 /// What a move did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -46,30 +62,7 @@ impl Store {
             });
         }
         let schema = base.schema();
-        let all_columns: Vec<usize> = (0..schema.fields().len()).collect();
-        let mut partitions: Vec<StoredPartition> = Vec::new();
-        let mut moved_bytes = 0;
-        for partition in base.partitions() {
-            if partition.device() == device {
-                partitions.push(partition.clone());
-                continue;
-            }
-            // The copy has the original's layout, so it costs what the original does.
-            let reservation = inner
-                .budget
-                .try_reserve(device, partition.reservation.bytes())?;
-            let data = inner
-                .backend
-                .copy_to(Arc::clone(&partition.data), all_columns.clone(), device)
-                .await?;
-            moved_bytes += partition.data_bytes;
-            partitions.push(StoredPartition {
-                data,
-                reservation: Arc::new(reservation),
-                data_bytes: partition.data_bytes,
-            });
-        }
-        let partitions = self.compact_runs(&schema, partitions).await?;
+        let (partitions, moved_bytes) = self.copy_partitions(&base, device, true).await?;
         let version = self.next_version();
         match inner.catalog.entry(name.to_owned()) {
             Entry::Occupied(mut entry) if entry.get().version() == base.version() => {
@@ -94,5 +87,92 @@ impl Store {
             moved_bytes,
             version,
         })
+    }
+
+    /// Copies every row of `name` onto `device` as a new dataset `copy`, which must not
+    /// exist. The original is untouched; readers of `copy` see all of it or nothing.
+    pub async fn copy_dataset(
+        &self,
+        name: &str,
+        copy: &str,
+        device: u32,
+    ) -> Result<CopySummary, StoreError> {
+        let inner = &self.inner;
+        let devices = inner.budget.devices();
+        if device >= devices {
+            return Err(StoreError::UnknownDevice { device, devices });
+        }
+        if inner.catalog.contains_key(copy) {
+            return Err(StoreError::AlreadyExists {
+                name: copy.to_owned(),
+            });
+        }
+        let base = self.get(name)?;
+        let schema = base.schema();
+        let schema_charge = inner.budget.try_reserve(device, schema_bytes(&schema))?;
+        let (partitions, copied_bytes) = self.copy_partitions(&base, device, false).await?;
+        let version = self.next_version();
+        match inner.catalog.entry(copy.to_owned()) {
+            Entry::Vacant(entry) => {
+                entry.insert(Arc::new(Dataset::new(
+                    copy.to_owned(),
+                    schema,
+                    version,
+                    partitions,
+                    Arc::new(schema_charge),
+                )));
+            }
+            Entry::Occupied(_) => {
+                return Err(StoreError::AlreadyExists {
+                    name: copy.to_owned(),
+                });
+            }
+        }
+        tracing::info!(dataset = name, copy, device, copied_bytes, "dataset copied");
+        Ok(CopySummary {
+            name: name.to_owned(),
+            copy: copy.to_owned(),
+            device,
+            copied_bytes,
+            version,
+        })
+    }
+
+    /// `base`'s partitions on `device`, compacted there: copies of those elsewhere, paid for
+    /// on `device` before each is made, and of those already there too unless `keep_local`.
+    /// Returns them with the Arrow bytes copied.
+    async fn copy_partitions(
+        &self,
+        base: &Dataset,
+        device: u32,
+        keep_local: bool,
+    ) -> Result<(Vec<StoredPartition>, u64), StoreError> {
+        let inner = &self.inner;
+        let schema = base.schema();
+        let all_columns: Vec<usize> = (0..schema.fields().len()).collect();
+        let mut partitions: Vec<StoredPartition> = Vec::new();
+        let mut copied_bytes = 0;
+        for partition in base.partitions() {
+            if keep_local && partition.device() == device {
+                partitions.push(partition.clone());
+                continue;
+            }
+            // The copy has the original's layout, so it costs what the original does.
+            let reservation = inner
+                .budget
+                .try_reserve(device, partition.reservation.bytes())?;
+            let data = inner
+                .backend
+                .copy_to(Arc::clone(&partition.data), all_columns.clone(), device)
+                .await?;
+            copied_bytes += partition.data_bytes;
+            partitions.push(StoredPartition {
+                data,
+                reservation: Arc::new(reservation),
+                data_bytes: partition.data_bytes,
+            });
+        }
+        let partitions = self.compact_runs(&schema, partitions).await?;
+        Ok((partitions, copied_bytes))
     }
 }

@@ -104,3 +104,30 @@ def test_the_move_action_moves_a_dataset_whole(make_server):
         with pytest.raises(pa.ArrowInvalid, match="there is no device 3"):
             list(client.do_action(flight.Action("move", json.dumps({"name": name, "device": 3}).encode())))
     assert server.status()["devices"][0]["used_bytes"] < 10_000, "device 0 holds no rows"
+
+
+@host_only
+def test_the_copy_action_copies_a_dataset_to_a_new_name_on_a_device(make_server):
+    server = make_server("--host-devices", "2", "--memory-limit", "12MB")
+    name, copy = unique(), unique()
+    data = table(6)  # 6.7 MB: a device holds one copy, not two
+
+    def copy_action(client, body):
+        [result] = client.do_action(flight.Action("copy", json.dumps(body).encode()))
+        return json.loads(result.body.to_pybytes())
+
+    with server.client() as client:
+        put_on(client, name, data, device=0)
+        copied = copy_action(client, {"name": name, "as": copy, "device": 1})
+        assert (copied["name"], copied["as"], copied["device"], copied["copied_bytes"]) == (name, copy, 1, data.nbytes)
+        assert set(endpoint_devices(client, copy)) == {1}
+        assert set(endpoint_devices(client, name)) == {0}
+        assert get(client, copy).equals(data)
+        with pytest.raises(pa.ArrowException, match="already exists"):
+            copy_action(client, {"name": name, "as": copy, "device": 1})
+        with pytest.raises(pa.ArrowInvalid, match="copy takes a JSON object"):
+            copy_action(client, {"name": name, "device": 1})
+        used = [d["used_bytes"] for d in server.status()["devices"]]
+        with pytest.raises(pa.ArrowException, match="memory limit reached on device 1"):
+            copy_action(client, {"name": copy, "as": unique(), "device": 1})
+        assert [d["used_bytes"] for d in server.status()["devices"]] == used
