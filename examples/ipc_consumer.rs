@@ -97,7 +97,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     for (index, field) in mapped.schema().fields().iter().enumerate() {
         let buffers: Vec<String> = mapped.partitions()[0]
-            .column_buffers(index)
+            .column_buffers(index)?
             .iter()
             .map(|b| format!("{:?} {:#x} ({} B)", b.kind, b.address, b.length))
             .collect();

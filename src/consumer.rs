@@ -8,7 +8,7 @@
 //! let document = export(&mut client, "trips", &options).await?;
 //! let mapped = MappedDataset::open(&document)?;
 //! for partition in mapped.partitions() {
-//!     let fares = partition.column_buffers(0); // device pointers, for kernels
+//!     let fares = partition.column_buffers(0)?; // device pointers, for kernels
 //! }
 //! let copy = mapped.read_column(0)?; // or a host copy of every partition, as Arrow
 //! drop(mapped);                       // unmap first...
@@ -28,7 +28,7 @@ use futures::TryStreamExt;
 use crate::backend::cuda::{ImportDevice, ImportedAllocation};
 use crate::backend::{BackendError, BufferKind};
 use crate::flight::ipc_export::{
-    ArrayDocument, DeviceDocument, ExportDocument, PartitionDocument, VERSION,
+    ArrayDocument, ColumnDocument, DeviceDocument, ExportDocument, PartitionDocument, VERSION,
 };
 use crate::store::Access;
 
@@ -300,17 +300,37 @@ impl MappedPartition {
         self.device.ordinal()
     }
 
+    /// Column `index`'s mapping and description.
+    fn column(
+        &self,
+        index: usize,
+    ) -> Result<(&ImportedAllocation, &ColumnDocument), ConsumerError> {
+        match (self.mappings.get(index), self.document.columns.get(index)) {
+            (Some(mapping), Some(column)) => Ok((mapping, column)),
+            _ => Err(ConsumerError::Document(format!(
+                "no column {index}: the export has {}",
+                self.mappings.len()
+            ))),
+        }
+    }
+
     /// Column `index`'s own buffers as device pointers (children: see the document).
-    pub fn column_buffers(&self, index: usize) -> Vec<DeviceBuffer> {
-        let base = self.mappings[index].device_address();
-        self.document.columns[index]
+    pub fn column_buffers(&self, index: usize) -> Result<Vec<DeviceBuffer>, ConsumerError> {
+        let (mapping, column) = self.column(index)?;
+        let base = mapping.device_address();
+        column
             .array
             .buffers
             .iter()
-            .map(|b| DeviceBuffer {
-                kind: b.kind,
-                address: base + b.offset,
-                length: b.length,
+            .map(|b| {
+                let address = base.checked_add(b.offset).ok_or_else(|| {
+                    ConsumerError::Document(format!("a buffer offset of {} overflows", b.offset))
+                })?;
+                Ok(DeviceBuffer {
+                    kind: b.kind,
+                    address,
+                    length: b.length,
+                })
             })
             .collect()
     }
@@ -318,13 +338,9 @@ impl MappedPartition {
     /// Copies column `index` (children and dictionary included) to host memory as an Arrow
     /// array, validated like any input.
     pub fn read_column(&self, index: usize) -> Result<ArrayRef, ConsumerError> {
+        let (mapping, column) = self.column(index)?;
         let field = self.schema.field(index);
-        let data = read_array(
-            &self.mappings[index],
-            field,
-            &self.document.columns[index].array,
-        )?;
-        Ok(make_array(data))
+        Ok(make_array(read_array(mapping, field, &column.array)?))
     }
 }
 

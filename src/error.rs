@@ -122,6 +122,7 @@ fn store_code(error: &StoreError) -> Code {
         | StoreError::LeaseMismatch { .. }
         | StoreError::RenewalChangesTerms { .. } => Code::InvalidArgument,
         StoreError::NotCompact { .. }
+        | StoreError::TooManyPartitions { .. }
         | StoreError::EmptyDataset { .. }
         | StoreError::NoPeerAccess { .. } => Code::FailedPrecondition,
         StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,

@@ -7,10 +7,14 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arrow::array::{ArrayRef, Int64Array};
+use arrow::record_batch::RecordBatch;
 use common::devices::{LIMIT, PretendGpus, ROWS, batch, put, store_over};
 use common::{TestServer, action, code_of, status};
 use gpu_flight::server::ServeOptions;
-use gpu_flight::store::{Access, ExportRequest, PutMode, Store, StoreError, StoreOptions};
+use gpu_flight::store::{
+    Access, ExportRequest, MAX_EXPORT_PARTITIONS, PutMode, Store, StoreError, StoreOptions,
+};
 use serde_json::json;
 use tonic::Code;
 
@@ -248,16 +252,29 @@ async fn a_renewal_keeps_the_terms_it_was_granted() {
         .export(renewal(Some(1), true, Some(vec!["x".to_owned()])))
         .await
         .expect("a renewal repeating its terms");
-    for changed in [
-        renewal(Some(0), false, None),
-        renewal(None, false, Some(vec![])),
+    let expires_at = store.status().leases[0].expires_at;
+    let mut version_1 = renewal(None, false, None);
+    version_1.one_partition = true;
+    for (changed, version) in [
+        (renewal(Some(0), false, None), false),
+        (renewal(None, false, Some(vec![])), false),
+        (version_1, true),
     ] {
-        let error = store.export(changed).await.expect_err("terms changed");
+        let error = store.export(changed).await.expect_err("refused");
         assert!(
-            matches!(error, StoreError::RenewalChangesTerms { .. }),
+            matches!(
+                (&error, version),
+                (StoreError::RenewalChangesTerms { .. }, false)
+                    | (StoreError::NotCompact { .. }, true)
+            ),
             "{error}"
         );
     }
+    assert_eq!(
+        store.status().leases[0].expires_at,
+        expires_at,
+        "a refused renewal does not extend the lease"
+    );
     let (lease, replica_bytes) = (
         granted.lease.id.clone(),
         granted.lease.terms.replica_bytes(),
@@ -353,4 +370,61 @@ async fn the_export_document_describes_partitions_by_version() {
         assert_eq!(code_of(&error), code, "{body}: {error}");
     }
     server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn memory_that_cannot_be_exported_is_refused_before_anything_is_copied() {
+    // Host memory: device 1 has no room for a replica, but that is not what is wrong.
+    let store = store_over(Arc::new(
+        gpu_flight::backend::HostBackend::new().with_devices(2),
+    ));
+    put(&store, "t", PutMode::Create, Some(0), &[batch(0), batch(1)])
+        .await
+        .expect("put on 0");
+    put(
+        &store,
+        "full",
+        PutMode::Create,
+        Some(1),
+        &[batch(2), batch(3)],
+    )
+    .await
+    .expect("fill 1");
+    let mut copy = request("t");
+    copy.consumer = Some(1);
+    copy.copy = true;
+    let error = store.export(copy).await.expect_err("host memory");
+    assert!(error.to_string().contains("host"), "{error}");
+    assert!(store.status().leases.is_empty());
+}
+
+#[tokio::test]
+async fn an_export_of_more_partitions_than_a_document_describes_is_refused() {
+    // Small batches stay separate where their compact copy does not fit beside them.
+    let rows = 500;
+    let count = MAX_EXPORT_PARTITIONS + 1;
+    let store = Store::new(
+        Arc::new(PretendGpus::new(1, true)),
+        StoreOptions {
+            memory_limit: Some((count * (rows * 8 + 1024)) as u64 * 3 / 2),
+        },
+    );
+    let batches: Vec<_> = (0..count as i64)
+        .map(|i| {
+            let start = i * rows as i64;
+            let column: ArrayRef =
+                Arc::new(Int64Array::from_iter_values(start..start + rows as i64));
+            RecordBatch::try_from_iter([("x", column)]).expect("batch")
+        })
+        .collect();
+    put(&store, "t", PutMode::Create, None, &batches)
+        .await
+        .expect("put");
+    assert_eq!(store.get("t").expect("t").num_partitions(), count);
+    let error = store.export(request("t")).await.expect_err("too many");
+    assert!(
+        matches!(error, StoreError::TooManyPartitions { max, .. } if max == MAX_EXPORT_PARTITIONS),
+        "{error}"
+    );
+    assert!(store.status().leases.is_empty());
 }

@@ -465,9 +465,13 @@ async fn verify(client: &mut arrow_flight::FlightClient, name: &str, options: &E
             field.name()
         );
         for partition in mapped.partitions() {
-            assert!(!partition.column_buffers(index).is_empty() || field.data_type().is_nested());
+            let buffers = partition.column_buffers(index).expect("buffers");
+            assert!(!buffers.is_empty() || field.data_type().is_nested());
         }
     }
+    let columns = expected.num_columns();
+    assert!(mapped.read_column(columns).is_err(), "no such column");
+    assert!(mapped.partitions()[0].column_buffers(columns).is_err());
     drop(again);
     println!(
         "{name}: {} columns in {} allocations match DoGet",

@@ -50,7 +50,10 @@ def _uuid_string(raw):
 @functools.cache
 def device_uuid(ordinal):
     """The UUID of this process's CuPy device `ordinal`: what the server knows it by."""
-    return _uuid_string(cp.cuda.runtime.getDeviceProperties(ordinal)["uuid"])
+    props = cp.cuda.runtime.getDeviceProperties(ordinal)
+    if "uuid" not in props:
+        raise RuntimeError("this CuPy does not report device UUIDs, by which the server knows its GPUs")
+    return _uuid_string(props["uuid"])
 
 
 _DEVICES = {}
@@ -218,11 +221,15 @@ class Partition:
         self.device = device
         self.columns = {}
         self._handles = []
-        for field, column in zip(schema, doc["columns"]):
-            handle = base64.b64decode(column["handle"])
-            base = MAPPINGS.acquire(handle, device)
-            self._handles.append(handle)
-            self.columns[field.name] = Array(self, base, column, field.type)
+        try:
+            for field, column in zip(schema, doc["columns"]):
+                handle = base64.b64decode(column["handle"])
+                base = MAPPINGS.acquire(handle, device)
+                self._handles.append(handle)
+                self.columns[field.name] = Array(self, base, column, field.type)
+        except BaseException:
+            self._close()
+            raise
 
     def _check_open(self):
         self._dataset._check_open()
@@ -234,9 +241,12 @@ class Partition:
         return self.columns[key]
 
     def _close(self):
-        for handle in self._handles:
-            MAPPINGS.release(handle, self.device)
-        self._handles = []
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            try:
+                MAPPINGS.release(handle, self.device)
+            except Exception:  # noqa: BLE001 - unmap the rest whatever one does
+                pass
 
 
 class ExportedDataset:
@@ -264,15 +274,14 @@ class ExportedDataset:
         self.document = self._action("ipc-export", body)
         self.name = name
         self.lease = self.document["lease"]
-        if self.document.get("version") != DOCUMENT_VERSION:
-            self._release_lease()
-            raise RuntimeError(f"unsupported export document version {self.document.get('version')}")
-        self.expires_at = self.document["expires_at"]
-        self.num_rows = self.document["num_rows"]
-        self.schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.document["schema"])))
         self.partitions = []
-        self._closed = False
+        self._closed = False  # from here on, close() releases the lease
         try:
+            if self.document.get("version") != DOCUMENT_VERSION:
+                raise RuntimeError(f"unsupported export document version {self.document.get('version')}")
+            self.expires_at = self.document["expires_at"]
+            self.num_rows = self.document["num_rows"]
+            self.schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.document["schema"])))
             for doc in self.document["partitions"]:
                 where = self.document["consumer_device"] if doc["access"] == "peer" else doc["device"]
                 ordinal = find_device(where["uuid"], where["pci_bus_id"])
@@ -348,9 +357,11 @@ class ExportedDataset:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        for partition in self.partitions:
-            partition._close()
-        self._release_lease()
+        try:
+            for partition in self.partitions:
+                partition._close()
+        finally:
+            self._release_lease()
 
     def __enter__(self):
         return self

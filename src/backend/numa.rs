@@ -54,11 +54,19 @@ pub fn on_cpus<T>(cpus: &[usize], work: impl FnOnce() -> T) -> T {
     if !any || sched_setaffinity(this, &wanted).is_err() {
         return work();
     }
-    let result = work();
-    if let Err(error) = sched_setaffinity(this, &allowed) {
-        tracing::warn!(%error, "restoring a thread's CPU affinity failed");
+    let _restore = Restore(allowed);
+    work()
+}
+
+/// Gives this thread back its CPUs when dropped, on return or unwind.
+struct Restore(CpuSet);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if let Err(error) = sched_setaffinity(Pid::from_raw(0), &self.0) {
+            tracing::warn!(%error, "restoring a thread's CPU affinity failed");
+        }
     }
-    result
 }
 
 #[cfg(test)]

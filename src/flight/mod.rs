@@ -263,6 +263,7 @@ impl Service {
                     std::time::Duration::from_secs(lease_seconds),
                     caller.name.to_string(),
                 );
+                let renewal = renew.is_some();
                 request.columns = columns;
                 request.renew = renew;
                 request.consumer = consumer;
@@ -282,7 +283,18 @@ impl Service {
                     &export,
                     version,
                     consumer_identity.as_ref(),
-                )?;
+                );
+                let document = match document {
+                    Ok(document) => document,
+                    Err(error) => {
+                        // Nobody would learn the lease id: end a new lease (and its replicas)
+                        // now rather than at expiry.
+                        if !renewal {
+                            self.store.release(&export.lease.id).ok();
+                        }
+                        return Err(error);
+                    }
+                };
                 tracing::info!(
                     lease = action::lease_prefix(&export.lease.id),
                     owner = %caller.name,

@@ -96,19 +96,23 @@ impl Store {
             }
         }
         if let Some(id) = &request.renew {
-            let lease = inner.leases.renew(id, &request.name, request.duration)?;
-            let asked = |names: &Vec<String>| names != &lease.terms.columns;
-            if request.columns.as_ref().is_some_and(asked)
-                || request
-                    .consumer
-                    .is_some_and(|d| Some(d) != lease.terms.consumer)
-                || (request.copy && !lease.terms.copy)
-            {
-                return Err(StoreError::RenewalChangesTerms {
-                    lease: id.to_owned(),
-                });
-            }
-            check_partitions(&lease.dataset, request.one_partition)?;
+            let lease = inner
+                .leases
+                .renew(id, &request.name, request.duration, |lease| {
+                    let terms = &lease.terms;
+                    if request
+                        .columns
+                        .as_ref()
+                        .is_some_and(|c| c != &terms.columns)
+                        || request.consumer.is_some_and(|d| Some(d) != terms.consumer)
+                        || (request.copy && !terms.copy)
+                    {
+                        return Err(StoreError::RenewalChangesTerms {
+                            lease: id.to_owned(),
+                        });
+                    }
+                    check_partitions(&lease.dataset, request.one_partition)
+                })?;
             return self.describe(lease);
         }
         let dataset = self.get(&request.name)?;
@@ -123,6 +127,10 @@ impl Store {
         };
         let columns = column_indices(&dataset, &names)?;
         check_partitions(&dataset, request.one_partition)?;
+        // Where the memory cannot be exported at all (host memory), say so before copying.
+        if let Some(first) = dataset.partitions().first() {
+            first.data.export(&columns)?;
+        }
         let peer_access = inner.backend.peer_access();
         let mut replicas = Vec::with_capacity(dataset.num_partitions());
         for partition in dataset.partitions() {
@@ -175,20 +183,11 @@ impl Store {
         let cost =
             charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(columns.len() as u64));
         let reservation = inner.budget.try_reserve(device, cost)?;
-        let data = inner
-            .backend
-            .copy_to(Arc::clone(&partition.data), columns.to_vec(), device)
+        let replica = self
+            .copy_partition(partition, columns, device, reservation, bytes)
             .await?;
-        tracing::debug!(
-            dataset_bytes = bytes,
-            device,
-            "partition replicated for an export"
-        );
-        Ok(StoredPartition {
-            data,
-            reservation: Arc::new(reservation),
-            data_bytes: bytes,
-        })
+        tracing::debug!(bytes, device, "partition replicated for an export");
+        Ok(replica)
     }
 
     /// What `lease` exports, partition by partition.
@@ -260,13 +259,23 @@ fn column_indices(dataset: &Dataset, names: &[String]) -> Result<Vec<usize>, Sto
         .collect()
 }
 
-/// Refuses a dataset with nothing to export, or with several partitions where the caller
-/// can describe only one.
+/// Most partitions an export describes: its document grows with partitions times columns.
+pub const MAX_EXPORT_PARTITIONS: usize = 4096;
+
+/// Refuses a dataset with nothing to export, with more partitions than a document describes,
+/// or with several where the caller can describe only one.
 fn check_partitions(dataset: &Dataset, one_partition: bool) -> Result<(), StoreError> {
     let partitions = dataset.partitions();
     if partitions.is_empty() {
         return Err(StoreError::EmptyDataset {
             name: dataset.name().to_owned(),
+        });
+    }
+    if partitions.len() > MAX_EXPORT_PARTITIONS {
+        return Err(StoreError::TooManyPartitions {
+            name: dataset.name().to_owned(),
+            partitions: partitions.len(),
+            max: MAX_EXPORT_PARTITIONS,
         });
     }
     if one_partition && partitions.len() > 1 {

@@ -112,12 +112,14 @@ impl Leases {
         self.lock().insert(lease.id.clone(), lease);
     }
 
-    /// Extends lease `id`, which must be on dataset `name`, to end `duration` from now.
+    /// Extends lease `id`, which must be on dataset `name` and pass `check`, to end
+    /// `duration` from now. A lease that fails either is left as it was.
     pub(super) fn renew(
         &self,
         id: &str,
         name: &str,
         duration: Duration,
+        check: impl FnOnce(&Lease) -> Result<(), StoreError>,
     ) -> Result<Lease, StoreError> {
         let mut leases = self.lock();
         let not_found = || StoreError::LeaseNotFound {
@@ -125,7 +127,10 @@ impl Leases {
         };
         let lease = leases.get_mut(id).ok_or_else(not_found)?;
         if lease.deadline <= Instant::now() {
-            leases.remove(id);
+            let expired = leases.remove(id);
+            drop(leases);
+            // Its memory (a replica's, too) is freed here, outside the lock.
+            drop(expired);
             return Err(not_found());
         }
         if lease.dataset.name() != name {
@@ -135,6 +140,7 @@ impl Leases {
                 requested: name.to_owned(),
             });
         }
+        check(lease)?;
         lease.renew(duration);
         Ok(lease.clone())
     }
@@ -223,11 +229,11 @@ mod tests {
         let lease = grant(&leases, "a");
         assert_eq!(lease.id.len(), 32);
         assert!(matches!(
-            leases.renew(&lease.id, "b", Duration::from_secs(60)),
+            leases.renew(&lease.id, "b", Duration::from_secs(60), |_| Ok(())),
             Err(StoreError::LeaseMismatch { .. })
         ));
         let renewed = leases
-            .renew(&lease.id, "a", Duration::from_secs(60))
+            .renew(&lease.id, "a", Duration::from_secs(60), |_| Ok(()))
             .expect("renew");
         assert!(renewed.expires_at > lease.expires_at);
         assert!(
@@ -238,7 +244,7 @@ mod tests {
         let expired = leases.expire(Instant::now() + Duration::from_secs(61));
         assert_eq!(expired.len(), 1);
         assert!(matches!(
-            leases.renew(&lease.id, "a", Duration::from_secs(1)),
+            leases.renew(&lease.id, "a", Duration::from_secs(1), |_| Ok(())),
             Err(StoreError::LeaseNotFound { .. })
         ));
         assert!(leases.release(&lease.id).is_none());

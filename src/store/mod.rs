@@ -37,7 +37,7 @@ use std::sync::atomic::AtomicU64;
 use dashmap::DashMap;
 
 pub use dataset::Dataset;
-pub use export::{Access, Export, ExportRequest, ExportedPartition};
+pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
 pub use lease::{Lease, LeaseTerms};
 use memory::MemoryBudget;
 pub use progress::PutProgress;
@@ -122,6 +122,16 @@ pub enum StoreError {
         name: String,
         partitions: usize,
         reason: &'static str,
+    },
+    #[error(
+        "dataset '{name}' is held as {partitions} partitions, more than an export describes \
+         ({max}): copy it to a new name (the copy action compacts it where there is room), or \
+         read it with DoGet"
+    )]
+    TooManyPartitions {
+        name: String,
+        partitions: usize,
+        max: usize,
     },
     #[error("dataset '{name}' has no rows, so there is no memory to export")]
     EmptyDataset { name: String },

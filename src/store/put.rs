@@ -472,13 +472,35 @@ mod tests {
         pending
     }
 
-    /// The host backend, but concatenation waits for `release` (after saying it started), so
-    /// a test can act while a commit is compacting.
+    /// The host backend, but concatenation (or, with `gate_copies`, copying) waits for
+    /// `release` (after saying it started), so a test can act while a commit is compacting.
     #[derive(Debug)]
     struct GatedBackend {
         host: HostBackend,
         started: Arc<tokio::sync::Notify>,
         release: Arc<tokio::sync::Notify>,
+        gate_copies: bool,
+    }
+
+    impl GatedBackend {
+        fn new(host: HostBackend, gate_copies: bool) -> Self {
+            Self {
+                host,
+                started: Arc::new(tokio::sync::Notify::new()),
+                release: Arc::new(tokio::sync::Notify::new()),
+                gate_copies,
+            }
+        }
+
+        fn gate<T: Send + 'static>(&self, work: BoxFuture<'static, T>) -> BoxFuture<'static, T> {
+            let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
+            async move {
+                started.notify_one();
+                release.notified().await;
+                work.await
+            }
+            .boxed()
+        }
     }
 
     impl Backend for GatedBackend {
@@ -517,32 +539,30 @@ mod tests {
             columns: Vec<usize>,
             device: u32,
         ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
-            self.host.copy_to(partition, columns, device)
+            let copy = self.host.copy_to(partition, columns, device);
+            if self.gate_copies {
+                self.gate(copy)
+            } else {
+                copy
+            }
         }
         fn concatenate(
             &self,
             partitions: Vec<Arc<dyn crate::backend::Partition>>,
         ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
             let concatenated = self.host.concatenate(partitions);
-            let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
-            async move {
-                started.notify_one();
-                release.notified().await;
-                concatenated.await
+            if self.gate_copies {
+                concatenated
+            } else {
+                self.gate(concatenated)
             }
-            .boxed()
         }
     }
 
     #[tokio::test]
     async fn an_append_to_a_dataset_dropped_while_compacting_does_not_bring_it_back() {
-        let started = Arc::new(tokio::sync::Notify::new());
-        let release = Arc::new(tokio::sync::Notify::new());
-        let backend = GatedBackend {
-            host: HostBackend::new(),
-            started: Arc::clone(&started),
-            release: Arc::clone(&release),
-        };
+        let backend = GatedBackend::new(HostBackend::new(), false);
+        let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         put(&store, PutMode::Create, vec![batch(0..10)])
             .await
@@ -564,13 +584,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_move_aborts_when_the_dataset_changes_meanwhile() {
-        let started = Arc::new(tokio::sync::Notify::new());
-        let release = Arc::new(tokio::sync::Notify::new());
-        let backend = GatedBackend {
-            host: HostBackend::new().with_devices(2),
-            started: Arc::clone(&started),
-            release: Arc::clone(&release),
-        };
+        let backend = GatedBackend::new(HostBackend::new().with_devices(2), false);
+        let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         for (mode, device, rows) in [(PutMode::Create, 0, 0..10), (PutMode::Append, 1, 10..20)] {
             let mut pending = store
@@ -605,5 +620,43 @@ mod tests {
             0,
             "the moved copy was freed"
         );
+    }
+
+    #[tokio::test]
+    async fn a_move_abandoned_mid_copy_keeps_its_budget_until_the_copy_is_done() {
+        let backend = GatedBackend::new(HostBackend::new().with_devices(2), true);
+        let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
+        let store = Store::new(Arc::new(backend), StoreOptions::default());
+        let mut pending = store
+            .begin_put_on("t".to_owned(), PutMode::Create, "test", Some(0))
+            .expect("begin");
+        pending
+            .declare_schema(batch(0..1).schema())
+            .expect("schema");
+        let upload = pending.upload(batch(0..100_000), None).expect("reserve");
+        pending.add(upload.expect("rows").await.expect("upload"));
+        pending.commit().await.expect("commit");
+        let used = |store: &Store| store.status().devices[1].used_bytes;
+
+        let moving = tokio::spawn({
+            let store = store.clone();
+            async move { store.move_dataset("t", 1).await }
+        });
+        started.notified().await;
+        moving.abort();
+        assert!(moving.await.is_err(), "the move was abandoned");
+        assert!(
+            used(&store) >= 800_000,
+            "the copy still under way is still paid for"
+        );
+        release.notify_one();
+        for _ in 0..100 {
+            if used(&store) == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(used(&store), 0, "returned with the copy's memory");
+        assert_eq!(store.get("t").expect("t").device_runs()[0].1, 0);
     }
 }

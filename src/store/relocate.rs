@@ -14,7 +14,9 @@ use std::sync::Arc;
 use dashmap::mapref::entry::Entry;
 
 use super::dataset::StoredPartition;
+use super::memory::Reservation;
 use super::{Dataset, Store, StoreError};
+use crate::backend::BackendError;
 use crate::batch_size::schema_bytes;
 
 /// What a copy did.
@@ -138,6 +140,33 @@ impl Store {
         })
     }
 
+    /// Copies `columns` of `partition` onto `device`, paid for by `reservation`. The copy
+    /// runs on a task of its own that holds the reservation until the copy's memory is
+    /// returned, so a caller that goes away mid-copy cannot free the budget while the backend
+    /// still holds the memory.
+    pub(super) async fn copy_partition(
+        &self,
+        partition: &StoredPartition,
+        columns: &[usize],
+        device: u32,
+        reservation: Reservation,
+        data_bytes: u64,
+    ) -> Result<StoredPartition, StoreError> {
+        let copying =
+            self.inner
+                .backend
+                .copy_to(Arc::clone(&partition.data), columns.to_vec(), device);
+        // Dropped in field order if nobody awaits it: the copy, then what paid for it.
+        let (data, reservation) = tokio::spawn(async move { (copying.await, reservation) })
+            .await
+            .map_err(|e| BackendError::Device(format!("a copy task failed: {e}")))?;
+        Ok(StoredPartition {
+            data: data?,
+            reservation: Arc::new(reservation),
+            data_bytes,
+        })
+    }
+
     /// `base`'s partitions on `device`, compacted there: copies of those elsewhere, paid for
     /// on `device` before each is made, and of those already there too unless `keep_local`.
     /// Returns them with the Arrow bytes copied.
@@ -161,16 +190,17 @@ impl Store {
             let reservation = inner
                 .budget
                 .try_reserve(device, partition.reservation.bytes())?;
-            let data = inner
-                .backend
-                .copy_to(Arc::clone(&partition.data), all_columns.clone(), device)
-                .await?;
             copied_bytes += partition.data_bytes;
-            partitions.push(StoredPartition {
-                data,
-                reservation: Arc::new(reservation),
-                data_bytes: partition.data_bytes,
-            });
+            partitions.push(
+                self.copy_partition(
+                    partition,
+                    &all_columns,
+                    device,
+                    reservation,
+                    partition.data_bytes,
+                )
+                .await?,
+            );
         }
         let partitions = self.compact_runs(&schema, partitions).await?;
         Ok((partitions, copied_bytes))

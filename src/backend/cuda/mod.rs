@@ -58,8 +58,8 @@ const CONCAT_PTX: &str = include_str!("../../../kernels/concat.ptx");
 /// Pinned memory kept for reuse between transfers.
 const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
 
-/// Pinned memory leased at once per GPU, by reads in flight (and the chunks their readers
-/// have not taken yet) and uploads: 256 reads of 16 MiB chunks.
+/// Pinned memory leased at once per GPU beyond which reads (chunks in flight and those their
+/// readers have not taken yet) are refused: 256 reads of 16 MiB chunks.
 pub const MAX_LEASED_PINNED_BYTES: u64 = 4 << 30;
 
 /// Why CUDA cannot be used here, if it cannot; `None` when a driver and device `ordinal` exist.
@@ -247,8 +247,8 @@ impl Gpu {
 }
 
 impl CudaBackend {
-    /// Caps the pinned staging memory leased at once on each GPU (default
-    /// [`MAX_LEASED_PINNED_BYTES`]).
+    /// Caps the pinned staging memory leased at once on each GPU, past which reads are
+    /// refused (default [`MAX_LEASED_PINNED_BYTES`]).
     pub fn with_pinned_limit(self, bytes: u64) -> Self {
         for gpu in &self.devices {
             gpu.shared.pool.set_max_leased_bytes(bytes);

@@ -171,7 +171,7 @@ pub(super) fn read_rows(
                 }
             }
         }
-        let mut lease = pool.lease(staged)?;
+        let mut lease = pool.lease_for_read(staged)?;
         if !copies.is_empty() {
             let mut rest = lease.buffer_mut().as_mut_slice();
             stream.copies(|batch| {

@@ -8,10 +8,12 @@
 //! powers of two so that returned buffers fit later requests. Buffers are allocated on the
 //! GPU's NUMA node where the system reports one (see `backend::numa`).
 //!
-//! The pinned memory leased at once is capped: a reader that stops reading holds its chunks
-//! until its stream ends, and pinned memory cannot be paged out, so without a cap enough
-//! stalled readers could pin all of the host's memory. A lease beyond the cap fails with
-//! `StagingExhausted` (RESOURCE_EXHAUSTED) rather than wait on readers that may never move.
+//! The pinned memory reads lease at once is capped: a reader that stops reading holds its
+//! chunks until its stream ends, and pinned memory cannot be paged out, so without a cap
+//! enough stalled readers could pin all of the host's memory. A read's lease beyond the cap
+//! fails with `StagingExhausted` (RESOURCE_EXHAUSTED) rather than wait on readers that may
+//! never move. Uploads and concatenations are not capped: they hold their buffer only for the
+//! copy, and the put path already bounds how many run and how large each is.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,7 +31,7 @@ pub(super) struct PinnedPool {
     cpus: Option<Vec<usize>>,
     free: Mutex<Vec<PinnedBuffer>>,
     max_cached_bytes: u64,
-    /// The most bytes leased at once.
+    /// The most bytes leased at once when a read asks for more.
     max_leased_bytes: AtomicU64,
     cached_bytes: AtomicU64,
     leased_bytes: AtomicU64,
@@ -53,10 +55,28 @@ impl PinnedPool {
         })
     }
 
-    /// A buffer of at least `bytes` bytes, reused when one is free.
+    /// A buffer of at least `bytes` bytes, reused when one is free, for a transfer that
+    /// returns it as soon as its copy is done.
     pub(super) fn lease(self: &Arc<Self>, bytes: usize) -> Result<PinnedLease, BackendError> {
+        self.lease_within(bytes, u64::MAX)
+    }
+
+    /// As [`PinnedPool::lease`], for a read, whose buffer its reader may hold indefinitely:
+    /// refused where it would take the leased bytes past the cap.
+    pub(super) fn lease_for_read(
+        self: &Arc<Self>,
+        bytes: usize,
+    ) -> Result<PinnedLease, BackendError> {
+        self.lease_within(bytes, self.max_leased_bytes.load(Ordering::Acquire))
+    }
+
+    fn lease_within(
+        self: &Arc<Self>,
+        bytes: usize,
+        limit: u64,
+    ) -> Result<PinnedLease, BackendError> {
         let class = bytes.max(MIN_BUFFER_BYTES).next_power_of_two();
-        self.reserve(class as u64)?;
+        self.reserve(class as u64, limit)?;
         let leased = self.take_or_allocate(class);
         if leased.is_err() {
             self.leased_bytes.fetch_sub(class as u64, Ordering::AcqRel);
@@ -67,9 +87,8 @@ impl PinnedPool {
         })
     }
 
-    /// Counts `bytes` as leased, if that stays within the cap.
-    fn reserve(&self, bytes: u64) -> Result<(), BackendError> {
-        let limit = self.max_leased_bytes.load(Ordering::Acquire);
+    /// Counts `bytes` as leased, if that stays within `limit`.
+    fn reserve(&self, bytes: u64, limit: u64) -> Result<(), BackendError> {
         self.leased_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |in_use| {
                 in_use.checked_add(bytes).filter(|&total| total <= limit)
