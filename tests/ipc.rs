@@ -274,6 +274,16 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
         concat(&moved[0].schema(), &moved),
         int64_batch(10_000, 2, 1)
     );
+    let copied = action(
+        &mut client,
+        "copy",
+        json!({"name": "small", "as": "small-copy", "device": 1}),
+    )
+    .await
+    .expect("copy");
+    assert_eq!(copied["device"], 1);
+    let copy = get_all(&mut client, "small-copy").await.expect("DoGet");
+    assert_eq!(concat(&copy[0].schema(), &copy), int64_batch(10_000, 2, 1));
     let counters = &status(&mut client).await["counters"];
     assert!(
         counters["device0_peer_copies"].as_u64() >= Some(1)
