@@ -288,9 +288,16 @@ impl Collector for StoreCollector {
         let concatenations = ConstCounter::new(status.concatenations);
         concatenations.encode(encoder.encode_descriptor(
             "concatenations",
-            "Compactions of a put's batches (with the dataset's, for append) into one partition",
+            "Compactions of a put's batches, and merges of an append's with the partitions before",
             None,
             concatenations.metric_type(),
+        )?)?;
+        let concatenated = ConstCounter::new(status.concatenated_bytes);
+        concatenated.encode(encoder.encode_descriptor(
+            "concatenated",
+            "Arrow bytes copied by compactions",
+            Some(&Unit::Bytes),
+            concatenated.metric_type(),
         )?)?;
         let concat_time = ConstCounter::new(status.concatenation_seconds);
         concat_time.encode(encoder.encode_descriptor(

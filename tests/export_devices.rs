@@ -400,26 +400,23 @@ async fn memory_that_cannot_be_exported_is_refused_before_anything_is_copied() {
 
 #[tokio::test]
 async fn an_export_of_more_partitions_than_a_document_describes_is_refused() {
-    // Small batches stay separate where their compact copy does not fit beside them.
-    let rows = 500;
+    // Appends alternating between two devices: partitions on different devices never merge.
+    let rows = 10;
     let count = MAX_EXPORT_PARTITIONS + 1;
-    let store = Store::new(
-        Arc::new(PretendGpus::new(1, true)),
-        StoreOptions {
-            memory_limit: Some((count * (rows * 8 + 1024)) as u64 * 3 / 2),
-        },
-    );
-    let batches: Vec<_> = (0..count as i64)
-        .map(|i| {
-            let start = i * rows as i64;
-            let column: ArrayRef =
-                Arc::new(Int64Array::from_iter_values(start..start + rows as i64));
-            RecordBatch::try_from_iter([("x", column)]).expect("batch")
-        })
-        .collect();
-    put(&store, "t", PutMode::Create, None, &batches)
-        .await
-        .expect("put");
+    let store = Store::new(Arc::new(PretendGpus::new(2, true)), StoreOptions::default());
+    for i in 0..count {
+        let start = (i * rows) as i64;
+        let column: ArrayRef = Arc::new(Int64Array::from_iter_values(start..start + rows as i64));
+        let batch = RecordBatch::try_from_iter([("x", column)]).expect("batch");
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        put(&store, "t", mode, Some((i % 2) as u32), &[batch])
+            .await
+            .expect("append");
+    }
     assert_eq!(store.get("t").expect("t").num_partitions(), count);
     let error = store.export(request("t")).await.expect_err("too many");
     assert!(

@@ -185,7 +185,8 @@ async fn a_put_that_fits_commits_where_its_compact_copy_would_not() {
         .await
         .expect("the rows fit, so the put commits");
     let dataset = store.get("t").expect("dataset");
-    assert_eq!(dataset.num_partitions(), 20, "kept as they came");
+    // Not one compact partition; pairs of them were merged while there was room.
+    assert!(dataset.num_partitions() > 1, "not compacted into one");
     assert_eq!(read_all(&store, "t").await, rows(&small));
     // With room, the same batches are compacted.
     drop(dataset);

@@ -562,6 +562,7 @@ mod tests {
             leased_only_bytes: 0,
             puts: vec![],
             concatenations: 0,
+            concatenated_bytes: 0,
             concatenation_seconds: 0.0,
         };
         let viewer = |name: &str, role: Role| Principal {

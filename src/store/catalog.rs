@@ -29,6 +29,7 @@ impl Store {
                 leases: lease::Leases::default(),
                 puts: Arc::default(),
                 concatenations: AtomicU64::new(0),
+                concatenated_bytes: AtomicU64::new(0),
                 concatenation_nanos: AtomicU64::new(0),
             }),
         }

@@ -196,6 +196,8 @@ struct Inner {
     leases: lease::Leases,
     puts: Arc<progress::Puts>,
     concatenations: AtomicU64,
+    /// Arrow bytes those compactions copied.
+    concatenated_bytes: AtomicU64,
     concatenation_nanos: AtomicU64,
 }
 

@@ -258,15 +258,16 @@ impl PendingPut {
             PutMode::Append => store.get(&self.name).ok(),
             PutMode::Create | PutMode::Replace => None,
         };
-        let mut combined = match &base {
+        let existing = match &base {
             Some(existing) => {
                 check_append_schema(existing, &schema)?;
                 existing.partitions().to_vec()
             }
             None => Vec::new(),
         };
-        combined.extend(self.partitions.iter().cloned());
-        let compacted = store.compact_runs(&schema, combined).await?;
+        let compacted = store
+            .append_partitions(&schema, existing, self.partitions.clone())
+            .await?;
 
         let version = store.next_version();
         let summary = |dataset: &Dataset| PutSummary {
@@ -341,6 +342,40 @@ impl PendingPut {
 impl Store {
     /// Compacts each run of consecutive partitions on one device, on that device, keeping the
     /// runs in row order: a dataset spread across devices stays spread, each part compact.
+    /// `existing` (a dataset's partitions, possibly none) followed by `new`: the new batches
+    /// compacted among themselves, then merged with the partitions before them only while the
+    /// two last are of comparable size (the newer no larger than the older, and at least half
+    /// of it). Each merge at least doubles the newer's bytes and grows the older's by half, so
+    /// a byte is copied O(log n) times over n appends, not once per append, and a dataset
+    /// built by appends keeps O(log n) partitions.
+    pub(super) async fn append_partitions(
+        &self,
+        schema: &Schema,
+        existing: Vec<StoredPartition>,
+        new: Vec<StoredPartition>,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        let mut partitions = existing;
+        for partition in self.compact_runs(schema, new).await? {
+            partitions.push(partition);
+            while let [.., older, newer] = partitions.as_slice() {
+                let comparable = newer.data_bytes <= older.data_bytes
+                    && older.data_bytes <= 2 * newer.data_bytes;
+                if !comparable || older.device() != newer.device() {
+                    break;
+                }
+                let device = newer.device();
+                let pair = partitions.split_off(partitions.len() - 2);
+                let merged = self.compact(schema, pair, device).await?;
+                let kept_apart = merged.len() > 1;
+                partitions.extend(merged);
+                if kept_apart {
+                    break;
+                }
+            }
+        }
+        Ok(partitions)
+    }
+
     pub(super) async fn compact_runs(
         &self,
         schema: &Schema,
@@ -419,6 +454,9 @@ impl Store {
         let compacted = backend.concatenate(data).await?;
         let inner = &self.inner;
         inner.concatenations.fetch_add(1, Ordering::Relaxed);
+        inner
+            .concatenated_bytes
+            .fetch_add(data_bytes, Ordering::Relaxed);
         inner.concatenation_nanos.fetch_add(
             u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
@@ -574,6 +612,10 @@ mod tests {
         started.notified().await;
         store.remove("t").expect("drop while the append compacts");
         release.notify_one();
+        // The appended batches, compacted, are then merged with the dataset's partition of
+        // the same size.
+        started.notified().await;
+        release.notify_one();
         let summary = commit.await.expect("task").expect("append");
         assert_eq!(
             summary.total_rows, 10,
@@ -658,5 +700,57 @@ mod tests {
         }
         assert_eq!(used(&store), 0, "returned with the copy's memory");
         assert_eq!(store.get("t").expect("t").device_runs()[0].1, 0);
+    }
+
+    #[tokio::test]
+    async fn appends_copy_each_byte_a_logarithmic_number_of_times() {
+        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
+        let appends = 256_i64;
+        let rows = 1000;
+        for i in 0..appends {
+            let mode = if i == 0 {
+                PutMode::Create
+            } else {
+                PutMode::Append
+            };
+            put(&store, mode, vec![batch(i * rows..(i + 1) * rows)])
+                .await
+                .commit()
+                .await
+                .expect("append");
+        }
+        let dataset = store.get("t").expect("dataset");
+        assert_eq!(dataset.num_rows(), (appends * rows) as u64);
+        let total = dataset.data_bytes();
+        let copied = store.status().concatenated_bytes;
+        // Recopying the dataset at every append would copy about appends / 2 times its size.
+        assert!(
+            copied <= total * 9,
+            "{copied} bytes copied for {total} appended: more than log2(256) + 1 times"
+        );
+        assert!(
+            dataset.num_partitions() <= 9,
+            "{} partitions",
+            dataset.num_partitions()
+        );
+        let read: Vec<RecordBatch> = futures::TryStreamExt::try_collect(
+            dataset
+                .read(0..dataset.num_rows(), 1 << 20, 2)
+                .expect("read"),
+        )
+        .await
+        .expect("read");
+        let values: Vec<i64> = read
+            .iter()
+            .flat_map(|b| {
+                b.column(0)
+                    .as_any()
+                    .downcast_ref::<Int64Array>()
+                    .expect("int64")
+                    .values()
+                    .to_vec()
+            })
+            .collect();
+        assert_eq!(values, (0..appends * rows).collect::<Vec<_>>());
     }
 }

@@ -28,6 +28,8 @@ pub struct StoreStatus {
     pub puts: Vec<Arc<PutProgress>>,
     /// Compactions of batches into one partition (at commit), and the time they took.
     pub concatenations: u64,
+    /// Arrow bytes the compactions copied.
+    pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
 }
 
@@ -121,6 +123,7 @@ impl Store {
             leased_only_bytes: leased_only.values().sum::<u64>() + replicas,
             puts: inner.puts.list(),
             concatenations: inner.concatenations.load(Ordering::Relaxed),
+            concatenated_bytes: inner.concatenated_bytes.load(Ordering::Relaxed),
             concatenation_seconds: Duration::from_nanos(
                 inner.concatenation_nanos.load(Ordering::Relaxed),
             )
