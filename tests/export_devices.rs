@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use arrow::array::{ArrayRef, Int64Array};
 use arrow::record_batch::RecordBatch;
-use common::devices::{LIMIT, PretendGpus, ROWS, batch, put, store_over};
+use common::devices::{LIMIT, PretendGpus, ROWS, batch, put, store_over, used};
 use common::{TestServer, action, code_of, status};
 use gpu_flight::server::ServeOptions;
 use gpu_flight::store::{
@@ -22,13 +22,22 @@ fn request(name: &str) -> ExportRequest {
     ExportRequest::new(name, Duration::from_secs(60), "test")
 }
 
-fn used(store: &Store) -> Vec<u64> {
+/// A request from a consumer on `device`, copying to it or not.
+fn request_on(name: &str, device: u32, copy: bool) -> ExportRequest {
+    let mut request = request(name);
+    request.consumer = Some(device);
+    request.copy = copy;
+    request
+}
+
+/// Pretend GPUs 0 and 1 holding "t", three batches: two on 0, one on 1.
+async fn spread_over_two() -> Store {
+    let store = store_over(Arc::new(PretendGpus::new(2, true)));
+    let batches = [batch(0), batch(1), batch(2)];
+    put(&store, "t", PutMode::Create, None, &batches)
+        .await
+        .expect("spread over both devices");
     store
-        .status()
-        .devices
-        .iter()
-        .map(|d| d.used_bytes)
-        .collect()
 }
 
 /// One batch on each of devices 0 and 1.
@@ -43,16 +52,7 @@ async fn one_batch_per_device(store: &Store) {
 
 #[tokio::test]
 async fn an_export_describes_every_partition_on_its_device() {
-    let store = store_over(Arc::new(PretendGpus::new(2, true)));
-    put(
-        &store,
-        "t",
-        PutMode::Create,
-        None,
-        &[batch(0), batch(1), batch(2)],
-    )
-    .await
-    .expect("spread over both devices");
+    let store = spread_over_two().await;
     let export = store.export(request("t")).await.expect("export");
     let described: Vec<(u64, u32, Access)> = export
         .partitions
@@ -102,8 +102,7 @@ async fn a_consumer_elsewhere_gets_peer_access_or_a_replica_its_lease_holds() {
     one_batch_per_device(&store).await;
     let before = used(&store);
 
-    let mut peer = request("t");
-    peer.consumer = Some(1);
+    let peer = request_on("t", 1, false);
     let export = store.export(peer).await.expect("peer export");
     let access: Vec<(u32, Access)> = export
         .partitions
@@ -115,9 +114,7 @@ async fn a_consumer_elsewhere_gets_peer_access_or_a_replica_its_lease_holds() {
     store.release(&export.lease.id).expect("release");
     drop(export);
 
-    let mut copy = request("t");
-    copy.consumer = Some(1);
-    copy.copy = true;
+    let copy = request_on("t", 1, true);
     let export = store.export(copy).await.expect("copy export");
     let access: Vec<(u32, Access)> = export
         .partitions
@@ -150,20 +147,9 @@ async fn a_consumer_elsewhere_gets_peer_access_or_a_replica_its_lease_holds() {
 
 #[tokio::test]
 async fn a_replica_that_does_not_fit_fails_and_grants_nothing() {
-    let store = store_over(Arc::new(PretendGpus::new(2, true)));
-    put(
-        &store,
-        "t",
-        PutMode::Create,
-        None,
-        &[batch(0), batch(1), batch(2)],
-    )
-    .await
-    .expect("spread: two batches on 0, one on 1");
+    let store = spread_over_two().await;
     let before = used(&store);
-    let mut copy = request("t");
-    copy.consumer = Some(1);
-    copy.copy = true;
+    let copy = request_on("t", 1, true);
     let error = store
         .export(copy)
         .await
@@ -181,8 +167,7 @@ async fn a_replica_that_does_not_fit_fails_and_grants_nothing() {
 async fn without_peer_access_only_a_copy_reaches_another_device() {
     let store = store_over(Arc::new(PretendGpus::new(2, false)));
     one_batch_per_device(&store).await;
-    let mut peer = request("t");
-    peer.consumer = Some(0);
+    let peer = request_on("t", 0, false);
     let error = store
         .export(peer)
         .await
@@ -200,17 +185,14 @@ async fn without_peer_access_only_a_copy_reaches_another_device() {
     );
     assert!(error.to_string().contains("\"copy\": true"), "{error}");
     assert!(store.status().leases.is_empty());
-    let mut copy = request("t");
-    copy.consumer = Some(0);
-    copy.copy = true;
+    let copy = request_on("t", 0, true);
     let export = store
         .export(copy)
         .await
         .expect("a copy needs no peer access");
     assert!(export.partitions.iter().all(|p| p.device == 0));
 
-    let mut unknown = request("t");
-    unknown.consumer = Some(2);
+    let unknown = request_on("t", 2, false);
     let error = store.export(unknown).await.expect_err("no device 2");
     assert!(
         matches!(error, StoreError::UnknownDevice { device: 2, .. }),
@@ -222,9 +204,7 @@ async fn without_peer_access_only_a_copy_reaches_another_device() {
 async fn a_renewal_keeps_the_terms_it_was_granted() {
     let store = store_over(Arc::new(PretendGpus::new(2, true)));
     one_batch_per_device(&store).await;
-    let mut copy = request("t");
-    copy.consumer = Some(1);
-    copy.copy = true;
+    let copy = request_on("t", 1, true);
     let granted = store.export(copy).await.expect("export");
     let held = used(&store);
     let renewal = |consumer, copy, columns: Option<Vec<String>>| {
@@ -390,9 +370,7 @@ async fn memory_that_cannot_be_exported_is_refused_before_anything_is_copied() {
     )
     .await
     .expect("fill 1");
-    let mut copy = request("t");
-    copy.consumer = Some(1);
-    copy.copy = true;
+    let copy = request_on("t", 1, true);
     let error = store.export(copy).await.expect_err("host memory");
     assert!(error.to_string().contains("host"), "{error}");
     assert!(store.status().leases.is_empty());

@@ -118,6 +118,21 @@ async fn wait_for_memory_back(server: &TestServer, start: u64) {
     .await;
 }
 
+/// Runs the consumer process on `task` to the end; it must verify what it was given.
+async fn run_consumer(task: serde_json::Value) {
+    let described = task.to_string();
+    let output = tokio::task::spawn_blocking(move || consumer_command(task).output())
+        .await
+        .expect("join")
+        .expect("run the consumer");
+    let log = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && log.contains("verified"),
+        "consumer {described} failed:\n{log}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Runs this test binary again as the consumer process, doing `task`.
 fn consumer_command(task: serde_json::Value) -> Command {
     let mut command = Command::new(std::env::current_exe().expect("test binary"));
@@ -140,16 +155,7 @@ async fn a_second_process_maps_every_column_and_reads_what_do_get_returns() {
     let mut client = server.client().await;
     let names = put_datasets(&mut client).await;
     let task = json!({"mode": "verify", "addr": server.addr.to_string(), "names": names});
-    let output = tokio::task::spawn_blocking(move || consumer_command(task).output())
-        .await
-        .expect("join")
-        .expect("run the consumer");
-    let log = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && log.contains("verified"),
-        "consumer failed:\n{log}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    run_consumer(task).await;
     let status = status(&mut client).await;
     assert_eq!(status["leases"], json!([]), "the consumer released");
     server.shutdown_and_wait().await;
@@ -225,16 +231,7 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
             "device_ordinal": device,
             "copy": copy,
         });
-        let output = tokio::task::spawn_blocking(move || consumer_command(task).output())
-            .await
-            .expect("join")
-            .expect("run the consumer");
-        let log = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success() && log.contains("verified"),
-            "consumer ({device:?}, copy {copy}) failed:\n{log}\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        run_consumer(task).await;
         let after = status(&mut client).await;
         assert_eq!(after["leases"], json!([]), "the consumer released");
         assert_eq!(used(&after), before, "replicas freed with their lease");

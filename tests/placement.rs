@@ -4,7 +4,7 @@
 mod common;
 
 use arrow::record_batch::RecordBatch;
-use common::devices::{LIMIT, ROWS, batch, put, read_all, rows, store};
+use common::devices::{LIMIT, ROWS, batch, put, read_all, rows, store, used};
 use gpu_flight::store::{PutMode, StoreError};
 
 #[tokio::test]
@@ -24,12 +24,7 @@ async fn a_dataset_larger_than_any_device_is_spread_across_them() {
         ]
     );
     assert_eq!(read_all(&store, "big").await, self::rows(&batches));
-    let used: Vec<u64> = store
-        .status()
-        .devices
-        .iter()
-        .map(|d| d.used_bytes)
-        .collect();
+    let used = used(&store);
     assert!(
         used.iter().all(|&u| u > 0),
         "both devices hold rows: {used:?}"
@@ -204,12 +199,7 @@ async fn a_dataset_copies_to_a_new_name_on_a_device() {
     put(&store, "t", PutMode::Create, Some(0), &batches)
         .await
         .expect("put on device 0");
-    let before: Vec<u64> = store
-        .status()
-        .devices
-        .iter()
-        .map(|d| d.used_bytes)
-        .collect();
+    let before = used(&store);
     let summary = store.copy_dataset("t", "u", 1).await.expect("copy");
     assert_eq!(
         (summary.device, summary.copied_bytes, summary.copy.as_str()),
@@ -218,12 +208,7 @@ async fn a_dataset_copies_to_a_new_name_on_a_device() {
     let copy = store.get("u").expect("the copy");
     assert_eq!(copy.device_runs(), [(0..2 * ROWS as u64, 1)]);
     assert_eq!(read_all(&store, "u").await, rows(&batches));
-    let after: Vec<u64> = store
-        .status()
-        .devices
-        .iter()
-        .map(|d| d.used_bytes)
-        .collect();
+    let after = used(&store);
     assert_eq!(after[0], before[0], "the original is untouched");
     assert!(after[1] >= before[1] + 2 * 8 * ROWS as u64, "{after:?}");
     // The copy is its own memory: dropping the original leaves it readable.
@@ -233,12 +218,7 @@ async fn a_dataset_copies_to_a_new_name_on_a_device() {
     put(&store, "t", PutMode::Create, Some(0), &batches[..1])
         .await
         .expect("put again");
-    let before: Vec<u64> = store
-        .status()
-        .devices
-        .iter()
-        .map(|d| d.used_bytes)
-        .collect();
+    let before = used(&store);
     for (copy, device, expected) in [
         ("u", 0, "AlreadyExists"),
         ("v", 1, "MemoryExhausted"),
@@ -251,12 +231,7 @@ async fn a_dataset_copies_to_a_new_name_on_a_device() {
         assert!(format!("{error:?}").starts_with(expected), "{error:?}");
     }
     assert!(store.get("v").is_err());
-    let after: Vec<u64> = store
-        .status()
-        .devices
-        .iter()
-        .map(|d| d.used_bytes)
-        .collect();
+    let after = used(&store);
     assert_eq!(after, before, "nothing of a refused copy is kept");
     assert!(matches!(
         store.copy_dataset("absent", "w", 0).await,

@@ -29,7 +29,7 @@ use futures::future::BoxFuture;
 use super::owned::{owned, owns_its_buffers};
 use super::{
     Backend, BackendError, DeviceInfo, Partition, PartitionExport, check_rows, dictionary,
-    downcast_all,
+    downcast_all, downcast_one,
 };
 use crate::batch_size::batch_bytes;
 
@@ -137,11 +137,7 @@ impl Backend for HostBackend {
         partition: &Arc<dyn Partition>,
         columns: &[usize],
     ) -> Result<u64, BackendError> {
-        let [part] =
-            downcast_all::<HostPartition>(std::slice::from_ref(partition), "the host backend")?[..]
-        else {
-            return Err(BackendError::Device("no partition given".to_owned()));
-        };
+        let part = downcast_one::<HostPartition>(partition, "the host backend")?;
         Ok(batch_bytes(&part.project(columns)?))
     }
 
@@ -154,27 +150,23 @@ impl Backend for HostBackend {
         _device: u32,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         let copied =
-            downcast_all::<HostPartition>(std::slice::from_ref(&partition), "the host backend")
-                .and_then(|parts| {
-                    let [part] = parts[..] else {
-                        return Err(BackendError::Device("no partition given".to_owned()));
-                    };
-                    let batch = part.project(&columns)?;
-                    let copy_failed = |e: arrow::error::ArrowError| {
-                        BackendError::Device(format!("copying a batch: {e}"))
-                    };
-                    let arrays = batch
-                        .columns()
-                        .iter()
-                        .map(|column| owned(&column.to_data()).map(make_array))
-                        .collect::<Result<Vec<ArrayRef>, _>>()
-                        .map_err(copy_failed)?;
-                    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-                    let batch = RecordBatch::try_new_with_options(batch.schema(), arrays, &options)
-                        .map_err(copy_failed)?;
-                    let bytes = batch_bytes(&batch);
-                    Ok(Arc::new(HostPartition { batch, bytes }) as Arc<dyn Partition>)
-                });
+            downcast_one::<HostPartition>(&partition, "the host backend").and_then(|part| {
+                let batch = part.project(&columns)?;
+                let copy_failed = |e: arrow::error::ArrowError| {
+                    BackendError::Device(format!("copying a batch: {e}"))
+                };
+                let arrays = batch
+                    .columns()
+                    .iter()
+                    .map(|column| owned(&column.to_data()).map(make_array))
+                    .collect::<Result<Vec<ArrayRef>, _>>()
+                    .map_err(copy_failed)?;
+                let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+                let batch = RecordBatch::try_new_with_options(batch.schema(), arrays, &options)
+                    .map_err(copy_failed)?;
+                let bytes = batch_bytes(&batch);
+                Ok(Arc::new(HostPartition { batch, bytes }) as Arc<dyn Partition>)
+            });
         futures::future::ready(copied).boxed()
     }
 

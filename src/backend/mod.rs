@@ -206,6 +206,17 @@ pub trait Partition: Send + Sync + fmt::Debug {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// `partition` as the backend's own partition type, or an error naming what was found.
+pub(crate) fn downcast_one<'a, P: 'static>(
+    partition: &'a Arc<dyn Partition>,
+    backend: &'static str,
+) -> Result<&'a P, BackendError> {
+    let [part] = downcast_all::<P>(std::slice::from_ref(partition), backend)?[..] else {
+        return Err(BackendError::Device("no partition given".to_owned()));
+    };
+    Ok(part)
+}
+
 /// `partitions` as the backend's own partition type, or an error naming what was found.
 pub(crate) fn downcast_all<'a, P: 'static>(
     partitions: &'a [Arc<dyn Partition>],

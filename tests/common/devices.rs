@@ -75,6 +75,16 @@ pub async fn read_all(store: &Store, name: &str) -> RecordBatch {
     concat_batches(&dataset.schema(), &batches).expect("concat")
 }
 
+/// Each device's reserved bytes.
+pub fn used(store: &Store) -> Vec<u64> {
+    store
+        .status()
+        .devices
+        .iter()
+        .map(|d| d.used_bytes)
+        .collect()
+}
+
 /// `batches` as one.
 pub fn rows(batches: &[RecordBatch]) -> RecordBatch {
     concat_batches(&batches[0].schema(), batches).expect("concat")

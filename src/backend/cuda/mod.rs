@@ -44,7 +44,7 @@ use serde_json::{Map, Value, json};
 
 use super::{
     Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, PartitionExport,
-    check_rows, downcast_all,
+    check_rows, downcast_all, downcast_one,
 };
 use concat::{Arrangement, Fragment};
 use ffi::{ConcatTable, Context, DeviceAllocation, Kernel, Stream};
@@ -652,11 +652,7 @@ impl Backend for CudaBackend {
         partition: &Arc<dyn Partition>,
         columns: &[usize],
     ) -> Result<u64, BackendError> {
-        let [part] =
-            downcast_all::<CudaPartition>(std::slice::from_ref(partition), "the cuda backend")?[..]
-        else {
-            return Err(BackendError::Device("no partition given".to_owned()));
-        };
+        let part = downcast_one::<CudaPartition>(partition, "the cuda backend")?;
         Ok(part
             .allocations_of(columns)?
             .iter()
@@ -676,12 +672,7 @@ impl Backend for CudaBackend {
             Err(error) => return futures::future::ready(Err(error)).boxed(),
         };
         let task = tokio::task::spawn_blocking(move || {
-            let [source] = downcast_all::<CudaPartition>(
-                std::slice::from_ref(&partition),
-                "the cuda backend",
-            )?[..] else {
-                return Err(BackendError::Device("no partition given".to_owned()));
-            };
+            let source = downcast_one::<CudaPartition>(&partition, "the cuda backend")?;
             target.copy_from(source, &columns)
         });
         task.map(flatten_join).boxed()
