@@ -173,13 +173,14 @@ fn two_devices() -> Arc<dyn Backend> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
 async fn a_dataset_spread_over_two_devices_maps_from_either() {
-    // Batches of 1.6 MB (four int64 columns), 2 MiB on a GPU; a device holds eight.
+    // Batches of 1.6 MB (four int64 columns), 2 MiB on a GPU; a device holds fifteen, and
+    // puts keep room for the messages and uploads in flight beside what they hold.
     let options = StoreOptions {
-        memory_limit: Some(16 << 20),
+        memory_limit: Some(32 << 20),
     };
     let server = TestServer::start_with(two_devices(), options, ServeOptions::default()).await;
     let mut client = server.client().await;
-    // One batch on each device; then ten more, which no one device holds.
+    // One batch on each device; then eighteen more, which no one device holds.
     for (device, mode) in [(0, "create"), (1, "append")] {
         let command = json!({"name": "pair", "mode": mode, "device": device});
         let descriptor = arrow_flight::FlightDescriptor::new_cmd(command.to_string());
@@ -191,7 +192,7 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
         .await
         .expect("put on a device");
     }
-    let batches: Vec<_> = (0..10).map(|i| int64_batch(50_000, 4, i * 3)).collect();
+    let batches: Vec<_> = (0..18).map(|i| int64_batch(50_000, 4, i * 3)).collect();
     put(&mut client, path("spread"), batches)
         .await
         .expect("put");
@@ -237,7 +238,7 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
         assert_eq!(used(&after), before, "replicas freed with their lease");
     }
     // A move copies between the devices' memory directly and reads back the same.
-    let batches: Vec<_> = (0..10).map(|i| int64_batch(50_000, 4, i * 3)).collect();
+    let batches: Vec<_> = (0..18).map(|i| int64_batch(50_000, 4, i * 3)).collect();
     put(&mut client, path("spread"), batches)
         .await
         .expect("put again");
