@@ -85,6 +85,31 @@ pub fn array_count(batch: &RecordBatch) -> u64 {
     batch.columns().iter().map(|c| count(&c.to_data())).sum()
 }
 
+/// The arrays a column of `data_type` is, as [`array_count`] counts them: itself, and its
+/// children's and a dictionary's values, recursively. Known from the type alone, before any
+/// array exists.
+pub fn type_array_count(data_type: &DataType) -> u64 {
+    let children: u64 = match data_type {
+        DataType::List(child)
+        | DataType::LargeList(child)
+        | DataType::ListView(child)
+        | DataType::LargeListView(child)
+        | DataType::FixedSizeList(child, _)
+        | DataType::Map(child, _) => type_array_count(child.data_type()),
+        DataType::Struct(fields) => fields.iter().map(|f| type_array_count(f.data_type())).sum(),
+        DataType::Union(fields, _) => fields
+            .iter()
+            .map(|(_, f)| type_array_count(f.data_type()))
+            .sum(),
+        DataType::Dictionary(_, values) => type_array_count(values),
+        DataType::RunEndEncoded(run_ends, values) => {
+            type_array_count(run_ends.data_type()) + type_array_count(values.data_type())
+        }
+        _ => 0,
+    };
+    1 + children
+}
+
 /// Bytes a schema holds in memory, approximately: names, metadata and a fixed cost per field.
 /// Clients choose all of it (64 MiB of metadata is a valid schema), so the store charges it.
 pub fn schema_bytes(schema: &Schema) -> u64 {
@@ -137,6 +162,40 @@ mod tests {
     use arrow::datatypes::Int64Type;
 
     use super::*;
+
+    #[test]
+    fn arrays_counted_from_types_match_those_counted_from_data() {
+        use arrow::array::{ArrayRef, DictionaryArray, StructArray};
+        use arrow::datatypes::Int32Type;
+        let list: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(
+            (0..5).map(|i| Some(vec![Some(i); 2])),
+        ));
+        let words: DictionaryArray<Int32Type> = ["a", "b", "a", "c", "b"].into_iter().collect();
+        let nested: ArrayRef = Arc::new(StructArray::from(vec![
+            (
+                Arc::new(Field::new("n", DataType::Int64, false)),
+                Arc::new(Int64Array::from_iter_values(0..5)) as ArrayRef,
+            ),
+            (
+                Arc::new(Field::new("w", words.data_type().clone(), false)),
+                Arc::new(words) as ArrayRef,
+            ),
+            (
+                Arc::new(Field::new("l", list.data_type().clone(), true)),
+                Arc::clone(&list),
+            ),
+        ]));
+        let strings: ArrayRef = Arc::new(StringArray::from(vec!["x"; 5]));
+        let batch = RecordBatch::try_from_iter([("l", list), ("s", nested), ("t", strings)])
+            .expect("batch");
+        let from_types: u64 = batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| type_array_count(f.data_type()))
+            .sum();
+        assert_eq!(from_types, array_count(&batch));
+    }
 
     #[test]
     fn sliced_primitive_counts_only_the_slice() {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arrow::array::{ArrayRef, Int64Array};
+use arrow::datatypes::DataType;
 use arrow::record_batch::RecordBatch;
 use common::devices::{LIMIT, PretendGpus, ROWS, batch, put, store_over, used};
 use common::{TestServer, action, code_of, status};
@@ -402,4 +403,33 @@ async fn an_export_of_more_partitions_than_a_document_describes_is_refused() {
         "{error}"
     );
     assert!(store.status().leases.is_empty());
+}
+
+#[tokio::test]
+async fn a_replica_is_charged_for_every_array_of_its_columns() {
+    // One row of a struct of twenty columns: the arrays, not the bytes, are what it costs.
+    let children: Vec<(Arc<arrow::datatypes::Field>, ArrayRef)> = (0..20)
+        .map(|i| {
+            let field = arrow::datatypes::Field::new(format!("c{i}"), DataType::Int64, false);
+            (
+                Arc::new(field),
+                Arc::new(Int64Array::from(vec![i])) as ArrayRef,
+            )
+        })
+        .collect();
+    let wide: ArrayRef = Arc::new(arrow::array::StructArray::from(children));
+    let batch = RecordBatch::try_from_iter([("s", wide)]).expect("batch");
+    let store = store_over(Arc::new(PretendGpus::new(2, true)));
+    put(&store, "t", PutMode::Create, Some(0), &[batch])
+        .await
+        .expect("put");
+    let export = store
+        .export(request_on("t", 1, true))
+        .await
+        .expect("export");
+    assert!(
+        export.lease.terms.replica_bytes() >= 21 * gpu_flight::store::ARRAY_OVERHEAD,
+        "{} bytes for 21 arrays",
+        export.lease.terms.replica_bytes()
+    );
 }

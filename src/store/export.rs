@@ -14,6 +14,7 @@ use super::dataset::StoredPartition;
 use super::lease::{Lease, LeaseTerms};
 use super::{ARRAY_OVERHEAD, Dataset, Store, StoreError, charge, lease};
 use crate::backend::PartitionExport;
+use crate::batch_size::type_array_count;
 
 /// What `ipc-export` asks for.
 #[derive(Debug, Clone)]
@@ -136,9 +137,10 @@ impl Store {
         for partition in dataset.partitions() {
             let holder = partition.device();
             let replica = match request.consumer {
-                Some(consumer) if consumer != holder && request.copy => {
-                    Some(self.replicate(partition, &columns, consumer).await?)
-                }
+                Some(consumer) if consumer != holder && request.copy => Some(
+                    self.replicate(&dataset, partition, &columns, consumer)
+                        .await?,
+                ),
                 Some(consumer) if consumer != holder => {
                     let reachable = peer_access
                         .get(consumer as usize)
@@ -170,9 +172,11 @@ impl Store {
         Ok(export)
     }
 
-    /// A copy of `columns` of `partition` on `device`, paid for there first.
+    /// A copy of `columns` of `partition` (of `dataset`) on `device`, paid for there first
+    /// as a put of those columns would be.
     async fn replicate(
         &self,
+        dataset: &Dataset,
         partition: &StoredPartition,
         columns: &[usize],
         device: u32,
@@ -180,8 +184,12 @@ impl Store {
         let inner = &self.inner;
         let bytes = inner.backend.copied_size(&partition.data, columns)?;
         let rows = partition.data.num_rows() as u64;
-        let cost =
-            charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(columns.len() as u64));
+        let schema = dataset.schema();
+        let arrays: u64 = columns
+            .iter()
+            .map(|&c| type_array_count(schema.field(c).data_type()))
+            .sum();
+        let cost = charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(arrays));
         let reservation = inner.budget.try_reserve(device, cost)?;
         let replica = self
             .copy_partition(partition, columns, device, reservation, bytes)
