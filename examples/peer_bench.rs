@@ -64,7 +64,7 @@ async fn put_on(store: &Store, name: &str, device: u32, batches: &[RecordBatch])
         .expect("begin");
     put.declare_schema(batches[0].schema()).expect("schema");
     for batch in batches {
-        if let Some(upload) = put.upload(batch.clone(), None).expect("reserve") {
+        if let Some(upload) = put.upload(batch.clone(), None).await.expect("reserve") {
             put.add(upload.await.expect("upload"));
         }
     }

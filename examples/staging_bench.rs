@@ -91,10 +91,10 @@ async fn main() {
                 .begin_put(name.to_owned(), PutMode::Replace, "bench")
                 .expect("begin");
             put.declare_schema(batches[0].schema()).expect("schema");
-            let uploads: Vec<_> = batches
-                .iter()
-                .filter_map(|b| put.upload(b.clone(), None).expect("reserve"))
-                .collect();
+            let mut uploads = Vec::with_capacity(batches.len());
+            for batch in &batches {
+                uploads.extend(put.upload(batch.clone(), None).await.expect("reserve"));
+            }
             for uploaded in futures::future::try_join_all(uploads)
                 .await
                 .expect("upload")

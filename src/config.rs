@@ -113,9 +113,16 @@ pub struct ServeArgs {
     pub host_devices: u32,
 
     /// Most bytes of datasets each device may hold, e.g. `8GiB` or `1000000`; default: the
-    /// device's capacity. A put beyond it fails with RESOURCE_EXHAUSTED.
+    /// device's capacity. Beyond it, the least recently used datasets spill to host memory
+    /// (`--host-memory-limit`); a put fails with RESOURCE_EXHAUSTED only when both are full.
     #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT", value_parser = size)]
     pub memory_limit: Option<ByteSize>,
+
+    /// Most bytes of datasets spilled to host memory, e.g. `64GiB`; `0` spills nothing.
+    /// Default: half of the host's memory (or of the container's limit, where lower) with
+    /// the CUDA backend; 0 with the host backend, whose datasets are in host memory already.
+    #[arg(long, env = "GPU_FLIGHT_HOST_MEMORY_LIMIT", value_parser = size)]
+    pub host_memory_limit: Option<ByteSize>,
 
     /// Rows per endpoint in GetFlightInfo; clients read endpoints in parallel.
     #[arg(long, env = "GPU_FLIGHT_ROWS_PER_ENDPOINT", default_value_t = 1 << 20,
@@ -232,6 +239,7 @@ impl ServeArgs {
     pub fn store_options(&self) -> StoreOptions {
         StoreOptions {
             memory_limit: self.memory_limit.map(|b| b.as_u64()),
+            host_memory_limit: self.host_memory_limit.map(|b| b.as_u64()),
         }
     }
 

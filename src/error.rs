@@ -125,7 +125,9 @@ fn store_code(error: &StoreError) -> Code {
         | StoreError::TooManyPartitions { .. }
         | StoreError::EmptyDataset { .. }
         | StoreError::NoPeerAccess { .. } => Code::FailedPrecondition,
-        StoreError::MemoryExhausted { .. } => Code::ResourceExhausted,
+        StoreError::MemoryExhausted { .. } | StoreError::TiersExhausted { .. } => {
+            Code::ResourceExhausted
+        }
         StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::ChangedDuringMove { .. } => Code::Aborted,

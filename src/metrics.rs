@@ -307,6 +307,78 @@ impl Collector for StoreCollector {
             concat_time.metric_type(),
         )?)?;
 
+        let tiers = &status.tiers;
+        for (name, help, bytes) in [
+            (
+                "tier_device",
+                "Bytes committed datasets hold on devices",
+                tiers.device_bytes,
+            ),
+            (
+                "tier_host",
+                "Bytes committed datasets hold spilled to host memory",
+                tiers.host_bytes,
+            ),
+            (
+                "host_tier_used",
+                "Bytes the host tier holds: spilled partitions and puts' messages paid for there",
+                tiers.host_used_bytes,
+            ),
+            (
+                "host_tier_limit",
+                "The host tier's budget (--host-memory-limit; 0: nothing spills)",
+                tiers.host_limit_bytes,
+            ),
+        ] {
+            gauge(&mut encoder, name, help, Some(Unit::Bytes), bytes)?;
+        }
+        for (name, help, unit, value) in [
+            (
+                "spills",
+                "Partitions spilled to host memory",
+                None,
+                tiers.spills as f64,
+            ),
+            (
+                "spilled",
+                "Bytes spilled to host memory",
+                Some(&Unit::Bytes),
+                tiers.spilled_bytes as f64,
+            ),
+            (
+                "spill",
+                "Time spent spilling",
+                Some(&Unit::Seconds),
+                tiers.spill_seconds,
+            ),
+            (
+                "restores",
+                "Spilled partitions brought back onto their devices",
+                None,
+                tiers.restores as f64,
+            ),
+            (
+                "restored",
+                "Bytes brought back onto devices",
+                Some(&Unit::Bytes),
+                tiers.restored_bytes as f64,
+            ),
+            (
+                "restore",
+                "Time spent restoring",
+                Some(&Unit::Seconds),
+                tiers.restore_seconds,
+            ),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                unit,
+                counter.metric_type(),
+            )?)?;
+        }
+
         for (what, help, value) in [
             (
                 "memory_used",

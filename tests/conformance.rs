@@ -309,6 +309,8 @@ async fn memory_limit_is_resource_exhausted_and_others_survive(make: MakeBackend
     let limit = 8 << 20;
     let store_options = StoreOptions {
         memory_limit: Some(limit),
+        // The device's limit alone: no host tier to spill to.
+        host_memory_limit: Some(0),
     };
     let server = TestServer::start_with(make(), store_options, ServeOptions::default()).await;
     let mut client = server.client().await;
@@ -793,6 +795,8 @@ async fn compaction_beyond_the_limit_fails_cleanly(make: MakeBackend) {
     // Room for the uploaded batches but not for their compacted copy beside them.
     let store_options = StoreOptions {
         memory_limit: Some(uploads + 1024),
+        // The device's limit alone: no host tier to spill to.
+        host_memory_limit: Some(0),
     };
     let server = TestServer::start_with(backend, store_options, ServeOptions::default()).await;
     let mut client = server.client().await;

@@ -79,6 +79,7 @@ async fn one_sync_per_chunk_for_fixed_width_two_with_strings() {
 async fn device_and_pinned_memory_return_after_puts_gets_failures_and_drops() {
     let store_options = StoreOptions {
         memory_limit: Some(64 << 20),
+        host_memory_limit: Some(0),
     };
     let server = TestServer::start_with(cuda(), store_options, ServeOptions::default()).await;
     let mut client = server.client().await;

@@ -270,6 +270,7 @@ async fn the_export_document_describes_partitions_by_version() {
     let backend = Arc::new(PretendGpus::new(2, true));
     let options = StoreOptions {
         memory_limit: Some(LIMIT),
+        host_memory_limit: Some(0),
     };
     let server = TestServer::start_with(backend, options, ServeOptions::default()).await;
     let mut client = server.client().await;

@@ -459,6 +459,8 @@ impl Served {
             Arc::new(HostBackend::new()),
             StoreOptions {
                 memory_limit: Some(MEMORY_LIMIT),
+                // The device's limit alone: no host tier to spill to.
+                host_memory_limit: Some(0),
             },
             options,
         ));

@@ -31,6 +31,7 @@ fn host() -> Arc<dyn Backend> {
 fn limited(bytes: u64) -> StoreOptions {
     StoreOptions {
         memory_limit: Some(bytes),
+        host_memory_limit: Some(0),
     }
 }
 

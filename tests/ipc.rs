@@ -177,6 +177,7 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
     // puts keep room for the messages and uploads in flight beside what they hold.
     let options = StoreOptions {
         memory_limit: Some(32 << 20),
+        host_memory_limit: Some(0),
     };
     let server = TestServer::start_with(two_devices(), options, ServeOptions::default()).await;
     let mut client = server.client().await;

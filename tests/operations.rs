@@ -60,6 +60,8 @@ async fn metrics_move_with_the_work() {
         Arc::new(HostBackend::new()),
         StoreOptions {
             memory_limit: Some(64 << 20),
+            // The device's limit alone: no host tier to spill to.
+            host_memory_limit: Some(0),
         },
         ServeOptions::default(),
     )

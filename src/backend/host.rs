@@ -54,12 +54,8 @@ impl Default for HostBackend {
 
 impl HostBackend {
     pub fn new() -> Self {
-        let total_bytes = match (physical_memory_bytes(), cgroup_memory_limit()) {
-            (Some(physical), Some(cgroup)) => Some(physical.min(cgroup)),
-            (physical, cgroup) => physical.or(cgroup),
-        };
         Self {
-            total_bytes,
+            total_bytes: host_memory_bytes(),
             devices: 1,
         }
     }
@@ -115,6 +111,10 @@ impl Backend for HostBackend {
     }
 
     fn keeps_decoded_arrays(&self) -> bool {
+        true
+    }
+
+    fn holds_host_memory(&self) -> bool {
         true
     }
 
@@ -214,7 +214,7 @@ fn has_dictionary(data_type: &DataType) -> bool {
 
 /// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already
 /// allocations of their own are kept, the others copied.
-fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
+pub(crate) fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let copy_failed =
         |e: arrow::error::ArrowError| BackendError::Device(format!("copying a batch: {e}"));
     let columns = batch
@@ -307,6 +307,15 @@ fn cgroup_memory_limit() -> Option<u64> {
 fn parse_cgroup_limit(text: &str) -> Option<u64> {
     let bytes: u64 = text.trim().parse().ok()?;
     (bytes < 1 << 60).then_some(bytes)
+}
+
+/// The memory this process may use: the machine's, or the container's (cgroup) limit where
+/// that is lower.
+pub fn host_memory_bytes() -> Option<u64> {
+    match (physical_memory_bytes(), cgroup_memory_limit()) {
+        (Some(physical), Some(cgroup)) => Some(physical.min(cgroup)),
+        (physical, cgroup) => physical.or(cgroup),
+    }
 }
 
 /// Total physical memory from `/proc/meminfo`, where there is one.

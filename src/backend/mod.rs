@@ -14,6 +14,7 @@ pub mod export;
 pub mod host;
 pub mod numa;
 pub(crate) mod owned;
+pub mod spilled;
 
 use std::fmt;
 use std::sync::Arc;
@@ -26,7 +27,8 @@ pub use cuda::{CudaBackend, FragmentCopies};
 pub use export::{
     BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, PartitionExport,
 };
-pub use host::HostBackend;
+pub use host::{HostBackend, host_memory_bytes};
+pub use spilled::SpilledPartition;
 
 /// What can go wrong below the store. Each variant says which gRPC code it becomes in
 /// `crate::error`.
@@ -174,6 +176,13 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn peer_access(&self) -> Vec<Vec<bool>> {
         let devices = self.devices().len();
         vec![vec![true; devices]; devices]
+    }
+
+    /// Whether the backend's devices are host memory themselves. The store then has no host
+    /// tier to spill to unless one is configured: moving data within the same memory frees
+    /// nothing.
+    fn holds_host_memory(&self) -> bool {
+        false
     }
 
     /// Backend-specific counters for `status` (e.g. stream synchronizations), as JSON.

@@ -7,7 +7,7 @@ use super::descriptor::{DeviceRef, parse_json_object, parse_name};
 use super::ipc_export;
 use crate::auth::{Principal, Role};
 use crate::error::Error;
-use crate::store::{PutMode, StoreStatus};
+use crate::store::{PutMode, StoreStatus, TierStatus};
 
 /// The actions this server understands, as `ListActions` reports them.
 pub const ACTIONS: &[(&str, &str)] = &[
@@ -298,6 +298,7 @@ pub struct StatusDocument {
     pub puts: Vec<PutDocument>,
     pub counters: serde_json::Map<String, Value>,
     pub topology: TopologyDocument,
+    pub tiers: TierStatus,
 }
 
 /// How the devices reach each other: the first rung of the transfer-cost hierarchy (same
@@ -415,6 +416,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
         topology: TopologyDocument {
             peer_access: status.peer_access.clone(),
         },
+        tiers: status.tiers.clone(),
     };
     to_value(&document)
 }
@@ -564,6 +566,7 @@ mod tests {
             concatenations: 0,
             concatenated_bytes: 0,
             concatenation_seconds: 0.0,
+            tiers: TierStatus::default(),
         };
         let viewer = |name: &str, role: Role| Principal {
             name: name.into(),

@@ -51,7 +51,7 @@ use descriptor::ReadOptions;
 use doget::IpcMessage;
 pub use lifecycle::{Lifecycle, StreamGuard};
 pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter, Peer};
-use ticket::EndpointMetadata;
+use ticket::{DatasetMetadata, EndpointMetadata};
 
 /// What Handshake answers on a server without authentication, where tokens are not checked.
 const UNCHECKED_TOKEN: &str = "unauthenticated";
@@ -175,7 +175,14 @@ impl Service {
             )
             .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
             .with_total_bytes(i64::try_from(dataset.data_bytes()).unwrap_or(i64::MAX))
-            .with_ordered(true);
+            .with_ordered(true)
+            .with_app_metadata(
+                DatasetMetadata {
+                    version: dataset.version(),
+                    tiers: dataset.tier_bytes(),
+                }
+                .encode()?,
+            );
         // Endpoints follow the devices too: each one's rows lie on one device, which its
         // app_metadata names, so parallel readers pull from every device at once. A dataset
         // scattered over more runs than the reply may list is split by rows alone.

@@ -153,7 +153,7 @@ pub(crate) async fn receive(
         // to; that charge follows its batch until uploaded, like the message's own.
         let decoded = decoder.decode(&message, |bytes| {
             match &mut charge {
-                Some(charge) => charge.try_grow(bytes)?,
+                Some(charge) => store.grow_message(charge, bytes)?,
                 None => charge = Some(store.reserve_message(bytes)?),
             }
             Ok(())
@@ -164,7 +164,7 @@ pub(crate) async fn receive(
                 if let Some(call) = &call {
                     call.add_rows_in(batch.num_rows() as u64);
                 }
-                if let Some(upload) = pending.upload(batch, charge)? {
+                if let Some(upload) = pending.upload(batch, charge).await? {
                     uploads.push_back(upload);
                 }
                 // Finished uploads return their message's charge now, not when the pipeline

@@ -696,8 +696,8 @@ impl GuardedBody {
                 let n = self.remaining.min(data.len());
                 self.remaining -= n;
                 data.advance(n);
-                if let Some(receiving) = &mut self.receiving {
-                    receiving.try_grow(n as u64)?;
+                if let (Some(receiving), Some((store, _))) = (&mut self.receiving, &self.charge) {
+                    store.grow_message(receiving, n as u64)?;
                 }
                 self.message_complete();
                 continue;

@@ -31,6 +31,23 @@ impl EndpointMetadata {
             .map_err(|e| Error::Internal(format!("encoding endpoint metadata: {e}")))
     }
 }
+/// `GetFlightInfo`'s `app_metadata`: where the dataset's memory is, tier by tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DatasetMetadata {
+    /// The version the endpoints' tickets read.
+    pub version: u64,
+    /// Bytes on devices and spilled to host memory.
+    pub tiers: crate::store::TierBytes,
+}
+
+impl DatasetMetadata {
+    pub fn encode(&self) -> Result<Bytes, Error> {
+        serde_json::to_vec(self)
+            .map(Bytes::from)
+            .map_err(|e| Error::Internal(format!("encoding dataset metadata: {e}")))
+    }
+}
+
 const FORMAT_VERSION: u32 = 1;
 
 /// What a ticket asks `DoGet` for.

@@ -20,6 +20,9 @@ impl Store {
                 (None, _) => device.default_limit_bytes.or(device.total_bytes),
             })
             .collect();
+        let host_limit = options
+            .host_memory_limit
+            .unwrap_or_else(|| super::default_host_memory_limit(backend.as_ref()));
         Self {
             inner: Arc::new(Inner {
                 budget: MemoryBudget::new(limits),
@@ -27,6 +30,7 @@ impl Store {
                 catalog: DashMap::new(),
                 next_version: AtomicU64::new(1),
                 leases: lease::Leases::default(),
+                tiers: super::tier::Tiers::new(host_limit),
                 puts: Arc::default(),
                 concatenations: AtomicU64::new(0),
                 concatenated_bytes: AtomicU64::new(0),

@@ -11,39 +11,61 @@ use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
+use futures::StreamExt;
 use futures::stream::BoxStream;
-use futures::{StreamExt, TryFutureExt};
 
 use super::StoreError;
 use super::memory::Reservation;
-use crate::backend::Partition;
+use super::tier::{Slot, Tier};
 
-/// A partition together with the memory reservation that pays for it.
+/// A partition of a dataset: its place in the memory tiers, which every dataset version
+/// including it shares.
 #[derive(Clone)]
 pub(crate) struct StoredPartition {
-    pub(crate) data: Arc<dyn Partition>,
-    pub(crate) reservation: Arc<Reservation>,
-    /// Bytes of Arrow buffers the partition's rows hold (what clients transfer); the
-    /// reservation may be larger, by the backend's allocation granularity.
+    pub(crate) slot: Arc<Slot>,
+    /// Bytes of Arrow buffers the partition's rows hold (what clients transfer); what it is
+    /// charged may be more, by the backend's allocation granularity.
     pub(crate) data_bytes: u64,
 }
 
 impl StoredPartition {
-    /// The device holding the partition: the one whose budget pays for it.
+    /// The device the partition was stored on, where it is restored to if spilled: the one
+    /// whose rows `GetFlightInfo` places it on.
     pub(crate) fn device(&self) -> u32 {
-        self.reservation.device()
+        self.slot.home()
+    }
+
+    /// Where its data is now.
+    pub(crate) fn tier(&self) -> Tier {
+        self.slot.resident().tier
+    }
+
+    pub(crate) fn num_rows(&self) -> usize {
+        self.slot.resident().data.num_rows()
+    }
+
+    /// Bytes its tier is charged for it now.
+    pub(crate) fn memory_bytes(&self) -> u64 {
+        self.slot.resident().reservation.bytes()
     }
 }
 
 impl fmt::Debug for StoredPartition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoredPartition")
-            .field("device", &self.device())
-            .field("rows", &self.data.num_rows())
-            .field("bytes", &self.reservation.bytes())
+            .field("resident", &self.slot.resident())
             .field("data_bytes", &self.data_bytes)
             .finish()
     }
+}
+
+/// Bytes of a dataset in each tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TierBytes {
+    /// On devices (GPUs, or the host backend's memory).
+    pub device: u64,
+    /// Spilled to the host tier.
+    pub host: u64,
 }
 
 /// An immutable, committed dataset.
@@ -57,7 +79,6 @@ pub struct Dataset {
     schema_charge: Arc<Reservation>,
     /// `row_starts[i]` is the first row of partition i; the last entry is the row count.
     row_starts: Vec<u64>,
-    memory_bytes: u64,
     data_bytes: u64,
 }
 
@@ -73,14 +94,9 @@ impl Dataset {
         let mut rows = 0u64;
         row_starts.push(0);
         for partition in &partitions {
-            rows = rows.saturating_add(partition.data.num_rows() as u64);
+            rows = rows.saturating_add(partition.num_rows() as u64);
             row_starts.push(rows);
         }
-        let memory_bytes = partitions
-            .iter()
-            .map(|p| p.reservation.bytes())
-            .sum::<u64>()
-            + schema_charge.bytes();
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         Self {
             name,
@@ -89,7 +105,6 @@ impl Dataset {
             partitions,
             schema_charge,
             row_starts,
-            memory_bytes,
             data_bytes,
         }
     }
@@ -116,9 +131,23 @@ impl Dataset {
         self.partitions.len()
     }
 
-    /// Bytes of backend memory the dataset holds.
+    /// Bytes of memory the dataset holds, in every tier.
     pub fn memory_bytes(&self) -> u64 {
-        self.memory_bytes
+        let tiers = self.tier_bytes();
+        tiers.device + tiers.host + self.schema_charge.bytes()
+    }
+
+    /// Bytes of memory the dataset's partitions hold in each tier now.
+    pub fn tier_bytes(&self) -> TierBytes {
+        let mut bytes = TierBytes::default();
+        for partition in &self.partitions {
+            let resident = partition.slot.resident();
+            match resident.tier {
+                Tier::Device(_) => bytes.device += resident.reservation.bytes(),
+                Tier::Host => bytes.host += resident.reservation.bytes(),
+            }
+        }
+        bytes
     }
 
     /// Bytes of Arrow buffers in the dataset: what a client reading it receives, give or take
@@ -170,10 +199,16 @@ impl Dataset {
         let dataset = Arc::clone(self);
         let stream = futures::stream::iter(chunks)
             .map(move |chunk| {
-                dataset.partitions[chunk.partition]
-                    .data
-                    .read(chunk.offset, chunk.len)
-                    .map_err(StoreError::from)
+                let slot = &dataset.partitions[chunk.partition].slot;
+                slot.touch();
+                // Held until the read is done, so that a spill meanwhile frees nothing under it.
+                let resident = slot.resident();
+                let read = resident.data.read(chunk.offset, chunk.len);
+                async move {
+                    let batch = read.await;
+                    drop(resident);
+                    batch.map_err(StoreError::from)
+                }
             })
             .buffered(prefetch.max(1));
         Ok(stream.boxed())
@@ -230,8 +265,7 @@ impl Iterator for Chunks {
             }
             let partition_rows = (end - first).max(1);
             let bytes_per_row = dataset.partitions[index]
-                .reservation
-                .bytes()
+                .memory_bytes()
                 .div_ceil(partition_rows)
                 .max(1);
             let rows_per_chunk = (self.chunk_bytes / bytes_per_row).max(1);

@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use super::dataset::StoredPartition;
 use super::lease::{Lease, LeaseTerms};
+use super::tier::Resident;
 use super::{ARRAY_OVERHEAD, Dataset, Store, StoreError, charge, lease};
-use crate::backend::PartitionExport;
+use crate::backend::{BackendError, PartitionExport};
 use crate::batch_size::type_array_count;
 
 /// What `ipc-export` asks for.
@@ -129,16 +130,29 @@ impl Store {
         let columns = column_indices(&dataset, &names)?;
         check_partitions(&dataset, request.one_partition)?;
         // Where the memory cannot be exported at all (host memory), say so before copying.
-        if let Some(first) = dataset.partitions().first() {
+        if inner.backend.holds_host_memory() {
+            return Err(BackendError::NotExportable {
+                backend: inner.backend.name(),
+            }
+            .into());
+        }
+        // Spilled partitions come back to their devices first; the lease holds what it
+        // exports there, so no spill can free it while the lease lasts.
+        let mut held = Vec::with_capacity(dataset.num_partitions());
+        for partition in dataset.partitions() {
+            partition.slot.touch();
+            held.push(self.restore(partition).await?);
+        }
+        if let Some(first) = held.first() {
             first.data.export(&columns)?;
         }
         let peer_access = inner.backend.peer_access();
         let mut replicas = Vec::with_capacity(dataset.num_partitions());
-        for partition in dataset.partitions() {
+        for (partition, resident) in dataset.partitions().iter().zip(&held) {
             let holder = partition.device();
             let replica = match request.consumer {
                 Some(consumer) if consumer != holder && request.copy => Some(
-                    self.replicate(&dataset, partition, &columns, consumer)
+                    self.replicate(&dataset, Arc::clone(resident), &columns, consumer)
                         .await?,
                 ),
                 Some(consumer) if consumer != holder => {
@@ -164,6 +178,7 @@ impl Store {
             columns: names,
             consumer: request.consumer,
             copy: request.copy,
+            held: Arc::new(held),
             replicas: Arc::new(replicas),
         };
         let lease = Lease::new(dataset, terms, request.duration, request.owner);
@@ -177,7 +192,7 @@ impl Store {
     async fn replicate(
         &self,
         dataset: &Dataset,
-        partition: &StoredPartition,
+        partition: Arc<Resident>,
         columns: &[usize],
         device: u32,
     ) -> Result<StoredPartition, StoreError> {
@@ -190,7 +205,7 @@ impl Store {
             .map(|&c| type_array_count(schema.field(c).data_type()))
             .sum();
         let cost = charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(arrays));
-        let reservation = inner.budget.try_reserve(device, cost)?;
+        let reservation = self.reserve_on(device, cost).await?;
         let replica = self
             .copy_partition(partition, columns, device, reservation, bytes)
             .await?;
@@ -206,18 +221,21 @@ impl Store {
         let partitions = dataset
             .partitions()
             .iter()
+            .zip(lease.terms.held.iter())
             .zip(lease.terms.replicas.iter())
-            .map(|(partition, replica)| {
+            .map(|((partition, held), replica)| {
                 let (stored, columns, access) = match (replica, lease.terms.consumer) {
-                    (Some(replica), _) => (replica, &replica_columns, Access::Replica),
-                    (None, Some(consumer)) if consumer != partition.device() => {
-                        (partition, &columns, Access::Peer)
+                    (Some(replica), _) => {
+                        (replica.slot.resident(), &replica_columns, Access::Replica)
                     }
-                    (None, _) => (partition, &columns, Access::Local),
+                    (None, Some(consumer)) if consumer != partition.device() => {
+                        (Arc::clone(held), &columns, Access::Peer)
+                    }
+                    (None, _) => (Arc::clone(held), &columns, Access::Local),
                 };
                 Ok(ExportedPartition {
                     rows: stored.data.num_rows() as u64,
-                    device: stored.device(),
+                    device: stored.reservation.device(),
                     access,
                     export: stored.data.export(columns)?,
                 })

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::dataset::StoredPartition;
+use super::tier::Resident;
 use super::{Dataset, StoreError};
 
 /// One consumer's hold on an exported dataset.
@@ -39,6 +40,9 @@ pub struct LeaseTerms {
     pub consumer: Option<u32>,
     /// Whether partitions on other devices were replicated onto the consumer's.
     pub copy: bool,
+    /// Per partition of the dataset, the device memory exported: held so that no spill frees
+    /// it while consumers may have it mapped.
+    pub(crate) held: Arc<Vec<Arc<Resident>>>,
     /// Per partition of the dataset, its replica on the consumer's device, if one was made:
     /// held by the lease alone, so its memory returns when the lease ends.
     pub(crate) replicas: Arc<Vec<Option<StoredPartition>>>,
@@ -50,7 +54,7 @@ impl LeaseTerms {
         self.replicas
             .iter()
             .flatten()
-            .map(|r| r.reservation.bytes())
+            .map(StoredPartition::memory_bytes)
             .sum()
     }
 }
@@ -216,6 +220,7 @@ mod tests {
             columns: vec![],
             consumer: None,
             copy: false,
+            held: Arc::new(vec![]),
             replicas: Arc::new(vec![]),
         };
         let lease = Lease::new(dataset(name), terms, Duration::from_secs(10), "o".into());

@@ -135,6 +135,21 @@ impl Reservation {
     }
 }
 
+impl Reservation {
+    /// Makes the reservation exactly `bytes`: gives back what it holds beyond them, or adds
+    /// what is missing (failing, unchanged, where that does not fit).
+    pub fn resize(&mut self, bytes: u64) -> Result<(), StoreError> {
+        if bytes > self.bytes {
+            return self.try_grow(bytes - self.bytes);
+        }
+        if let Some(budget) = self.budget.devices.get(self.device as usize) {
+            budget.used.fetch_sub(self.bytes - bytes, Ordering::AcqRel);
+        }
+        self.bytes = bytes;
+        Ok(())
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         if let Some(budget) = self.budget.devices.get(self.device as usize) {
@@ -171,6 +186,19 @@ mod tests {
         let mut a = budget.try_reserve(0, 10).expect("fits");
         a.try_grow(80).expect("fits");
         assert!(a.try_grow(20).is_err());
+        assert_eq!((a.bytes(), budget.used(0)), (90, 90));
+        drop(a);
+        assert_eq!(budget.used(0), 0);
+    }
+
+    #[test]
+    fn reservations_resize_both_ways() {
+        let budget = MemoryBudget::new(vec![Some(100)]);
+        let mut a = budget.try_reserve(0, 50).expect("fits");
+        a.resize(20).expect("shrinks");
+        assert_eq!((a.bytes(), budget.used(0)), (20, 20));
+        a.resize(90).expect("grows");
+        assert!(a.resize(101).is_err(), "past the limit");
         assert_eq!((a.bytes(), budget.used(0)), (90, 90));
         drop(a);
         assert_eq!(budget.used(0), 0);

@@ -10,6 +10,9 @@
 //!   upload, so a put beyond the memory limit fails without disturbing other datasets.
 //! - **Snapshot reads.** Datasets are immutable; readers hold an `Arc`, so `drop`, `replace` and
 //!   `append` never cut a running stream short.
+//! - **Tiers.** A partition lives on its device or, spilled there when the device needs room
+//!   for something else, in host memory (`tier`); reads serve it where it is, `ipc-export`
+//!   brings it back first.
 //! - **Leases.** An `ipc-export` lease holds its dataset like a reader does (`lease`), so
 //!   memory other processes have mapped outlives `drop` and `replace` until the lease ends.
 //!
@@ -18,7 +21,7 @@
 //!
 //! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction),
 //! `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
-//! `status` (what the store holds); `dataset`,
+//! `status` (what the store holds), `tier` (spilling to host memory and back); `dataset`,
 //! `lease`, `memory` and `progress` are the parts they share.
 
 mod catalog;
@@ -30,20 +33,22 @@ mod progress;
 mod put;
 mod relocate;
 mod status;
+mod tier;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use dashmap::DashMap;
 
-pub use dataset::Dataset;
+pub use dataset::{Dataset, TierBytes};
 pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
 pub use lease::{Lease, LeaseTerms};
 use memory::MemoryBudget;
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
 pub use relocate::{CopySummary, MoveSummary};
-pub use status::{DeviceStatus, LeaseStatus, StoreStatus};
+pub use status::{DeviceStatus, LeaseStatus, StoreStatus, TierStatus};
+pub use tier::Tier;
 
 use crate::backend::{Backend, BackendError};
 
@@ -78,6 +83,20 @@ pub enum StoreError {
         requested: u64,
         used: u64,
         limit: u64,
+    },
+    #[error(
+        "no room on device {device}: the put needs {requested} more bytes and {used} of \
+         {limit} are in use by partitions that cannot be spilled now (being read, exported or \
+         put), while the host tier holds {host_used} of {host_limit} bytes; drop datasets, \
+         raise --memory-limit or --host-memory-limit, or retry when reads are done"
+    )]
+    TiersExhausted {
+        device: u32,
+        requested: u64,
+        used: u64,
+        limit: u64,
+        host_used: u64,
+        host_limit: u64,
     },
     #[error("no device {device} in this backend")]
     NoSuchDevice { device: u32 },
@@ -179,6 +198,19 @@ pub enum PutMode {
 pub struct StoreOptions {
     /// Bytes each device may hold; `None` leaves only the device's own capacity.
     pub memory_limit: Option<u64>,
+    /// Bytes the host tier may hold; `None` for the default ([`default_host_memory_limit`]).
+    pub host_memory_limit: Option<u64>,
+}
+
+/// The host tier's budget without `--host-memory-limit`: half the memory this process may use
+/// (the machine's, or its cgroup's limit where lower) for a backend of device memory, and none
+/// for the host backend, whose datasets are in host memory already.
+pub fn default_host_memory_limit(backend: &dyn Backend) -> u64 {
+    if backend.holds_host_memory() {
+        0
+    } else {
+        crate::backend::host_memory_bytes().map_or(0, |bytes| bytes / 2)
+    }
 }
 
 /// The catalog of datasets over one backend. Cheap to clone: all clones share the catalog.
@@ -194,6 +226,7 @@ struct Inner {
     catalog: DashMap<String, Arc<Dataset>>,
     next_version: AtomicU64,
     leases: lease::Leases,
+    tiers: tier::Tiers,
     puts: Arc<progress::Puts>,
     concatenations: AtomicU64,
     /// Arrow bytes those compactions copied.

@@ -12,7 +12,7 @@ use futures::{FutureExt, TryFutureExt};
 
 use super::dataset::StoredPartition;
 use super::memory::Reservation;
-use super::{ARRAY_OVERHEAD, Dataset, PutMode, Store, StoreError, charge, progress};
+use super::{ARRAY_OVERHEAD, Dataset, PutMode, Store, StoreError, Tier, charge, progress};
 use crate::backend::BackendError;
 use crate::batch_size::{array_count, batch_bytes, schema_bytes};
 
@@ -92,8 +92,35 @@ impl Store {
     /// holds yet count against the budget like any other. They are charged to the device with
     /// the most free memory, where the store places the batches it cannot fit elsewhere: a
     /// message must not fail for lack of room on a device its batch will not go to.
+    ///
+    /// The message itself is in host memory: where no device has room for it, the host tier
+    /// may pay for it instead, and the batch makes room on its device when it is uploaded.
     pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
-        self.inner.budget.try_reserve(self.freest_device(), bytes)
+        match self.inner.budget.try_reserve(self.freest_device(), bytes) {
+            Err(error @ StoreError::MemoryExhausted { .. }) => self
+                .inner
+                .tiers
+                .try_reserve_host(bytes)
+                .map_err(|_| self.tiers_full(error)),
+            reserved => reserved,
+        }
+    }
+
+    /// Grows `message` (from [`Store::reserve_message`]) by `bytes` as more of it arrives;
+    /// where its device has no room, the whole message moves to the host tier.
+    pub fn grow_message(&self, message: &mut Reservation, bytes: u64) -> Result<(), StoreError> {
+        match message.try_grow(bytes) {
+            Err(error @ StoreError::MemoryExhausted { .. }) => {
+                let total = message.bytes().saturating_add(bytes);
+                *message = self
+                    .inner
+                    .tiers
+                    .try_reserve_host(total)
+                    .map_err(|_| self.tiers_full(error))?;
+                Ok(())
+            }
+            grown => grown,
+        }
     }
 
     /// What keeping `batch` in the backend is charged: its stored size (at least a bit a row)
@@ -181,11 +208,12 @@ impl PendingPut {
     }
 
     /// Reserves memory for `batch` and starts uploading it. Returns `None` for an empty batch,
-    /// which holds nothing. The reservation is made before the upload starts, so a batch that
-    /// does not fit fails here with nothing allocated. `message` paid for the message the batch
+    /// which holds nothing. The reservation is made before the upload starts (spilling other
+    /// partitions to the host tier if that makes room), so a batch that does not fit fails
+    /// here with nothing allocated. `message` paid for the message the batch
     /// was decoded from, which the batch may still point into; it is released once the upload
     /// is done with the batch.
-    pub fn upload(
+    pub async fn upload(
         &mut self,
         batch: RecordBatch,
         message: Option<Reservation>,
@@ -198,48 +226,47 @@ impl PendingPut {
         }
         let backend = Arc::clone(&self.store.inner.backend);
         let bytes = self.store.stored_charge(&batch)?;
-        let reservation = Arc::new(self.reserve(bytes)?);
+        let reservation = self.reserve(bytes).await?;
         let data_bytes = batch_bytes(&batch);
         self.rows = self.rows.saturating_add(batch.num_rows() as u64);
         self.data_bytes = self.data_bytes.saturating_add(data_bytes);
         self.progress
             .progress
             .add(batch.num_rows() as u64, data_bytes);
+        let store = self.store.clone();
         let upload = backend
             .upload(self.device, batch)
             .map_err(StoreError::from)
             .map_ok(move |data| {
                 drop(message);
-                UploadedPartition(StoredPartition {
-                    data,
-                    reservation,
-                    data_bytes,
-                })
+                UploadedPartition(store.inner.tiers.hold(data, reservation, data_bytes))
             })
             .boxed();
         Ok(Some(upload))
     }
 
     /// Reserves `bytes` on the put's device or, for a put the store places, on the freest
-    /// device that has room, which the put then stays on. Fails with the current device's
-    /// error when none has room.
-    fn reserve(&mut self, bytes: u64) -> Result<Reservation, StoreError> {
+    /// device that has room, which the put then stays on. Where none has room, partitions on
+    /// the put's device are spilled to the host tier to make some. Fails saying what every
+    /// tier holds when that does not make room either.
+    async fn reserve(&mut self, bytes: u64) -> Result<Reservation, StoreError> {
         let budget = &self.store.inner.budget;
-        let error = match budget.try_reserve(self.device, bytes) {
-            Ok(reservation) => return Ok(reservation),
-            Err(error) if self.fixed => return Err(error),
-            Err(error) => error,
-        };
-        for device in self.store.freest_devices() {
-            if device == self.device {
-                continue;
-            }
-            if let Ok(reservation) = budget.try_reserve(device, bytes) {
-                self.device = device;
-                return Ok(reservation);
+        match budget.try_reserve(self.device, bytes) {
+            Err(StoreError::MemoryExhausted { .. }) => {}
+            reserved => return reserved,
+        }
+        if !self.fixed {
+            for device in self.store.freest_devices() {
+                if device == self.device {
+                    continue;
+                }
+                if let Ok(reservation) = budget.try_reserve(device, bytes) {
+                    self.device = device;
+                    return Ok(reservation);
+                }
             }
         }
-        Err(error)
+        self.store.reserve_on(self.device, bytes).await
     }
 
     /// Adds a finished upload to the put.
@@ -360,10 +387,12 @@ impl Store {
             while let [.., older, newer] = partitions.as_slice() {
                 let comparable = newer.data_bytes <= older.data_bytes
                     && older.data_bytes <= 2 * newer.data_bytes;
-                if !comparable || older.device() != newer.device() {
+                let Tier::Device(device) = newer.tier() else {
+                    break;
+                };
+                if !comparable || older.tier() != newer.tier() {
                     break;
                 }
-                let device = newer.device();
                 let pair = partitions.split_off(partitions.len() - 2);
                 let merged = self.compact(schema, pair, device).await?;
                 let kept_apart = merged.len() > 1;
@@ -381,26 +410,28 @@ impl Store {
         schema: &Schema,
         partitions: Vec<StoredPartition>,
     ) -> Result<Vec<StoredPartition>, StoreError> {
-        let mut runs: Vec<Vec<StoredPartition>> = Vec::new();
+        let mut runs: Vec<(Tier, Vec<StoredPartition>)> = Vec::new();
         for partition in partitions {
+            let tier = partition.tier();
             match runs.last_mut() {
-                Some(run) if run[0].device() == partition.device() => run.push(partition),
-                _ => runs.push(vec![partition]),
+                Some((run_tier, run)) if *run_tier == tier => run.push(partition),
+                _ => runs.push((tier, vec![partition])),
             }
         }
         let mut compacted = Vec::new();
-        for run in runs {
-            let device = run[0].device();
-            compacted.extend(self.compact(schema, run, device).await?);
+        for (tier, run) in runs {
+            match tier {
+                Tier::Device(device) => compacted.extend(self.compact(schema, run, device).await?),
+                // Spilled while the put ran: compacted if it is ever restored.
+                Tier::Host => compacted.extend(run),
+            }
         }
         Ok(compacted)
     }
 
-    /// Concatenates partitions into one compact partition, reserving its memory first: the
-    /// inputs stay reserved until they are dropped, so the budget covers the transient peak.
-    /// Partitions are returned unchanged where the compact copy does not fit beside them, or
-    /// the backend cannot concatenate them (a merged dictionary its keys cannot index).
-    async fn compact(
+    /// Concatenates partitions of `device` into one compact partition where the backend wants
+    /// that (see [`Store::concatenate`]).
+    pub(super) async fn compact(
         &self,
         schema: &Schema,
         partitions: Vec<StoredPartition>,
@@ -409,11 +440,33 @@ impl Store {
         if partitions.len() <= 1 {
             return Ok(partitions);
         }
-        let backend = &self.inner.backend;
-        let data: Vec<_> = partitions.iter().map(|p| Arc::clone(&p.data)).collect();
-        if !backend.compacts(schema, &data) {
+        let data: Vec<_> = partitions
+            .iter()
+            .map(|p| Arc::clone(&p.slot.resident().data))
+            .collect();
+        if !self.inner.backend.compacts(schema, &data) {
             return Ok(partitions);
         }
+        self.concatenate(partitions, device).await
+    }
+
+    /// Concatenates partitions of `device` into one compact partition, reserving its memory
+    /// first (spilling others to make room): the inputs stay reserved until they are dropped,
+    /// so the budget covers the transient peak. Partitions are returned unchanged where the
+    /// compact copy does not fit beside them, or the backend cannot concatenate them (a merged
+    /// dictionary its keys cannot index).
+    pub(super) async fn concatenate(
+        &self,
+        partitions: Vec<StoredPartition>,
+        device: u32,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        if partitions.len() <= 1 {
+            return Ok(partitions);
+        }
+        let backend = &self.inner.backend;
+        // Held for the copy: a spill meanwhile must not free them.
+        let residents: Vec<_> = partitions.iter().map(|p| p.slot.resident()).collect();
+        let data: Vec<_> = residents.iter().map(|r| Arc::clone(&r.data)).collect();
         let size = match backend.concatenated_size(&data) {
             Ok(size) => size,
             Err(
@@ -425,15 +478,23 @@ impl Store {
             }
             Err(error) => return Err(error.into()),
         };
-        let rows = partitions.iter().map(|p| p.data.num_rows() as u64).sum();
-        let reservation = match self.inner.budget.try_reserve(device, charge(size, rows)) {
+        let rows = partitions.iter().map(|p| p.num_rows() as u64).sum();
+        let reservation = match self.reserve_on(device, charge(size, rows)).await {
             Ok(reservation) => reservation,
-            Err(StoreError::MemoryExhausted {
-                requested,
-                used,
-                limit,
-                ..
-            }) => {
+            Err(
+                StoreError::MemoryExhausted {
+                    requested,
+                    used,
+                    limit,
+                    ..
+                }
+                | StoreError::TiersExhausted {
+                    requested,
+                    used,
+                    limit,
+                    ..
+                },
+            ) => {
                 // The rows are stored and paid for already; only the compact copy does not
                 // fit beside them. Keep the batches as they are rather than fail a put whose
                 // data fits (reads and ipc-export serve them as they are).
@@ -452,6 +513,7 @@ impl Store {
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         let started = std::time::Instant::now();
         let compacted = backend.concatenate(data).await?;
+        drop(residents);
         let inner = &self.inner;
         inner.concatenations.fetch_add(1, Ordering::Relaxed);
         inner
@@ -461,11 +523,7 @@ impl Store {
             u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
-        Ok(vec![StoredPartition {
-            data: compacted,
-            reservation: Arc::new(reservation),
-            data_bytes,
-        }])
+        Ok(vec![inner.tiers.hold(compacted, reservation, data_bytes)])
     }
 }
 
@@ -503,7 +561,7 @@ mod tests {
             .expect("begin");
         pending.declare_schema(batches[0].schema()).expect("schema");
         for b in batches {
-            if let Some(upload) = pending.upload(b, None).expect("reserve") {
+            if let Some(upload) = pending.upload(b, None).await.expect("reserve") {
                 pending.add(upload.await.expect("upload"));
             }
         }
@@ -636,7 +694,7 @@ mod tests {
             pending
                 .declare_schema(batch(0..1).schema())
                 .expect("schema");
-            let upload = pending.upload(batch(rows), None).expect("reserve");
+            let upload = pending.upload(batch(rows), None).await.expect("reserve");
             pending.add(upload.expect("rows").await.expect("upload"));
             pending
                 .commit()
@@ -675,7 +733,10 @@ mod tests {
         pending
             .declare_schema(batch(0..1).schema())
             .expect("schema");
-        let upload = pending.upload(batch(0..100_000), None).expect("reserve");
+        let upload = pending
+            .upload(batch(0..100_000), None)
+            .await
+            .expect("reserve");
         pending.add(upload.expect("rows").await.expect("upload"));
         pending.commit().await.expect("commit");
         let used = |store: &Store| store.status().devices[1].used_bytes;

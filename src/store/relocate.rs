@@ -15,6 +15,7 @@ use dashmap::mapref::entry::Entry;
 
 use super::dataset::StoredPartition;
 use super::memory::Reservation;
+use super::tier::{Resident, Tier};
 use super::{Dataset, Store, StoreError};
 use crate::backend::BackendError;
 use crate::batch_size::schema_bytes;
@@ -55,7 +56,11 @@ impl Store {
             return Err(StoreError::UnknownDevice { device, devices });
         }
         let base = self.get(name)?;
-        if base.partitions().iter().all(|p| p.device() == device) {
+        if base
+            .partitions()
+            .iter()
+            .all(|p| p.tier() == Tier::Device(device))
+        {
             return Ok(MoveSummary {
                 name: name.to_owned(),
                 device,
@@ -111,7 +116,7 @@ impl Store {
         }
         let base = self.get(name)?;
         let schema = base.schema();
-        let schema_charge = inner.budget.try_reserve(device, schema_bytes(&schema))?;
+        let schema_charge = self.reserve_on(device, schema_bytes(&schema)).await?;
         let (partitions, copied_bytes) = self.copy_partitions(&base, device, false).await?;
         let version = self.next_version();
         match inner.catalog.entry(copy.to_owned()) {
@@ -146,7 +151,7 @@ impl Store {
     /// still holds the memory.
     pub(super) async fn copy_partition(
         &self,
-        partition: &StoredPartition,
+        resident: Arc<Resident>,
         columns: &[usize],
         device: u32,
         reservation: Reservation,
@@ -155,45 +160,50 @@ impl Store {
         let copying =
             self.inner
                 .backend
-                .copy_to(Arc::clone(&partition.data), columns.to_vec(), device);
-        // Dropped in field order if nobody awaits it: the copy, then what paid for it.
-        let (data, reservation) = tokio::spawn(async move { (copying.await, reservation) })
-            .await
-            .map_err(|e| BackendError::Device(format!("a copy task failed: {e}")))?;
-        Ok(StoredPartition {
-            data: data?,
-            reservation: Arc::new(reservation),
-            data_bytes,
-        })
+                .copy_to(Arc::clone(&resident.data), columns.to_vec(), device);
+        // Dropped in field order if nobody awaits it: the copy, then what paid for it (and
+        // the original, which a spill must not free while it is read).
+        let (data, reservation, _resident) =
+            tokio::spawn(async move { (copying.await, reservation, resident) })
+                .await
+                .map_err(|e| BackendError::Device(format!("a copy task failed: {e}")))?;
+        Ok(self.inner.tiers.hold(data?, reservation, data_bytes))
     }
 
-    /// `base`'s partitions on `device`, compacted there: copies of those elsewhere, paid for
-    /// on `device` before each is made, and of those already there too unless `keep_local`.
-    /// Returns them with the Arrow bytes copied.
+    /// `base`'s partitions on `device`, compacted there: copies of those elsewhere (or spilled
+    /// to the host tier), paid for on `device` before each is made, and of those already there
+    /// too unless `keep_local`. Returns them with the Arrow bytes copied.
     async fn copy_partitions(
         &self,
         base: &Dataset,
         device: u32,
         keep_local: bool,
     ) -> Result<(Vec<StoredPartition>, u64), StoreError> {
-        let inner = &self.inner;
         let schema = base.schema();
         let all_columns: Vec<usize> = (0..schema.fields().len()).collect();
         let mut partitions: Vec<StoredPartition> = Vec::new();
         let mut copied_bytes = 0;
         for partition in base.partitions() {
-            if keep_local && partition.device() == device {
+            let resident = partition.slot.resident();
+            if keep_local && resident.tier == Tier::Device(device) {
                 partitions.push(partition.clone());
                 continue;
             }
-            // The copy has the original's layout, so it costs what the original does.
-            let reservation = inner
-                .budget
-                .try_reserve(device, partition.reservation.bytes())?;
             copied_bytes += partition.data_bytes;
+            if resident.tier == Tier::Host {
+                partitions.push(
+                    self.upload_spilled(&resident.data, device, partition.data_bytes)
+                        .await?,
+                );
+                continue;
+            }
+            // The copy has the original's layout, so it costs what the original does.
+            let reservation = self
+                .reserve_on(device, resident.reservation.bytes())
+                .await?;
             partitions.push(
                 self.copy_partition(
-                    partition,
+                    resident,
                     &all_columns,
                     device,
                     reservation,

@@ -31,6 +31,28 @@ pub struct StoreStatus {
     /// Arrow bytes the compactions copied.
     pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
+    pub tiers: TierStatus,
+}
+
+/// The memory tiers, for `status` and the metrics.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct TierStatus {
+    /// Bytes committed datasets hold on devices.
+    pub device_bytes: u64,
+    /// Bytes committed datasets hold spilled to host memory.
+    pub host_bytes: u64,
+    /// The host tier's budget (`--host-memory-limit`; 0: nothing spills) and what it holds,
+    /// puts' messages paid for there included.
+    pub host_limit_bytes: u64,
+    pub host_used_bytes: u64,
+    /// Partitions spilled to host memory, their bytes there, and the time spilling took.
+    pub spills: u64,
+    pub spilled_bytes: u64,
+    pub spill_seconds: f64,
+    /// Partitions brought back onto their devices, their bytes there, and the time it took.
+    pub restores: u64,
+    pub restored_bytes: u64,
+    pub restore_seconds: f64,
 }
 
 /// A live lease, for `status`.
@@ -77,13 +99,33 @@ impl Store {
                 used_bytes: inner.budget.used(index as u32),
             })
             .collect();
-        let (datasets, bytes, data_bytes) = inner.catalog.iter().fold((0, 0, 0), |(n, b, d), e| {
-            (
-                n + 1,
-                b + e.value().memory_bytes(),
-                d + e.value().data_bytes(),
-            )
-        });
+        let (mut datasets, mut bytes, mut data_bytes) = (0, 0, 0);
+        let (mut device_bytes, mut host_bytes) = (0, 0);
+        for entry in inner.catalog.iter() {
+            let dataset = entry.value();
+            let tiers = dataset.tier_bytes();
+            datasets += 1;
+            bytes += tiers.device + tiers.host + dataset.schema_charge().bytes();
+            data_bytes += dataset.data_bytes();
+            device_bytes += tiers.device;
+            host_bytes += tiers.host;
+        }
+        let t = &inner.tiers;
+        let seconds = |nanos: &std::sync::atomic::AtomicU64| {
+            Duration::from_nanos(nanos.load(Ordering::Relaxed)).as_secs_f64()
+        };
+        let tiers = TierStatus {
+            device_bytes,
+            host_bytes,
+            host_limit_bytes: t.host_limit(),
+            host_used_bytes: t.host_used(),
+            spills: t.spills.load(Ordering::Relaxed),
+            spilled_bytes: t.spilled_bytes.load(Ordering::Relaxed),
+            spill_seconds: seconds(&t.spill_nanos),
+            restores: t.restores.load(Ordering::Relaxed),
+            restored_bytes: t.restored_bytes.load(Ordering::Relaxed),
+            restore_seconds: seconds(&t.restore_nanos),
+        };
         let mut leases = Vec::new();
         let mut leased_only = std::collections::HashMap::new();
         let mut replicas = 0;
@@ -128,6 +170,7 @@ impl Store {
                 inner.concatenation_nanos.load(Ordering::Relaxed),
             )
             .as_secs_f64(),
+            tiers,
         }
     }
 }

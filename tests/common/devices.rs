@@ -28,6 +28,8 @@ pub fn store_over(backend: Arc<dyn Backend>) -> Store {
         backend,
         StoreOptions {
             memory_limit: Some(LIMIT),
+            // The device's limit alone: no host tier to spill to.
+            host_memory_limit: Some(0),
         },
     )
 }
@@ -56,7 +58,7 @@ pub async fn put(
     let mut pending = store.begin_put_on(name.to_owned(), mode, "test", device)?;
     pending.declare_schema(batches[0].schema())?;
     for batch in batches {
-        if let Some(upload) = pending.upload(batch.clone(), None)? {
+        if let Some(upload) = pending.upload(batch.clone(), None).await? {
             pending.add(upload.await?);
         }
     }

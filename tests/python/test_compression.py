@@ -82,7 +82,7 @@ def with_declared_length(body, declared):
     (-5, grpc.StatusCode.INVALID_ARGUMENT, "declares -5 bytes"),
 ], ids=["1TiB", "2^63", "512MiB", "short", "negative"])
 def test_compressed_sizes_are_bounded_and_paid_for_first(make_server, codec, declared, code, says):
-    server = make_server("--memory-limit", "64MiB")
+    server = make_server("--memory-limit", "64MiB", "--host-memory-limit", "0")
     baseline = server.used_bytes()
     batch = pa.record_batch({"x": pa.array(range(100_000), pa.int64())})
     schema, (header, body) = compressed_messages(batch, codec)

@@ -253,7 +253,7 @@ def test_small_receive_limit_reads_100_mb(server, client):
 
 def test_memory_limit(make_server):
     # Room for a small dataset on every backend (a GPU rounds allocations up to 2 MiB).
-    server = make_server("--memory-limit", "8MiB")
+    server = make_server("--memory-limit", "8MiB", "--host-memory-limit", "0")
     with server.client() as client:
         small = pa.table({"x": np.arange(10_000, dtype=np.int64)})
         put(client, "small", small)

@@ -172,7 +172,7 @@ def make_server(make_server, tmp_path):
 def test_null_and_zero_column_rows_are_charged_against_the_budget(make_server, kind):
     """A batch with no buffers still costs a bit per row: 100M rows (12.5 MB) exceed an 8 MiB
     limit; 1M rows fit, are charged, and round-trip."""
-    server = make_server("--memory-limit", "8MiB")
+    server = make_server("--memory-limit", "8MiB", "--host-memory-limit", "0")
     baseline = server.used_bytes()
     with server.client() as client:
         with raises_code("RESOURCE_EXHAUSTED", "memory limit"):

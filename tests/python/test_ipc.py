@@ -199,7 +199,7 @@ def test_a_dataset_spread_over_two_gpus_maps_from_either(make_server):
 
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
-    server = make_server("--devices", "0,1", "--memory-limit", "48MB")
+    server = make_server("--devices", "0,1", "--memory-limit", "48MB", "--host-memory-limit", "0")
     client = server.client()
     name = unique("spread")
     n = 8_000_000  # 64 MB of int64: more than one GPU's limit

@@ -1,0 +1,164 @@
+//! Partitions spilled to host memory: the store's host tier.
+//!
+//! A partition leaves its device as a series of reads, each at most a staging buffer's worth,
+//! so that spilling a partition of any size never needs more pinned memory than a reader does.
+//! The pieces are kept as they came, each in pageable buffers of its own (pinned memory is
+//! scarce and must go back to the staging pool); a read that straddles two pieces, which only
+//! happens at their boundaries, concatenates the two slices it needs.
+
+use std::sync::Arc;
+
+use arrow::record_batch::RecordBatch;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+
+use super::host::owned_batch;
+use super::{BackendError, Partition, PartitionExport, check_rows};
+use crate::batch_size::batch_bytes;
+
+/// A partition held in host memory as consecutive pieces of its rows.
+#[derive(Debug)]
+pub struct SpilledPartition {
+    pieces: Vec<RecordBatch>,
+    /// `starts[i]` is the first row of piece i; the last entry is the row count.
+    starts: Vec<usize>,
+    bytes: u64,
+}
+
+impl SpilledPartition {
+    /// Keeps `pieces` (consecutive rows of one schema) in buffers of their own: whatever they
+    /// point into (a staging buffer, a larger allocation) is not kept.
+    pub fn keep(pieces: Vec<RecordBatch>) -> Result<Self, BackendError> {
+        let pieces = pieces
+            .iter()
+            .filter(|piece| piece.num_rows() > 0)
+            .map(owned_batch)
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut starts = Vec::with_capacity(pieces.len() + 1);
+        let mut rows = 0;
+        starts.push(0);
+        for piece in &pieces {
+            rows += piece.num_rows();
+            starts.push(rows);
+        }
+        let bytes = pieces.iter().map(batch_bytes).sum();
+        Ok(Self {
+            pieces,
+            starts,
+            bytes,
+        })
+    }
+
+    /// The pieces, in row order: what a restore uploads.
+    pub fn pieces(&self) -> &[RecordBatch] {
+        &self.pieces
+    }
+
+    fn rows(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    fn slice(&self, offset: usize, len: usize) -> Result<RecordBatch, BackendError> {
+        check_rows(offset, len, self.rows())?;
+        let end = offset + len;
+        // The last piece starting at or before `offset`.
+        let first = self.starts.partition_point(|&start| start <= offset);
+        let first = first
+            .saturating_sub(1)
+            .min(self.pieces.len().saturating_sub(1));
+        let mut parts = Vec::new();
+        let mut index = first;
+        while index < self.pieces.len() && self.starts[index] < end {
+            let start = self.starts[index];
+            let from = offset.max(start) - start;
+            let to = end.min(self.starts[index + 1]) - start;
+            parts.push(self.pieces[index].slice(from, to - from));
+            index += 1;
+        }
+        match parts.len() {
+            0 => Ok(RecordBatch::new_empty(self.schema_or_empty())),
+            1 => Ok(parts.swap_remove(0)),
+            _ => arrow::compute::concat_batches(&parts[0].schema(), &parts).map_err(|e| {
+                BackendError::Device(format!("joining pieces of a spilled partition: {e}"))
+            }),
+        }
+    }
+
+    fn schema_or_empty(&self) -> arrow::datatypes::SchemaRef {
+        self.pieces.first().map_or_else(
+            || Arc::new(arrow::datatypes::Schema::empty()),
+            RecordBatch::schema,
+        )
+    }
+}
+
+impl Partition for SpilledPartition {
+    fn num_rows(&self) -> usize {
+        self.rows()
+    }
+
+    fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    fn read(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
+        futures::future::ready(self.slice(offset, len)).boxed()
+    }
+
+    fn export(&self, _columns: &[usize]) -> Result<PartitionExport, BackendError> {
+        Err(BackendError::NotExportable {
+            backend: "host tier",
+        })
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::{ArrayRef, Int64Array, StringArray};
+
+    use super::*;
+
+    fn batch(range: std::ops::Range<i64>) -> RecordBatch {
+        let x: ArrayRef = Arc::new(Int64Array::from_iter_values(range.clone()));
+        let s: ArrayRef = Arc::new(StringArray::from_iter_values(
+            range.map(|v| format!("v{v}")),
+        ));
+        RecordBatch::try_from_iter([("x", x), ("s", s)]).expect("batch")
+    }
+
+    #[tokio::test]
+    async fn reads_within_and_across_pieces_return_the_rows_asked_for() {
+        let whole = batch(0..100);
+        let pieces = vec![whole.slice(0, 30), whole.slice(30, 0), whole.slice(30, 70)];
+        let spilled = SpilledPartition::keep(pieces).expect("keep");
+        assert_eq!((spilled.num_rows(), spilled.pieces().len()), (100, 2));
+        for (offset, len) in [(0, 100), (0, 30), (29, 2), (30, 5), (99, 1), (10, 0)] {
+            let read = spilled.read(offset, len).await.expect("read");
+            assert_eq!(read, whole.slice(offset, len), "rows {offset}+{len}");
+        }
+        assert!(spilled.read(90, 11).await.is_err(), "past the end");
+        assert!(matches!(
+            spilled.export(&[0]),
+            Err(BackendError::NotExportable { .. })
+        ));
+    }
+
+    #[test]
+    fn pieces_keep_only_the_rows_they_hold() {
+        let whole = batch(0..10_000);
+        let spilled = SpilledPartition::keep(vec![whole.slice(0, 10)]).expect("keep");
+        assert!(
+            spilled.bytes() < batch_bytes(&whole) / 100,
+            "{} bytes kept for 10 rows",
+            spilled.bytes()
+        );
+    }
+}

@@ -1,0 +1,411 @@
+//! Memory tiers: where each partition lives, and moving partitions between them.
+//!
+//! A partition lives on a device (its GPU, or a pretend device of the host backend) or, once
+//! spilled, in the host tier: pageable host memory with a budget of its own
+//! (`--host-memory-limit`). When device memory is needed (a put, a compaction, a copy, a
+//! restore) and the device has no room, the least recently used partitions on it that nobody
+//! else holds are spilled: read back through the staging path a piece at a time, kept in host
+//! memory, and the device memory returned. Reads serve a spilled partition from host memory as
+//! it is; `ipc-export` restores it onto its device first, since other processes can map only
+//! device memory.
+//!
+//! A partition's place is a [`Slot`] shared by every dataset version that includes it (appends
+//! share their base's partitions), so a spill frees the memory once for all of them. What a
+//! slot holds is a [`Resident`]: the data and the reservation that pays for it, swapped as a
+//! whole. Readers, exports and copies clone the `Arc<Resident>` they work on, so a spill never
+//! frees memory under them: the old resident's memory (and its charge) goes when the last of
+//! them is done. Such held partitions are not spilled at all, since that would free nothing.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Instant;
+
+use super::dataset::StoredPartition;
+use super::memory::{MemoryBudget, Reservation};
+use super::{Store, StoreError};
+use crate::backend::{BackendError, Partition, SpilledPartition};
+
+/// Most bytes a spill reads back at once: a staging buffer's worth, never the whole partition.
+const SPILL_PIECE_BYTES: u64 = 64 << 20;
+
+/// Where a partition's data lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// On this device, where it can be exported.
+    Device(u32),
+    /// Spilled to host memory.
+    Host,
+}
+
+/// A partition's data and what pays for it, in one tier.
+pub(crate) struct Resident {
+    pub(crate) data: Arc<dyn Partition>,
+    pub(crate) reservation: Reservation,
+    pub(crate) tier: Tier,
+}
+
+impl fmt::Debug for Resident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Resident")
+            .field("tier", &self.tier)
+            .field("rows", &self.data.num_rows())
+            .field("bytes", &self.reservation.bytes())
+            .finish()
+    }
+}
+
+/// One partition's place in the tiers.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    resident: RwLock<Arc<Resident>>,
+    /// The device the partition was stored on: where a restore brings it back.
+    home: u32,
+    /// When it was last read or exported, on [`tick`]'s clock.
+    last_used: AtomicU64,
+    /// Held by whoever moves the partition between tiers, so that one move runs at a time.
+    moving: tokio::sync::Mutex<()>,
+}
+
+/// A clock for least-recently-used order: any counter all slots share will do.
+fn tick() -> u64 {
+    static CLOCK: AtomicU64 = AtomicU64::new(0);
+    CLOCK.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Slot {
+    /// What the partition holds now.
+    pub(crate) fn resident(&self) -> Arc<Resident> {
+        Arc::clone(&self.resident.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Marks the partition as just used, for the spill order.
+    pub(crate) fn touch(&self) {
+        self.last_used.store(tick(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn home(&self) -> u32 {
+        self.home
+    }
+
+    fn replace(&self, resident: Arc<Resident>) -> Arc<Resident> {
+        let mut current = self.resident.write().unwrap_or_else(|p| p.into_inner());
+        std::mem::replace(&mut *current, resident)
+    }
+
+    /// Whether spilling would free anything: no reader, export or copy holds the resident.
+    fn spillable_from(&self, device: u32) -> bool {
+        let resident = self.resident.read().unwrap_or_else(|p| p.into_inner());
+        resident.tier == Tier::Device(device) && Arc::strong_count(&resident) == 1
+    }
+}
+
+/// The host tier and the partitions that may be spilled to it.
+#[derive(Debug)]
+pub(crate) struct Tiers {
+    /// The host tier's budget, as one device.
+    host: Arc<MemoryBudget>,
+    slots: Mutex<Vec<Weak<Slot>>>,
+    pub(crate) spills: AtomicU64,
+    pub(crate) spilled_bytes: AtomicU64,
+    pub(crate) spill_nanos: AtomicU64,
+    pub(crate) restores: AtomicU64,
+    pub(crate) restored_bytes: AtomicU64,
+    pub(crate) restore_nanos: AtomicU64,
+}
+
+impl Tiers {
+    /// A host tier of `limit` bytes (0: none, nothing is spilled).
+    pub(crate) fn new(limit: u64) -> Self {
+        Self {
+            host: MemoryBudget::new(vec![Some(limit)]),
+            slots: Mutex::new(Vec::new()),
+            spills: AtomicU64::new(0),
+            spilled_bytes: AtomicU64::new(0),
+            spill_nanos: AtomicU64::new(0),
+            restores: AtomicU64::new(0),
+            restored_bytes: AtomicU64::new(0),
+            restore_nanos: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn host_used(&self) -> u64 {
+        self.host.used(0)
+    }
+
+    pub(crate) fn host_limit(&self) -> u64 {
+        self.host.limit(0).unwrap_or(0)
+    }
+
+    /// Reserves `bytes` of host memory for bytes received from a client, which live there
+    /// whatever the backend: where the device has no room for them, the host tier may.
+    pub(crate) fn try_reserve_host(&self, bytes: u64) -> Result<Reservation, StoreError> {
+        self.host.try_reserve(0, bytes)
+    }
+
+    /// A new partition on `device`, which may later be spilled.
+    pub(crate) fn hold(
+        &self,
+        data: Arc<dyn Partition>,
+        reservation: Reservation,
+        data_bytes: u64,
+    ) -> StoredPartition {
+        let home = reservation.device();
+        let slot = Arc::new(Slot {
+            resident: RwLock::new(Arc::new(Resident {
+                data,
+                reservation,
+                tier: Tier::Device(home),
+            })),
+            home,
+            last_used: AtomicU64::new(tick()),
+            moving: tokio::sync::Mutex::new(()),
+        });
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        // Forget dropped partitions now and then, so the list follows what is stored.
+        if slots.len() >= 64 && slots.len().is_power_of_two() {
+            slots.retain(|slot| slot.strong_count() > 0);
+        }
+        slots.push(Arc::downgrade(&slot));
+        drop(slots);
+        StoredPartition { slot, data_bytes }
+    }
+
+    /// Partitions on `device` whose spilling would free memory, least recently used first.
+    fn spill_candidates(&self, device: u32) -> Vec<Arc<Slot>> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.retain(|slot| slot.strong_count() > 0);
+        let mut candidates: Vec<Arc<Slot>> = slots
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|slot| slot.spillable_from(device))
+            .collect();
+        drop(slots);
+        candidates.sort_by_key(|slot| slot.last_used.load(Ordering::Relaxed));
+        candidates
+    }
+}
+
+fn elapsed_nanos(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Store {
+    /// Reserves `bytes` on `device`, spilling partitions there to the host tier if that makes
+    /// room. Fails, saying what every tier holds, when nothing does.
+    pub(super) async fn reserve_on(
+        &self,
+        device: u32,
+        bytes: u64,
+    ) -> Result<Reservation, StoreError> {
+        let budget = &self.inner.budget;
+        match budget.try_reserve(device, bytes) {
+            Err(StoreError::MemoryExhausted { .. }) => {}
+            reserved => return reserved,
+        }
+        self.make_room(device, bytes).await;
+        budget
+            .try_reserve(device, bytes)
+            .map_err(|error| self.tiers_full(error))
+    }
+
+    /// `error` (the device's refusal), saying what the host tier holds where there is one.
+    pub(super) fn tiers_full(&self, error: StoreError) -> StoreError {
+        let tiers = &self.inner.tiers;
+        match error {
+            StoreError::MemoryExhausted {
+                device,
+                requested,
+                used,
+                limit,
+            } if tiers.host_limit() > 0 => StoreError::TiersExhausted {
+                device,
+                requested,
+                used,
+                limit,
+                host_used: tiers.host_used(),
+                host_limit: tiers.host_limit(),
+            },
+            error => error,
+        }
+    }
+
+    /// Spills least recently used partitions off `device` until `bytes` are free there, or
+    /// nothing more can go. Returns whether `bytes` are free.
+    pub(super) async fn make_room(&self, device: u32, bytes: u64) -> bool {
+        let budget = &self.inner.budget;
+        if self.inner.tiers.host_limit() == 0 {
+            return budget.free(device) >= bytes;
+        }
+        loop {
+            if budget.free(device) >= bytes {
+                return true;
+            }
+            let candidates = self.inner.tiers.spill_candidates(device);
+            let mut spilled_any = false;
+            for slot in candidates {
+                if budget.free(device) >= bytes {
+                    return true;
+                }
+                match self.spill(&slot).await {
+                    Ok(spilled) => spilled_any |= spilled,
+                    Err(error) => {
+                        tracing::info!(device, %error, "cannot spill to the host tier");
+                        return budget.free(device) >= bytes;
+                    }
+                }
+            }
+            if !spilled_any {
+                return budget.free(device) >= bytes;
+            }
+        }
+    }
+
+    /// Moves `slot`'s partition from its device to the host tier. `Ok(false)` when another
+    /// move of it is under way or it is no longer on a device.
+    async fn spill(&self, slot: &Slot) -> Result<bool, StoreError> {
+        let Ok(_moving) = slot.moving.try_lock() else {
+            return Ok(false);
+        };
+        let resident = slot.resident();
+        let Tier::Device(device) = resident.tier else {
+            return Ok(false);
+        };
+        let tiers = &self.inner.tiers;
+        // Paid for in the host tier before anything is read: the device layout's size, then
+        // trued up to what the pieces hold.
+        let mut host = tiers.host.try_reserve(0, resident.reservation.bytes())?;
+        let started = Instant::now();
+        let rows = resident.data.num_rows();
+        let per_row = resident
+            .reservation
+            .bytes()
+            .div_ceil(rows.max(1) as u64)
+            .max(1);
+        let rows_per_piece = usize::try_from((SPILL_PIECE_BYTES / per_row).max(1)).unwrap_or(1);
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        while offset < rows {
+            let len = rows_per_piece.min(rows - offset);
+            pieces.push(resident.data.read(offset, len).await?);
+            offset += len;
+        }
+        // Copying out of staging memory is CPU work: not on the runtime's threads.
+        let spilled = tokio::task::spawn_blocking(move || SpilledPartition::keep(pieces))
+            .await
+            .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))??;
+        let bytes = super::charge(spilled.bytes(), rows as u64);
+        host.resize(bytes)?;
+        slot.replace(Arc::new(Resident {
+            data: Arc::new(spilled),
+            reservation: host,
+            tier: Tier::Host,
+        }));
+        let device_bytes = resident.reservation.bytes();
+        drop(resident);
+        tiers.spills.fetch_add(1, Ordering::Relaxed);
+        tiers.spilled_bytes.fetch_add(bytes, Ordering::Relaxed);
+        tiers
+            .spill_nanos
+            .fetch_add(elapsed_nanos(started), Ordering::Relaxed);
+        tracing::info!(
+            device,
+            rows,
+            device_bytes,
+            host_bytes = bytes,
+            "partition spilled to host memory"
+        );
+        Ok(true)
+    }
+
+    /// `partition` on a device, restored from the host tier onto the device it was stored
+    /// on if it was spilled. The returned resident holds the device memory for the caller.
+    pub(super) async fn restore(
+        &self,
+        partition: &StoredPartition,
+    ) -> Result<Arc<Resident>, StoreError> {
+        let slot = &partition.slot;
+        let resident = slot.resident();
+        if matches!(resident.tier, Tier::Device(_)) {
+            return Ok(resident);
+        }
+        let _moving = slot.moving.lock().await;
+        let resident = slot.resident();
+        if matches!(resident.tier, Tier::Device(_)) {
+            return Ok(resident);
+        }
+        let started = Instant::now();
+        let restored = self
+            .upload_spilled(&resident.data, slot.home, partition.data_bytes)
+            .await?;
+        let restored = restored.slot.resident();
+        slot.replace(Arc::clone(&restored));
+        let tiers = &self.inner.tiers;
+        tiers.restores.fetch_add(1, Ordering::Relaxed);
+        tiers
+            .restored_bytes
+            .fetch_add(restored.reservation.bytes(), Ordering::Relaxed);
+        tiers
+            .restore_nanos
+            .fetch_add(elapsed_nanos(started), Ordering::Relaxed);
+        tracing::info!(
+            device = slot.home,
+            rows = restored.data.num_rows(),
+            bytes = restored.reservation.bytes(),
+            "partition restored from host memory"
+        );
+        Ok(restored)
+    }
+
+    /// A compact copy on `device` of a partition spilled to the host tier: its pieces
+    /// uploaded, then concatenated there, each paid for (making room) before it is made.
+    pub(super) async fn upload_spilled(
+        &self,
+        data: &Arc<dyn Partition>,
+        device: u32,
+        data_bytes: u64,
+    ) -> Result<StoredPartition, StoreError> {
+        let spilled = data
+            .as_any()
+            .downcast_ref::<SpilledPartition>()
+            .ok_or_else(|| {
+                BackendError::Device("a host-tier partition of an unknown kind".to_owned())
+            })?;
+        let pieces = spilled.pieces().to_vec();
+        let Some(schema) = pieces.first().map(|p| p.schema()) else {
+            return Err(BackendError::Device("a spilled partition without rows".to_owned()).into());
+        };
+        let charges = pieces
+            .iter()
+            .map(|piece| self.stored_charge(piece))
+            .collect::<Result<Vec<u64>, _>>()?;
+        let total: u64 = charges.iter().sum();
+        // Room for the pieces and, where there are several, their concatenation beside them.
+        let peak = if pieces.len() > 1 { 2 * total } else { total };
+        self.make_room(device, peak).await;
+        let mut uploaded = Vec::with_capacity(pieces.len());
+        for (piece, charge) in pieces.into_iter().zip(charges) {
+            let reservation = self
+                .inner
+                .budget
+                .try_reserve(device, charge)
+                .map_err(|error| self.tiers_full(error))?;
+            let piece_bytes = crate::batch_size::batch_bytes(&piece);
+            let data = self.inner.backend.upload(device, piece).await?;
+            uploaded.push(self.inner.tiers.hold(data, reservation, piece_bytes));
+        }
+        let mut compacted = self.compact(&schema, uploaded, device).await?;
+        match (compacted.pop(), compacted.is_empty()) {
+            (Some(mut partition), true) => {
+                partition.data_bytes = data_bytes;
+                Ok(partition)
+            }
+            _ => Err(self.tiers_full(StoreError::MemoryExhausted {
+                device,
+                requested: total,
+                used: self.inner.budget.used(device),
+                limit: self.inner.budget.limit(device).unwrap_or(u64::MAX),
+            })),
+        }
+    }
+}
