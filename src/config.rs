@@ -10,7 +10,7 @@ use crate::auth::Role;
 use crate::backend::{BackendChoice, GpuSelection};
 use crate::flight::FlightOptions;
 use crate::server::{ConnectionLimits, ServeOptions};
-use crate::store::StoreOptions;
+use crate::store::{Durability, StoreOptions};
 
 /// gpu-flight: an Arrow Flight server that keeps datasets in GPU memory (or host memory where
 /// there is no GPU).
@@ -123,6 +123,17 @@ pub struct ServeArgs {
     /// the CUDA backend; 0 with the host backend, whose datasets are in host memory already.
     #[arg(long, env = "GPU_FLIGHT_HOST_MEMORY_LIMIT", value_parser = size)]
     pub host_memory_limit: Option<ByteSize>,
+
+    /// Makes every committed dataset durable in this directory (Arrow IPC files and a
+    /// manifest), and loads what it holds at start. Without it nothing touches the disk.
+    #[arg(long, env = "GPU_FLIGHT_DATA_DIR")]
+    pub data_dir: Option<std::path::PathBuf>,
+
+    /// With --data-dir: `sync` acknowledges a put, copy or drop once it is on disk; `async`
+    /// at once, the disk following in commit order (a crash may lose the latest changes,
+    /// never tear one).
+    #[arg(long, env = "GPU_FLIGHT_DURABILITY", value_enum, default_value_t = Durability::Sync)]
+    pub durability: Durability,
 
     /// Rows per endpoint in GetFlightInfo; clients read endpoints in parallel.
     #[arg(long, env = "GPU_FLIGHT_ROWS_PER_ENDPOINT", default_value_t = 1 << 20,
@@ -240,6 +251,8 @@ impl ServeArgs {
         StoreOptions {
             memory_limit: self.memory_limit.map(|b| b.as_u64()),
             host_memory_limit: self.host_memory_limit.map(|b| b.as_u64()),
+            data_dir: self.data_dir.clone(),
+            durability: self.durability,
         }
     }
 

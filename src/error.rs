@@ -131,6 +131,8 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
+        StoreError::DiskFull(_) => Code::ResourceExhausted,
+        StoreError::Persist(_) => Code::Internal,
         StoreError::Backend(error) => backend_code(error),
     }
 }

@@ -171,7 +171,10 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         Auth::Off => None,
     };
     let backend_name = backend.name();
-    let store = Store::new(backend, args.store_options());
+    // Loaded before the server says it serves: a client never sees a catalog still filling.
+    let store = Store::open(backend, args.store_options())
+        .await
+        .map_err(|error| Failure::Start(error.to_string()))?;
     let metrics = Metrics::new(store.clone());
     for listener in &listeners {
         let tls = tls.is_some() && !listener.is_unix();
@@ -204,9 +207,10 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         flight: listeners,
         health: health_listener,
     };
-    server::run(listeners, store, options, shutdown)
-        .await
-        .map_err(|error| Failure::Serve(error.to_string()))
+    let served = server::run(listeners, store.clone(), options, shutdown).await;
+    // Changes acknowledged under --durability async reach the disk before the process ends.
+    store.close().await;
+    served.map_err(|error| Failure::Serve(error.to_string()))
 }
 
 /// The subcommands that help set up authentication.

@@ -311,6 +311,7 @@ async fn memory_limit_is_resource_exhausted_and_others_survive(make: MakeBackend
         memory_limit: Some(limit),
         // The device's limit alone: no host tier to spill to.
         host_memory_limit: Some(0),
+        ..StoreOptions::default()
     };
     let server = TestServer::start_with(make(), store_options, ServeOptions::default()).await;
     let mut client = server.client().await;
@@ -797,6 +798,7 @@ async fn compaction_beyond_the_limit_fails_cleanly(make: MakeBackend) {
         memory_limit: Some(uploads + 1024),
         // The device's limit alone: no host tier to spill to.
         host_memory_limit: Some(0),
+        ..StoreOptions::default()
     };
     let server = TestServer::start_with(backend, store_options, ServeOptions::default()).await;
     let mut client = server.client().await;

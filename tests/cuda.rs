@@ -80,6 +80,7 @@ async fn device_and_pinned_memory_return_after_puts_gets_failures_and_drops() {
     let store_options = StoreOptions {
         memory_limit: Some(64 << 20),
         host_memory_limit: Some(0),
+        ..StoreOptions::default()
     };
     let server = TestServer::start_with(cuda(), store_options, ServeOptions::default()).await;
     let mut client = server.client().await;

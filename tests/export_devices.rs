@@ -271,6 +271,7 @@ async fn the_export_document_describes_partitions_by_version() {
     let options = StoreOptions {
         memory_limit: Some(LIMIT),
         host_memory_limit: Some(0),
+        ..StoreOptions::default()
     };
     let server = TestServer::start_with(backend, options, ServeOptions::default()).await;
     let mut client = server.client().await;

@@ -461,6 +461,7 @@ impl Served {
                 memory_limit: Some(MEMORY_LIMIT),
                 // The device's limit alone: no host tier to spill to.
                 host_memory_limit: Some(0),
+                ..StoreOptions::default()
             },
             options,
         ));

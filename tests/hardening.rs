@@ -32,6 +32,7 @@ fn limited(bytes: u64) -> StoreOptions {
     StoreOptions {
         memory_limit: Some(bytes),
         host_memory_limit: Some(0),
+        ..StoreOptions::default()
     }
 }
 

@@ -178,6 +178,7 @@ async fn a_dataset_spread_over_two_devices_maps_from_either() {
     let options = StoreOptions {
         memory_limit: Some(32 << 20),
         host_memory_limit: Some(0),
+        ..StoreOptions::default()
     };
     let server = TestServer::start_with(two_devices(), options, ServeOptions::default()).await;
     let mut client = server.client().await;

@@ -62,6 +62,7 @@ async fn metrics_move_with_the_work() {
             memory_limit: Some(64 << 20),
             // The device's limit alone: no host tier to spill to.
             host_memory_limit: Some(0),
+            ..StoreOptions::default()
         },
         ServeOptions::default(),
     )

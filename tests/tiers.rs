@@ -23,6 +23,7 @@ fn tiered(backend: Arc<dyn Backend>, host: u64) -> Store {
         StoreOptions {
             memory_limit: Some(LIMIT),
             host_memory_limit: Some(host),
+            ..StoreOptions::default()
         },
     )
 }
@@ -219,6 +220,7 @@ async fn flight_reports_tiers_and_refuses_with_resource_exhausted() {
             memory_limit: Some(LIMIT),
             // A spilled batch, and a batch's message received while the device is full.
             host_memory_limit: Some(4_000_000),
+            ..StoreOptions::default()
         },
         ServeOptions::default(),
     )

@@ -7,7 +7,7 @@ use super::descriptor::{DeviceRef, parse_json_object, parse_name};
 use super::ipc_export;
 use crate::auth::{Principal, Role};
 use crate::error::Error;
-use crate::store::{PutMode, StoreStatus, TierStatus};
+use crate::store::{PersistenceStatus, PutMode, StoreStatus, TierStatus};
 
 /// The actions this server understands, as `ListActions` reports them.
 pub const ACTIONS: &[(&str, &str)] = &[
@@ -299,6 +299,9 @@ pub struct StatusDocument {
     pub counters: serde_json::Map<String, Value>,
     pub topology: TopologyDocument,
     pub tiers: TierStatus,
+    /// Under `--data-dir`; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub persistence: Option<PersistenceStatus>,
 }
 
 /// How the devices reach each other: the first rung of the transfer-cost hierarchy (same
@@ -417,6 +420,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
             peer_access: status.peer_access.clone(),
         },
         tiers: status.tiers.clone(),
+        persistence: status.persistence.clone(),
     };
     to_value(&document)
 }
@@ -567,6 +571,7 @@ mod tests {
             concatenated_bytes: 0,
             concatenation_seconds: 0.0,
             tiers: TierStatus::default(),
+            persistence: None,
         };
         let viewer = |name: &str, role: Role| Principal {
             name: name.into(),

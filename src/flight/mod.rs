@@ -226,7 +226,7 @@ impl Service {
         match request {
             ActionRequest::Drop { name } => {
                 caller.require(Role::Write, "the drop action")?;
-                let dataset = self.store.remove(&name)?;
+                let dataset = self.store.drop_dataset(&name).await?;
                 tracing::info!(dataset = ?name, bytes = dataset.memory_bytes(), "dataset dropped");
                 action::to_value(&action::DropResult {
                     name,

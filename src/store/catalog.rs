@@ -1,12 +1,17 @@
-//! The catalog: names to datasets, and dataset versions.
+//! The catalog: names to datasets, and dataset versions; opening a store (loading what
+//! `--data-dir` holds) and dropping datasets.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use dashmap::DashMap;
+use std::collections::HashMap;
 
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
+
+use super::durable::{self, Done, Durable, Job, Persisted};
 use super::memory::MemoryBudget;
-use super::{Dataset, Inner, Store, StoreError, StoreOptions, lease};
+use super::{Dataset, Inner, PutMode, Store, StoreError, StoreOptions, lease};
 use crate::backend::Backend;
 
 impl Store {
@@ -31,6 +36,7 @@ impl Store {
                 next_version: AtomicU64::new(1),
                 leases: lease::Leases::default(),
                 tiers: super::tier::Tiers::new(host_limit),
+                durable: std::sync::OnceLock::new(),
                 puts: Arc::default(),
                 concatenations: AtomicU64::new(0),
                 concatenated_bytes: AtomicU64::new(0),
@@ -67,15 +73,129 @@ impl Store {
         datasets
     }
 
-    /// Removes `name` from the catalog. Its memory returns once running reads finish.
+    /// Removes `name` from the catalog. Its memory returns once running reads finish. Under
+    /// `--data-dir` its files go too, once the disk catches up: see [`Store::drop_dataset`].
     pub fn remove(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
-        self.inner
-            .catalog
-            .remove(name)
-            .map(|(_, dataset)| dataset)
-            .ok_or_else(|| StoreError::NotFound {
+        self.remove_queued(name).map(|(dataset, _)| dataset)
+    }
+
+    /// [`Store::remove`], acknowledged as `--durability` says: under `sync`, once the
+    /// dataset is gone from the disk too.
+    pub async fn drop_dataset(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+        let (dataset, persisted) = self.remove_queued(name)?;
+        durable::wait(persisted).await?;
+        Ok(dataset)
+    }
+
+    fn remove_queued(&self, name: &str) -> Result<(Arc<Dataset>, Persisted), StoreError> {
+        match self.inner.catalog.entry(name.to_owned()) {
+            Entry::Occupied(entry) => {
+                let persisted = self.persist(|done| Job::Remove {
+                    name: name.to_owned(),
+                    done,
+                });
+                Ok((entry.remove(), persisted))
+            }
+            Entry::Vacant(_) => Err(StoreError::NotFound {
                 name: name.to_owned(),
-            })
+            }),
+        }
+    }
+
+    /// Queues a change for the disk under `--data-dir`; the caller holds the catalog entry
+    /// it changed, so changes to a name reach the disk in the order they were made.
+    pub(super) fn persist(&self, job: impl FnOnce(Done) -> Job) -> Persisted {
+        self.inner
+            .durable
+            .get()
+            .and_then(|durable| durable.queue(job))
+    }
+
+    /// Puts `name` back as it was before a change (version `version`) the disk refused,
+    /// unless something changed it since, and queues that state for the disk again.
+    pub(super) fn undo(&self, name: &str, version: u64, previous: Option<Arc<Dataset>>) {
+        if let Entry::Occupied(mut entry) = self.inner.catalog.entry(name.to_owned())
+            && entry.get().version() == version
+        {
+            match previous {
+                Some(previous) => {
+                    let rows = 0..previous.num_rows();
+                    let _ = self.persist(|_| Job::Write {
+                        dataset: Arc::clone(&previous),
+                        base: None,
+                        rows,
+                        done: None,
+                    });
+                    entry.insert(previous);
+                }
+                None => {
+                    let _ = self.persist(|_| Job::Remove {
+                        name: name.to_owned(),
+                        done: None,
+                    });
+                    entry.remove();
+                }
+            }
+        }
+    }
+
+    /// Under `--data-dir`, waits until every change committed so far is on disk, and closes
+    /// the directory: later changes stay in memory only. For a clean shutdown.
+    pub async fn close(&self) {
+        if let Some(durable) = self.inner.durable.get() {
+            durable.close().await;
+        }
+    }
+
+    /// A store over `backend` that, with `options.data_dir`, first loads every dataset the
+    /// directory holds (placed like puts: on devices, spilling to the host tier) and then
+    /// makes every commit durable there. Fails, naming the dataset and file, where the
+    /// directory cannot be read or a dataset does not fit: a server never starts without data
+    /// it was trusted with.
+    pub async fn open(
+        backend: Arc<dyn Backend>,
+        options: StoreOptions,
+    ) -> Result<Self, StoreError> {
+        let store = Self::new(backend, options.clone());
+        let Some(root) = options.data_dir else {
+            return Ok(store);
+        };
+        let (mut dir, manifest) = durable::open(root.clone()).await?;
+        let mut loaded = HashMap::new();
+        let started = std::time::Instant::now();
+        for (name, entry) in &manifest.datasets {
+            let context = |error: StoreError| {
+                StoreError::Persist(format!(
+                    "loading dataset {name:?} from {}: {error}",
+                    root.display()
+                ))
+            };
+            let mut pending = store
+                .begin_put(name.clone(), PutMode::Create, "data-dir")
+                .map_err(context)?;
+            for segment in &entry.segments {
+                let (back, schema, batches) =
+                    durable::read(dir, segment.clone()).await.map_err(context)?;
+                dir = back;
+                pending.declare_schema(schema).map_err(context)?;
+                for batch in batches {
+                    if let Some(upload) = pending.upload(batch, None).await.map_err(context)? {
+                        pending.add(upload.await.map_err(context)?);
+                    }
+                }
+            }
+            pending.commit().await.map_err(context)?;
+            loaded.insert(name.clone(), store.get(name)?.version());
+        }
+        tracing::info!(
+            data_dir = %root.display(),
+            datasets = loaded.len(),
+            seconds = started.elapsed().as_secs_f64(),
+            "datasets loaded from the data directory"
+        );
+        let durable = Durable::start(dir, manifest, loaded, options.durability);
+        let _ = store.inner.durable.set(durable);
+        Ok(store)
     }
 
     pub(super) fn next_version(&self) -> u64 {

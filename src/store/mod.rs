@@ -21,12 +21,15 @@
 //!
 //! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction),
 //! `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
-//! `status` (what the store holds), `tier` (spilling to host memory and back); `dataset`,
+//! `status` (what the store holds), `tier` (spilling to host memory and back), `durable` and
+//! `files` (persistence under `--data-dir`); `dataset`,
 //! `lease`, `memory` and `progress` are the parts they share.
 
 mod catalog;
 mod dataset;
+mod durable;
 mod export;
+mod files;
 mod lease;
 pub mod memory;
 mod progress;
@@ -41,13 +44,14 @@ use std::sync::atomic::AtomicU64;
 use dashmap::DashMap;
 
 pub use dataset::{Dataset, TierBytes};
+pub use durable::Durability;
 pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
 pub use lease::{Lease, LeaseTerms};
 use memory::MemoryBudget;
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
 pub use relocate::{CopySummary, MoveSummary};
-pub use status::{DeviceStatus, LeaseStatus, StoreStatus, TierStatus};
+pub use status::{DeviceStatus, LeaseStatus, PersistenceStatus, StoreStatus, TierStatus};
 pub use tier::Tier;
 
 use crate::backend::{Backend, BackendError};
@@ -177,8 +181,25 @@ pub enum StoreError {
         leased: String,
         requested: String,
     },
+    #[error("the data directory is full: {0}; free space there or drop datasets")]
+    DiskFull(String),
+    #[error("the data directory failed: {0}")]
+    Persist(String),
     #[error(transparent)]
     Backend(#[from] BackendError),
+}
+
+impl From<files::FilesError> for StoreError {
+    fn from(error: files::FilesError) -> Self {
+        match &error {
+            files::FilesError::Io { source, .. }
+                if source.kind() == std::io::ErrorKind::StorageFull =>
+            {
+                Self::DiskFull(error.to_string())
+            }
+            _ => Self::Persist(error.to_string()),
+        }
+    }
 }
 
 /// How a put treats an existing dataset of the same name.
@@ -200,6 +221,11 @@ pub struct StoreOptions {
     pub memory_limit: Option<u64>,
     /// Bytes the host tier may hold; `None` for the default ([`default_host_memory_limit`]).
     pub host_memory_limit: Option<u64>,
+    /// Where committed datasets are made durable (`--data-dir`); `None`: nowhere, nothing
+    /// touches the disk. Only [`Store::open`] reads it.
+    pub data_dir: Option<std::path::PathBuf>,
+    /// When a commit is acknowledged under `data_dir`.
+    pub durability: Durability,
 }
 
 /// The host tier's budget without `--host-memory-limit`: half the memory this process may use
@@ -227,6 +253,8 @@ struct Inner {
     next_version: AtomicU64,
     leases: lease::Leases,
     tiers: tier::Tiers,
+    /// The persistence writer, under `--data-dir`: set once the data directory is loaded.
+    durable: std::sync::OnceLock<durable::Durable>,
     puts: Arc<progress::Puts>,
     concatenations: AtomicU64,
     /// Arrow bytes those compactions copied.

@@ -11,6 +11,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, TryFutureExt};
 
 use super::dataset::StoredPartition;
+use super::durable::{self, Job, Persisted};
 use super::memory::Reservation;
 use super::{ARRAY_OVERHEAD, Dataset, PutMode, Store, StoreError, Tier, charge, progress};
 use crate::backend::BackendError;
@@ -306,13 +307,15 @@ impl PendingPut {
             total_bytes: dataset.data_bytes(),
         };
         let catalog = &store.inner.catalog;
-        let committed = match catalog.entry(self.name.clone()) {
+        // Each arm makes the new version visible and queues it for the disk while it still
+        // holds the name's entry: the writer sees a name's versions in commit order.
+        let (committed, previous, persisted) = match catalog.entry(self.name.clone()) {
             Entry::Occupied(_) if self.mode == PutMode::Create => {
                 return Err(StoreError::AlreadyExists { name: self.name });
             }
             Entry::Occupied(mut entry) if self.mode == PutMode::Append => {
-                let current = entry.get();
-                check_append_schema(current, &schema)?;
+                let current = Arc::clone(entry.get());
+                check_append_schema(&current, &schema)?;
                 let partitions = if base.as_ref().map(|b| b.version()) == Some(current.version()) {
                     compacted
                 } else {
@@ -329,8 +332,15 @@ impl PendingPut {
                     partitions,
                     Arc::clone(current.schema_charge()),
                 ));
+                let total = dataset.num_rows();
+                let persisted = store.persist(|done| Job::Write {
+                    dataset: Arc::clone(&dataset),
+                    base: Some(current.version()),
+                    rows: total.saturating_sub(self.rows)..total,
+                    done,
+                });
                 entry.insert(Arc::clone(&dataset));
-                dataset
+                (dataset, Some(current), persisted)
             }
             Entry::Occupied(mut entry) => {
                 let dataset = Arc::new(Dataset::new(
@@ -340,8 +350,9 @@ impl PendingPut {
                     compacted,
                     schema_charge,
                 ));
-                entry.insert(Arc::clone(&dataset));
-                dataset
+                let persisted = store.persist_whole(&dataset);
+                let previous = entry.insert(Arc::clone(&dataset));
+                (dataset, Some(previous), persisted)
             }
             Entry::Vacant(entry) => {
                 // An append whose dataset was dropped meanwhile commits its own rows only: the
@@ -358,15 +369,30 @@ impl PendingPut {
                     partitions,
                     schema_charge,
                 ));
+                let persisted = store.persist_whole(&dataset);
                 entry.insert(Arc::clone(&dataset));
-                dataset
+                (dataset, None, persisted)
             }
         };
+        if let Err(error) = durable::wait(persisted).await {
+            store.undo(&self.name, version, previous);
+            return Err(error);
+        }
         Ok(summary(&committed))
     }
 }
 
 impl Store {
+    /// Queues all of `dataset` for the disk (see [`Store::persist`]).
+    pub(super) fn persist_whole(&self, dataset: &Arc<Dataset>) -> Persisted {
+        self.persist(|done| Job::Write {
+            dataset: Arc::clone(dataset),
+            base: None,
+            rows: 0..dataset.num_rows(),
+            done,
+        })
+    }
+
     /// Compacts each run of consecutive partitions on one device, on that device, keeping the
     /// runs in row order: a dataset spread across devices stays spread, each part compact.
     /// `existing` (a dataset's partitions, possibly none) followed by `new`: the new batches

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use dashmap::mapref::entry::Entry;
 
 use super::dataset::StoredPartition;
+use super::durable::{self, Job};
 use super::memory::Reservation;
 use super::tier::{Resident, Tier};
 use super::{Dataset, Store, StoreError};
@@ -73,6 +74,12 @@ impl Store {
         let version = self.next_version();
         match inner.catalog.entry(name.to_owned()) {
             Entry::Occupied(mut entry) if entry.get().version() == base.version() => {
+                // The same rows elsewhere: on disk only the version changes.
+                let _ = self.persist(|_| Job::Rename {
+                    name: name.to_owned(),
+                    from: base.version(),
+                    to: version,
+                });
                 entry.insert(Arc::new(Dataset::new(
                     name.to_owned(),
                     schema,
@@ -119,21 +126,28 @@ impl Store {
         let schema_charge = self.reserve_on(device, schema_bytes(&schema)).await?;
         let (partitions, copied_bytes) = self.copy_partitions(&base, device, false).await?;
         let version = self.next_version();
-        match inner.catalog.entry(copy.to_owned()) {
+        let persisted = match inner.catalog.entry(copy.to_owned()) {
             Entry::Vacant(entry) => {
-                entry.insert(Arc::new(Dataset::new(
+                let dataset = Arc::new(Dataset::new(
                     copy.to_owned(),
                     schema,
                     version,
                     partitions,
                     Arc::new(schema_charge),
-                )));
+                ));
+                let persisted = self.persist_whole(&dataset);
+                entry.insert(dataset);
+                persisted
             }
             Entry::Occupied(_) => {
                 return Err(StoreError::AlreadyExists {
                     name: copy.to_owned(),
                 });
             }
+        };
+        if let Err(error) = durable::wait(persisted).await {
+            self.undo(copy, version, None);
+            return Err(error);
         }
         tracing::info!(dataset = name, copy, device, copied_bytes, "dataset copied");
         Ok(CopySummary {

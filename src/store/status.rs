@@ -32,6 +32,22 @@ pub struct StoreStatus {
     pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
     pub tiers: TierStatus,
+    /// Under `--data-dir`: what the disk holds and owes.
+    pub persistence: Option<PersistenceStatus>,
+}
+
+/// Persistence under `--data-dir`, for `status`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PersistenceStatus {
+    pub data_dir: String,
+    pub durability: super::Durability,
+    /// Changes committed in memory and not yet on disk.
+    pub pending: u64,
+    /// Segment files written, and their bytes.
+    pub segments: u64,
+    pub written_bytes: u64,
+    /// Changes the disk refused (each logged).
+    pub failures: u64,
 }
 
 /// The memory tiers, for `status` and the metrics.
@@ -171,6 +187,17 @@ impl Store {
             )
             .as_secs_f64(),
             tiers,
+            persistence: inner.durable.get().map(|durable| {
+                let counters = &durable.counters;
+                PersistenceStatus {
+                    data_dir: durable.root.display().to_string(),
+                    durability: durable.durability,
+                    pending: counters.pending.load(Ordering::Relaxed),
+                    segments: counters.segments.load(Ordering::Relaxed),
+                    written_bytes: counters.written_bytes.load(Ordering::Relaxed),
+                    failures: counters.failures.load(Ordering::Relaxed),
+                }
+            }),
         }
     }
 }

@@ -30,6 +30,7 @@ pub fn store_over(backend: Arc<dyn Backend>) -> Store {
             memory_limit: Some(LIMIT),
             // The device's limit alone: no host tier to spill to.
             host_memory_limit: Some(0),
+            ..StoreOptions::default()
         },
     )
 }
