@@ -214,7 +214,7 @@ fn has_dictionary(data_type: &DataType) -> bool {
 
 /// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already
 /// allocations of their own are kept, the others copied.
-pub(crate) fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
+fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let copy_failed =
         |e: arrow::error::ArrowError| BackendError::Device(format!("copying a batch: {e}"));
     let columns = batch

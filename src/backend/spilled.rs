@@ -12,7 +12,10 @@ use arrow::record_batch::RecordBatch;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::host::owned_batch;
+use arrow::array::make_array;
+use arrow::record_batch::RecordBatchOptions;
+
+use super::owned::owned;
 use super::{BackendError, Partition, PartitionExport, check_rows};
 use crate::batch_size::batch_bytes;
 
@@ -26,14 +29,18 @@ pub struct SpilledPartition {
 }
 
 impl SpilledPartition {
-    /// Keeps `pieces` (consecutive rows of one schema) in buffers of their own: whatever they
-    /// point into (a staging buffer, a larger allocation) is not kept.
+    /// Keeps `pieces` (consecutive rows of one schema) in buffers of their own, always
+    /// copied: what they point into (a pinned staging buffer, which looks like an allocation
+    /// of its own, or a larger allocation) is not kept.
     pub fn keep(pieces: Vec<RecordBatch>) -> Result<Self, BackendError> {
-        let pieces = pieces
-            .iter()
-            .filter(|piece| piece.num_rows() > 0)
-            .map(owned_batch)
-            .collect::<Result<Vec<_>, _>>()?;
+        let pieces = pieces.iter().map(copied).collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::of_copies(pieces))
+    }
+
+    /// A partition of `pieces` that are [`copied`] already: one at a time, as they are read,
+    /// so a spill holds at most one piece of staging memory.
+    pub fn of_copies(pieces: Vec<RecordBatch>) -> Self {
+        let pieces: Vec<RecordBatch> = pieces.into_iter().filter(|p| p.num_rows() > 0).collect();
         let mut starts = Vec::with_capacity(pieces.len() + 1);
         let mut rows = 0;
         starts.push(0);
@@ -42,11 +49,11 @@ impl SpilledPartition {
             starts.push(rows);
         }
         let bytes = pieces.iter().map(batch_bytes).sum();
-        Ok(Self {
+        Self {
             pieces,
             starts,
             bytes,
-        })
+        }
     }
 
     /// The pieces, in row order: what a restore uploads.
@@ -90,6 +97,19 @@ impl SpilledPartition {
             RecordBatch::schema,
         )
     }
+}
+
+/// `batch` in new buffers of its own.
+pub fn copied(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
+    let failed = |e: arrow::error::ArrowError| BackendError::Device(format!("spilling: {e}"));
+    let columns = batch
+        .columns()
+        .iter()
+        .map(|column| owned(&column.to_data()).map(make_array))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(failed)?;
+    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    RecordBatch::try_new_with_options(batch.schema(), columns, &options).map_err(failed)
 }
 
 impl Partition for SpilledPartition {
@@ -149,6 +169,39 @@ mod tests {
             spilled.export(&[0]),
             Err(BackendError::NotExportable { .. })
         ));
+    }
+
+    /// Memory a piece may point into; `alive` tells whether anything still holds it.
+    struct Staging {
+        bytes: arrow::buffer::Buffer,
+        _alive: Arc<()>,
+    }
+
+    impl AsRef<[u8]> for Staging {
+        fn as_ref(&self) -> &[u8] {
+            self.bytes.as_slice()
+        }
+    }
+
+    #[test]
+    fn pieces_never_keep_the_memory_they_were_read_into() {
+        // As a read from a GPU hands them over: buffers over a staging buffer, which look
+        // like allocations of their own.
+        let alive = Arc::new(());
+        let staging = Staging {
+            bytes: arrow::buffer::Buffer::from_vec(vec![7i64; 1000]),
+            _alive: Arc::clone(&alive),
+        };
+        let buffer = arrow::buffer::Buffer::from(bytes::Bytes::from_owner(staging));
+        let column: ArrayRef = Arc::new(Int64Array::new(buffer.into(), None));
+        let piece = RecordBatch::try_from_iter([("x", column)]).expect("batch");
+        let spilled = SpilledPartition::keep(vec![piece]).expect("keep");
+        assert_eq!(
+            Arc::strong_count(&alive),
+            1,
+            "the staging buffer is given back"
+        );
+        assert_eq!(spilled.pieces()[0].num_rows(), 1000);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::Instant;
 use super::dataset::StoredPartition;
 use super::memory::{MemoryBudget, Reservation};
 use super::{Store, StoreError};
-use crate::backend::{BackendError, Partition, SpilledPartition};
+use crate::backend::{BackendError, Partition, SpilledPartition, spilled};
 
 /// Most bytes a spill reads back at once: a staging buffer's worth, never the whole partition.
 const SPILL_PIECE_BYTES: u64 = 64 << 20;
@@ -287,13 +287,17 @@ impl Store {
         let mut offset = 0;
         while offset < rows {
             let len = rows_per_piece.min(rows - offset);
-            pieces.push(resident.data.read(offset, len).await?);
+            let piece = resident.data.read(offset, len).await?;
+            // Copied out of staging memory at once, which goes back to the pool; CPU work,
+            // so not on the runtime's threads.
+            pieces.push(
+                tokio::task::spawn_blocking(move || spilled::copied(&piece))
+                    .await
+                    .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))??,
+            );
             offset += len;
         }
-        // Copying out of staging memory is CPU work: not on the runtime's threads.
-        let spilled = tokio::task::spawn_blocking(move || SpilledPartition::keep(pieces))
-            .await
-            .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))??;
+        let spilled = SpilledPartition::of_copies(pieces);
         let bytes = super::charge(spilled.bytes(), rows as u64);
         host.resize(bytes)?;
         slot.replace(Arc::new(Resident {

@@ -1,0 +1,278 @@
+//! Memory tiers and persistence, measured through the store (no network in the way):
+//!
+//! ```text
+//! cargo run --release --example tier_bench -- [--backend cuda] [--spill-gib 3] \
+//!     [--appends 1000] [--append-mib 1] [--persist-gib 10 --data-dir DIR]
+//! ```
+//!
+//! - **Spill:** `--spill-gib` of int64 datasets (256 MiB each) put with the device's budget at
+//!   a third of that, so two thirds spill to host memory; every row is read back and compared,
+//!   then every spilled dataset is exported (which restores it onto the device, spilling
+//!   others). Prints spill and restore GB/s from the store's own counters.
+//! - **Appends:** `--appends` appends of `--append-mib` to one dataset: bytes copied by merges
+//!   against what recopying the dataset at every append (the old behaviour) copies.
+//! - **Persistence:** with `--data-dir`, `--persist-gib` put durably (`sync`) in 1 GiB
+//!   datasets, then the directory reopened: the time until a server would answer, with every
+//!   dataset loaded.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::{ArrayRef, Int64Array};
+use arrow::record_batch::RecordBatch;
+use clap::Parser;
+use futures::TryStreamExt;
+use gpu_flight::backend::{Backend, BackendChoice, GpuSelection, select};
+use gpu_flight::batch_size::batch_bytes;
+use gpu_flight::store::{Durability, ExportRequest, PutMode, Store, StoreOptions};
+
+#[derive(Debug, Parser)]
+struct Args {
+    #[arg(long, value_enum, default_value_t = BackendChoice::Cuda)]
+    backend: BackendChoice,
+    #[arg(long, default_value_t = 3.0)]
+    spill_gib: f64,
+    #[arg(long, default_value_t = 1000)]
+    appends: u64,
+    #[arg(long, default_value_t = 1)]
+    append_mib: u64,
+    #[arg(long, default_value_t = 10.0)]
+    persist_gib: f64,
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+}
+
+const MIB: u64 = 1 << 20;
+const BATCH_ROWS: u64 = MIB; // 8 MiB of int64
+
+/// Rows `rows` of dataset `seed`: values no other dataset or row has.
+fn batch(seed: u64, rows: std::ops::Range<u64>) -> RecordBatch {
+    let x: ArrayRef = Arc::new(Int64Array::from_iter_values(
+        rows.map(|r| (seed << 40 | r) as i64),
+    ));
+    RecordBatch::try_from_iter([("x", x)]).expect("batch")
+}
+
+fn batches(seed: u64, rows: u64) -> Vec<RecordBatch> {
+    (0..rows)
+        .step_by(BATCH_ROWS as usize)
+        .map(|start| batch(seed, start..rows.min(start + BATCH_ROWS)))
+        .collect()
+}
+
+async fn put(store: &Store, name: &str, mode: PutMode, batches: &[RecordBatch]) {
+    let mut pending = store
+        .begin_put(name.to_owned(), mode, "bench")
+        .expect("begin");
+    pending.declare_schema(batches[0].schema()).expect("schema");
+    for batch in batches {
+        if let Some(upload) = pending.upload(batch.clone(), None).await.expect("reserve") {
+            pending.add(upload.await.expect("upload"));
+        }
+    }
+    pending.commit().await.expect("commit");
+}
+
+async fn read(store: &Store, name: &str) -> Vec<RecordBatch> {
+    let dataset = store.get(name).expect("dataset");
+    dataset
+        .read(0..dataset.num_rows(), 16 * MIB, 2)
+        .expect("read")
+        .try_collect()
+        .await
+        .expect("read")
+}
+
+fn same_rows(got: &[RecordBatch], want: &[RecordBatch]) -> bool {
+    let got = arrow::compute::concat_batches(&want[0].schema(), got).expect("concat");
+    let want = arrow::compute::concat_batches(&want[0].schema(), want).expect("concat");
+    got == want
+}
+
+fn gbps(bytes: u64, seconds: f64) -> f64 {
+    bytes as f64 / seconds.max(1e-9) / 1e9
+}
+
+fn backend(args: &Args) -> Arc<dyn Backend> {
+    select(args.backend, &GpuSelection::Ordinals(vec![0]), 1).expect("backend")
+}
+
+async fn spill(args: &Args) {
+    let total = (args.spill_gib * (1u64 << 30) as f64) as u64;
+    let per_dataset = 256 * MIB;
+    let datasets = total.div_ceil(per_dataset);
+    let store = Store::new(
+        backend(args),
+        StoreOptions {
+            memory_limit: Some(total / 3),
+            host_memory_limit: Some(4 * total),
+            ..StoreOptions::default()
+        },
+    );
+    let started = Instant::now();
+    for seed in 0..datasets {
+        put(
+            &store,
+            &format!("d{seed}"),
+            PutMode::Create,
+            &batches(seed, per_dataset / 8),
+        )
+        .await;
+    }
+    let put_seconds = started.elapsed().as_secs_f64();
+    let status = store.status();
+    let tiers = &status.tiers;
+    println!(
+        "spill: put {:.2} GiB with a {:.2} GiB device budget in {put_seconds:.2} s; {} spills, \
+         {:.2} GiB in {:.3} s: {:.2} GB/s",
+        (datasets * per_dataset) as f64 / (1u64 << 30) as f64,
+        (total / 3) as f64 / (1u64 << 30) as f64,
+        tiers.spills,
+        tiers.spilled_bytes as f64 / (1u64 << 30) as f64,
+        tiers.spill_seconds,
+        gbps(tiers.spilled_bytes, tiers.spill_seconds),
+    );
+    assert!(status.devices[0].used_bytes <= total / 3, "the budget held");
+    let started = Instant::now();
+    let mut read_bytes = 0;
+    for seed in 0..datasets {
+        let got = read(&store, &format!("d{seed}")).await;
+        read_bytes += got.iter().map(batch_bytes).sum::<u64>();
+        assert!(
+            same_rows(&got, &batches(seed, per_dataset / 8)),
+            "d{seed} reads back as put"
+        );
+    }
+    println!(
+        "spill: every row read back and equal ({:.2} GiB, from both tiers, {:.2} s with the check)",
+        read_bytes as f64 / (1u64 << 30) as f64,
+        started.elapsed().as_secs_f64()
+    );
+    if store.backend().holds_host_memory() {
+        println!("restore: not measured (the host backend exports nothing)");
+        return;
+    }
+    let before = store.status().tiers;
+    for seed in 0..datasets {
+        let name = format!("d{seed}");
+        if store.get(&name).expect("d").tier_bytes().host == 0 {
+            continue;
+        }
+        let export = store
+            .export(ExportRequest::new(&name, Duration::from_secs(60), "bench"))
+            .await
+            .expect("export restores");
+        store.release(&export.lease.id).expect("release");
+    }
+    let after = store.status().tiers;
+    let restored = after.restored_bytes - before.restored_bytes;
+    let seconds = after.restore_seconds - before.restore_seconds;
+    println!(
+        "restore: {} partitions, {:.2} GiB in {seconds:.3} s: {:.2} GB/s (exports of spilled datasets)",
+        after.restores - before.restores,
+        restored as f64 / (1u64 << 30) as f64,
+        gbps(restored, seconds),
+    );
+}
+
+async fn appends(args: &Args) {
+    let store = Store::new(backend(args), StoreOptions::default());
+    let rows = args.append_mib * MIB / 8;
+    let started = Instant::now();
+    for i in 0..args.appends {
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        put(&store, "log", mode, &[batch(1, i * rows..(i + 1) * rows)]).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let dataset = store.get("log").expect("log");
+    let appended = dataset.data_bytes();
+    let copied = store.status().concatenated_bytes;
+    // Recopying the whole dataset at every append copies 1 + 2 + ... + (n - 1) appends' bytes.
+    let n = args.appends;
+    let recopy = (n * (n - 1) / 2) * (appended / n);
+    println!(
+        "appends: {n} of {} MiB in {seconds:.2} s; merges copied {:.2} GiB ({:.1}x the {:.2} GiB \
+         appended), {} partitions; recopying at every append copies {:.1} GiB ({:.0}x)",
+        args.append_mib,
+        copied as f64 / (1u64 << 30) as f64,
+        copied as f64 / appended as f64,
+        appended as f64 / (1u64 << 30) as f64,
+        dataset.num_partitions(),
+        recopy as f64 / (1u64 << 30) as f64,
+        recopy as f64 / appended as f64,
+    );
+    let got = read(&store, "log").await;
+    assert!(
+        same_rows(&got, &[batch(1, 0..n * rows)]),
+        "the appended rows read back in order"
+    );
+}
+
+async fn persistence(args: &Args, dir: &PathBuf) {
+    let _ = std::fs::remove_dir_all(dir);
+    let options = StoreOptions {
+        data_dir: Some(dir.clone()),
+        durability: Durability::Sync,
+        ..StoreOptions::default()
+    };
+    let store = Store::open(backend(args), options.clone())
+        .await
+        .expect("open");
+    let datasets = args.persist_gib.ceil() as u64;
+    let per_dataset = ((args.persist_gib * (1u64 << 30) as f64) as u64 / datasets) / 8;
+    let started = Instant::now();
+    for seed in 0..datasets {
+        put(
+            &store,
+            &format!("p{seed}"),
+            PutMode::Create,
+            &batches(seed, per_dataset),
+        )
+        .await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let written = store
+        .status()
+        .persistence
+        .expect("persistence")
+        .written_bytes;
+    println!(
+        "persist: {datasets} datasets, {:.2} GiB on disk, put durably (sync) in {seconds:.2} s: {:.2} GB/s",
+        written as f64 / (1u64 << 30) as f64,
+        gbps(written, seconds),
+    );
+    store.close().await;
+    drop(store);
+    let started = Instant::now();
+    let store = Store::open(backend(args), options).await.expect("reopen");
+    let answering = started.elapsed().as_secs_f64();
+    let got = read(&store, "p0").await;
+    assert!(same_rows(&got, &batches(0, per_dataset)), "p0 as put");
+    println!(
+        "restart: {} datasets ({:.2} GiB) loaded and the store ready (a server answers) after {answering:.2} s: {:.2} GB/s",
+        store.list("").len(),
+        written as f64 / (1u64 << 30) as f64,
+        gbps(written, answering),
+    );
+    store.close().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    if args.spill_gib > 0.0 {
+        spill(&args).await;
+    }
+    if args.appends > 0 {
+        appends(&args).await;
+    }
+    if let Some(dir) = &args.data_dir {
+        persistence(&args, dir).await;
+    }
+}
