@@ -89,7 +89,7 @@ pub enum StoreError {
         limit: u64,
     },
     #[error(
-        "no room on device {device}: the put needs {requested} more bytes and {used} of \
+        "no room on device {device}: {requested} more bytes are needed and {used} of \
          {limit} are in use by partitions that cannot be spilled now (being read, exported or \
          put), while the host tier holds {host_used} of {host_limit} bytes; drop datasets, \
          raise --memory-limit or --host-memory-limit, or retry when reads are done"
