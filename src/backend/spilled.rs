@@ -29,16 +29,9 @@ pub struct SpilledPartition {
 }
 
 impl SpilledPartition {
-    /// Keeps `pieces` (consecutive rows of one schema) in buffers of their own, always
-    /// copied: what they point into (a pinned staging buffer, which looks like an allocation
-    /// of its own, or a larger allocation) is not kept.
-    pub fn keep(pieces: Vec<RecordBatch>) -> Result<Self, BackendError> {
-        let pieces = pieces.iter().map(copied).collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::of_copies(pieces))
-    }
-
-    /// A partition of `pieces` that are [`copied`] already: one at a time, as they are read,
-    /// so a spill holds at most one piece of staging memory.
+    /// A partition of `pieces`, consecutive rows of one schema, each [`copied`] out of what it
+    /// was read into (one at a time, as they are read, so a spill holds at most one piece of
+    /// staging memory).
     pub fn of_copies(pieces: Vec<RecordBatch>) -> Self {
         let pieces: Vec<RecordBatch> = pieces.into_iter().filter(|p| p.num_rows() > 0).collect();
         let mut starts = Vec::with_capacity(pieces.len() + 1);
@@ -99,7 +92,8 @@ impl SpilledPartition {
     }
 }
 
-/// `batch` in new buffers of its own.
+/// `batch` in new buffers of its own, always copied: what it points into (a pinned staging
+/// buffer, which looks like an allocation of its own, or a larger allocation) is not kept.
 pub fn copied(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let failed = |e: arrow::error::ArrowError| BackendError::Device(format!("spilling: {e}"));
     let columns = batch
@@ -146,6 +140,10 @@ mod tests {
 
     use super::*;
 
+    fn keep(pieces: &[RecordBatch]) -> SpilledPartition {
+        SpilledPartition::of_copies(pieces.iter().map(|p| copied(p).expect("copy")).collect())
+    }
+
     fn batch(range: std::ops::Range<i64>) -> RecordBatch {
         let x: ArrayRef = Arc::new(Int64Array::from_iter_values(range.clone()));
         let s: ArrayRef = Arc::new(StringArray::from_iter_values(
@@ -158,7 +156,7 @@ mod tests {
     async fn reads_within_and_across_pieces_return_the_rows_asked_for() {
         let whole = batch(0..100);
         let pieces = vec![whole.slice(0, 30), whole.slice(30, 0), whole.slice(30, 70)];
-        let spilled = SpilledPartition::keep(pieces).expect("keep");
+        let spilled = keep(&pieces);
         assert_eq!((spilled.num_rows(), spilled.pieces().len()), (100, 2));
         for (offset, len) in [(0, 100), (0, 30), (29, 2), (30, 5), (99, 1), (10, 0)] {
             let read = spilled.read(offset, len).await.expect("read");
@@ -195,7 +193,7 @@ mod tests {
         let buffer = arrow::buffer::Buffer::from(bytes::Bytes::from_owner(staging));
         let column: ArrayRef = Arc::new(Int64Array::new(buffer.into(), None));
         let piece = RecordBatch::try_from_iter([("x", column)]).expect("batch");
-        let spilled = SpilledPartition::keep(vec![piece]).expect("keep");
+        let spilled = keep(&[piece]);
         assert_eq!(
             Arc::strong_count(&alive),
             1,
@@ -207,7 +205,7 @@ mod tests {
     #[test]
     fn pieces_keep_only_the_rows_they_hold() {
         let whole = batch(0..10_000);
-        let spilled = SpilledPartition::keep(vec![whole.slice(0, 10)]).expect("keep");
+        let spilled = keep(&[whole.slice(0, 10)]);
         assert!(
             spilled.bytes() < batch_bytes(&whole) / 100,
             "{} bytes kept for 10 rows",

@@ -226,6 +226,12 @@ impl Writer {
         rows: Range<u64>,
     ) -> Result<(), StoreError> {
         let name = dataset.name().to_owned();
+        // Already there: an undo puts back the version a refused change would have replaced.
+        if self.persisted.get(&name) == Some(&dataset.version())
+            && self.manifest.datasets.contains_key(&name)
+        {
+            return Ok(());
+        }
         let append = base.is_some()
             && base == self.persisted.get(&name).copied()
             && self.manifest.datasets.contains_key(&name);

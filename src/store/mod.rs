@@ -273,3 +273,24 @@ pub const ARRAY_OVERHEAD: u64 = 256;
 fn charge(bytes: u64, rows: u64) -> u64 {
     bytes.max(rows.div_ceil(8))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_disk_is_its_own_error() {
+        let error = |kind: std::io::ErrorKind| {
+            StoreError::from(files::FilesError::Io {
+                path: "/data/segments/seg-1.arrow.tmp".into(),
+                action: "writing",
+                source: std::io::Error::from(kind),
+            })
+        };
+        let full = error(std::io::ErrorKind::StorageFull);
+        assert!(matches!(full, StoreError::DiskFull(_)), "{full}");
+        assert!(full.to_string().contains("seg-1.arrow.tmp"), "{full}");
+        let denied = error(std::io::ErrorKind::PermissionDenied);
+        assert!(matches!(denied, StoreError::Persist(_)), "{denied}");
+    }
+}
