@@ -133,6 +133,7 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
         StoreError::DiskFull(_) => Code::ResourceExhausted,
         StoreError::Persist(_) => Code::Internal,
+        StoreError::Corrupt(_) => Code::DataLoss,
         StoreError::Backend(error) => backend_code(error),
     }
 }

@@ -320,6 +320,11 @@ impl Collector for StoreCollector {
                 tiers.host_bytes,
             ),
             (
+                "tier_disk",
+                "Bytes of datasets only in the data directory's files, not loaded yet",
+                tiers.disk_bytes,
+            ),
+            (
                 "host_tier_used",
                 "Bytes the host tier holds: spilled partitions and puts' messages paid for there",
                 tiers.host_used_bytes,
@@ -368,6 +373,24 @@ impl Collector for StoreCollector {
                 "Time spent restoring",
                 Some(&Unit::Seconds),
                 tiers.restore_seconds,
+            ),
+            (
+                "loads",
+                "Partitions loaded from the data directory",
+                None,
+                tiers.loads as f64,
+            ),
+            (
+                "loaded",
+                "Bytes of files loaded from the data directory",
+                Some(&Unit::Bytes),
+                tiers.loaded_bytes as f64,
+            ),
+            (
+                "load",
+                "Time spent loading from the data directory",
+                Some(&Unit::Seconds),
+                tiers.load_seconds,
             ),
         ] {
             let counter = ConstCounter::new(value);

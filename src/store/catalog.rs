@@ -11,7 +11,7 @@ use dashmap::mapref::entry::Entry;
 
 use super::durable::{self, Done, Durable, Job, Persisted};
 use super::memory::MemoryBudget;
-use super::{Dataset, Inner, PutMode, Store, StoreError, StoreOptions, lease};
+use super::{Dataset, Inner, Store, StoreError, StoreOptions, lease};
 use crate::backend::Backend;
 
 impl Store {
@@ -147,11 +147,12 @@ impl Store {
         }
     }
 
-    /// A store over `backend` that, with `options.data_dir`, first loads every dataset the
-    /// directory holds (placed like puts: on devices, spilling to the host tier) and then
-    /// makes every commit durable there. Fails, naming the dataset and file, where the
-    /// directory cannot be read or a dataset does not fit: a server never starts without data
-    /// it was trusted with.
+    /// A store over `backend` that, with `options.data_dir`, serves every dataset the
+    /// directory holds and then makes every commit durable there. Only the manifest and each
+    /// dataset's schema are read now; rows are loaded when they are first needed (`disk`), so
+    /// the store is ready at once whatever the directory holds. Fails, naming the file, where
+    /// the directory cannot be read or a file the manifest names is missing or of another
+    /// size: a server never starts without data it was trusted with.
     pub async fn open(
         backend: Arc<dyn Backend>,
         options: StoreOptions,
@@ -160,38 +161,76 @@ impl Store {
         let Some(root) = options.data_dir else {
             return Ok(store);
         };
-        let (mut dir, manifest) = durable::open(root.clone()).await?;
-        let mut loaded = HashMap::new();
         let started = std::time::Instant::now();
-        for (name, entry) in &manifest.datasets {
+        let (dir, manifest) = durable::open(root.clone()).await?;
+        let files = dir.segment_files();
+        let entries: Vec<_> = manifest
+            .datasets
+            .iter()
+            .map(|(name, entry)| (name.clone(), entry.segments.clone()))
+            .collect();
+        let schemas = {
+            let files = Arc::clone(&files);
+            let manifest_path = root.join("manifest.json");
+            tokio::task::spawn_blocking(move || {
+                entries
+                    .into_iter()
+                    .map(|(name, segments)| {
+                        let schema = match segments.first() {
+                            Some(first) => files.pin(first).read_schema(),
+                            None => Err(super::files::FilesError::Corrupt {
+                                path: manifest_path.clone(),
+                                reason: format!("dataset {name:?} has no segments"),
+                            }),
+                        };
+                        (name, segments, schema)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .map_err(|e| StoreError::Persist(format!("a disk task failed: {e}")))?
+        };
+        // Placed like puts, on the device with the most room, counting what is placed there
+        // already as if it were loaded.
+        let budget = &store.inner.budget;
+        let mut planned = vec![0u64; budget.devices().max(1) as usize];
+        let mut loaded = HashMap::new();
+        for (name, segments, schema) in schemas {
             let context = |error: StoreError| {
                 StoreError::Persist(format!(
-                    "loading dataset {name:?} from {}: {error}",
+                    "opening dataset {name:?} in {}: {error}",
                     root.display()
                 ))
             };
-            let mut pending = store
-                .begin_put(name.clone(), PutMode::Create, "data-dir")
+            let schema = schema.map_err(|e| context(e.into()))?;
+            let device = (0..planned.len())
+                .rev()
+                .max_by_key(|&d| budget.free(d as u32).saturating_sub(planned[d]))
+                .unwrap_or(0);
+            let schema_charge = budget
+                .try_reserve(device as u32, crate::batch_size::schema_bytes(&schema))
                 .map_err(context)?;
-            for segment in &entry.segments {
-                let (back, schema, batches) =
-                    durable::read(dir, segment.clone()).await.map_err(context)?;
-                dir = back;
-                pending.declare_schema(schema).map_err(context)?;
-                for batch in batches {
-                    if let Some(upload) = pending.upload(batch, None).await.map_err(context)? {
-                        pending.add(upload.await.map_err(context)?);
-                    }
-                }
-            }
-            pending.commit().await.map_err(context)?;
-            loaded.insert(name.clone(), store.get(name)?.version());
+            let partitions = store
+                .disk_partitions(&files, &schema, &segments, device as u32)
+                .map_err(context)?;
+            planned[device] += partitions.iter().map(|p| p.data_bytes).sum::<u64>();
+            let version = store.next_version();
+            let dataset = Dataset::new(
+                name.clone(),
+                schema,
+                version,
+                partitions,
+                Arc::new(schema_charge),
+            );
+            store.inner.catalog.insert(name.clone(), Arc::new(dataset));
+            loaded.insert(name, version);
         }
         tracing::info!(
             data_dir = %root.display(),
             datasets = loaded.len(),
+            bytes = store.inner.tiers.disk_used(),
             seconds = started.elapsed().as_secs_f64(),
-            "datasets loaded from the data directory"
+            "data directory opened; datasets load as they are read"
         );
         let durable = Durable::start(dir, manifest, loaded, options.durability);
         let _ = store.inner.durable.set(durable);

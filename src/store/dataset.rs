@@ -64,8 +64,10 @@ impl fmt::Debug for StoredPartition {
 pub struct TierBytes {
     /// On devices (GPUs, or the host backend's memory).
     pub device: u64,
-    /// Spilled to the host tier.
+    /// Spilled to the host tier, or loaded there from the data directory.
     pub host: u64,
+    /// Only in the data directory's files (their size), not loaded since the server started.
+    pub disk: u64,
 }
 
 /// An immutable, committed dataset.
@@ -131,7 +133,7 @@ impl Dataset {
         self.partitions.len()
     }
 
-    /// Bytes of memory the dataset holds, in every tier.
+    /// Bytes of memory the dataset holds, in every tier of memory (not on disk).
     pub fn memory_bytes(&self) -> u64 {
         let tiers = self.tier_bytes();
         tiers.device + tiers.host + self.schema_charge.bytes()
@@ -145,6 +147,7 @@ impl Dataset {
             match resident.tier {
                 Tier::Device(_) => bytes.device += resident.reservation.bytes(),
                 Tier::Host => bytes.host += resident.reservation.bytes(),
+                Tier::Disk => bytes.disk += resident.reservation.bytes(),
             }
         }
         bytes
@@ -199,13 +202,13 @@ impl Dataset {
         let dataset = Arc::clone(self);
         let stream = futures::stream::iter(chunks)
             .map(move |chunk| {
-                let slot = &dataset.partitions[chunk.partition].slot;
+                let slot = Arc::clone(&dataset.partitions[chunk.partition].slot);
                 slot.touch();
-                // Held until the read is done, so that a spill meanwhile frees nothing under it.
-                let resident = slot.resident();
-                let read = resident.data.read(chunk.offset, chunk.len);
                 async move {
-                    let batch = read.await;
+                    // Held until the read is done, so that a spill meanwhile frees nothing
+                    // under it.
+                    let resident = slot.readable().await?;
+                    let batch = resident.data.read(chunk.offset, chunk.len).await;
                     drop(resident);
                     batch.map_err(StoreError::from)
                 }

@@ -333,25 +333,3 @@ pub(super) async fn open(root: PathBuf) -> Result<(DataDir, Manifest), StoreErro
         .map_err(|e| StoreError::Persist(format!("opening the data directory failed: {e}")))?
         .map_err(StoreError::from)
 }
-
-/// Reads one segment back, on a blocking thread.
-pub(super) async fn read(
-    dir: DataDir,
-    segment: Segment,
-) -> Result<
-    (
-        DataDir,
-        arrow::datatypes::SchemaRef,
-        Vec<arrow::record_batch::RecordBatch>,
-    ),
-    StoreError,
-> {
-    let (dir, result) = tokio::task::spawn_blocking(move || {
-        let result = dir.read_segment(&segment);
-        (dir, result)
-    })
-    .await
-    .map_err(|e| StoreError::Persist(format!("a disk task failed: {e}")))?;
-    let (schema, batches) = result?;
-    Ok((dir, schema, batches))
-}

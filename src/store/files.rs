@@ -21,13 +21,13 @@
 //! faults (a failed or torn write, fsync, rename or delete, or a crash from that step on).
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions, TryLockError};
-use std::io::{self, Read, Write};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions};
 use arrow::buffer::{Buffer, MutableBuffer};
@@ -36,7 +36,7 @@ use arrow::datatypes::{DataType, Schema, SchemaRef};
 use arrow::error::ArrowError;
 use arrow::ipc::reader::{FileDecoder, read_footer_length};
 use arrow::ipc::writer::FileWriter;
-use arrow::ipc::{Block, convert::try_fb_to_schema, root_as_footer};
+use arrow::ipc::{Block, Footer, convert::try_fb_to_schema, root_as_footer};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::dictionary;
@@ -74,6 +74,10 @@ pub(crate) struct Segment {
     pub(crate) bytes: u64,
     /// CRC-32 of the whole file.
     pub(crate) checksum: u32,
+    /// Arrow bytes of its rows as they were written (0 in manifests written before this was
+    /// recorded: the file's size stands in).
+    #[serde(default)]
+    pub(crate) data_bytes: u64,
 }
 
 /// The first line of `manifest.json`; the JSON manifest follows it. The checksum covers the
@@ -184,6 +188,7 @@ pub(crate) struct DataDir {
     /// committed, plus those of a commit that failed at or after its rename (on disk it may
     /// have won). Only the next successful commit may delete files from this set.
     live: BTreeMap<String, Segment>,
+    files: Arc<SegmentFiles>,
     fs: Fs,
 }
 
@@ -252,6 +257,11 @@ impl DataDir {
         let next_id = last_id.map_or(0, |id| id.saturating_add(1));
         let dir = DataDir {
             root: root.to_path_buf(),
+            files: Arc::new(SegmentFiles {
+                root: root.to_path_buf(),
+                segments: segments.clone(),
+                pins: Mutex::default(),
+            }),
             segments,
             _lock: lock,
             next_id,
@@ -264,6 +274,11 @@ impl DataDir {
     /// The data directory, for messages and status.
     pub(crate) fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Its segment files, for reading datasets as they are needed.
+    pub(crate) fn segment_files(&self) -> Arc<SegmentFiles> {
+        Arc::clone(&self.files)
     }
 
     /// Writes `batches` (all of `schema`; none keeps just the schema) as a new segment file.
@@ -303,6 +318,7 @@ impl DataDir {
                 rows: batches.iter().map(|b| b.num_rows() as u64).sum(),
                 bytes,
                 checksum,
+                data_bytes: batches.iter().map(crate::batch_size::batch_bytes).sum(),
             }),
             Err(e) => {
                 // Best effort: whatever remains is unnamed, and the next open sweeps it.
@@ -343,38 +359,13 @@ impl DataDir {
         Ok((tracked.bytes, checksum))
     }
 
-    /// Reads a segment back after checking its size and checksum against `segment`. The arrays
-    /// borrow the file's bytes, read once into memory of exactly the file's size.
+    /// Reads a segment back after checking its size and checksum against `segment`.
+    #[cfg(test)]
     pub(crate) fn read_segment(
         &self,
         segment: &Segment,
     ) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
-        let path = segment_path(&self.segments, &segment.file)
-            .map_err(|reason| corrupt(&self.root.join(MANIFEST), reason))?;
-        check_size(&path, segment)?;
-        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
-        let len = usize::try_from(segment.bytes).map_err(|_| corrupt(&path, "too large"))?;
-        // Arrow's allocation is 64-byte aligned, so decoded arrays use it without copying.
-        let mut data = MutableBuffer::try_from_len_zeroed(len)
-            .map_err(|e| io_error(&path, "reading")(io::Error::other(e.to_string())))?;
-        file.read_exact(data.as_slice_mut())
-            .map_err(io_error(&path, "reading"))?;
-        let checksum = crc32fast::hash(&data);
-        if checksum != segment.checksum {
-            let (found, recorded) = (crc(checksum), crc(segment.checksum));
-            return Err(differs(&path, "CRC-32", found, recorded, "the manifest"));
-        }
-        let data = Buffer::from(data);
-        // The checksum matched, so only a forged file gets here malformed; Arrow's decoder
-        // asserts instead of erring on some malformed layouts, and that too is corruption.
-        std::panic::catch_unwind(AssertUnwindSafe(|| decode(&data)))
-            .unwrap_or_else(|panic| {
-                Err(format!(
-                    "the Arrow decoder panicked: {}",
-                    crate::error::panic_message(panic.as_ref())
-                ))
-            })
-            .map_err(|reason| corrupt(&path, reason))
+        self.files.read(segment)
     }
 
     /// Makes `manifest` the durable catalog, then deletes the segment files no manifest that
@@ -422,6 +413,12 @@ impl DataDir {
         let mut unnamed = std::mem::replace(&mut self.live, files);
         unnamed.retain(|file, _| !self.live.contains_key(file));
         for (file, segment) in unnamed {
+            // Still to be loaded by a dataset version being read: the next commit after the
+            // last such reader is done removes it (or the next start does).
+            if self.files.is_pinned(&file) {
+                self.live.insert(file, segment);
+                continue;
+            }
             let path = self.segments.join(&file);
             if let Err(error) = self.fs.remove(&path) {
                 tracing::warn!(path = %path.display(), %error,
@@ -473,6 +470,137 @@ impl DataDir {
     #[cfg(test)]
     pub(crate) fn fault_fired(&self) -> bool {
         self.fs.fired.load(Ordering::Relaxed)
+    }
+}
+
+/// The segment files of an open data directory, for loading datasets when they are needed
+/// rather than all at start. A file a [`PinnedSegment`] names is never deleted while it is
+/// pinned, even once no manifest names it: a version a newer one replaced may still be read.
+#[derive(Debug)]
+pub(crate) struct SegmentFiles {
+    root: PathBuf,
+    segments: PathBuf,
+    /// File name to the number of pins on it.
+    pins: Mutex<HashMap<String, usize>>,
+}
+
+impl SegmentFiles {
+    /// Keeps `segment`'s file until the returned pin is dropped.
+    pub(crate) fn pin(self: &Arc<Self>, segment: &Segment) -> PinnedSegment {
+        let mut pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        *pins.entry(segment.file.clone()).or_default() += 1;
+        PinnedSegment {
+            files: Arc::clone(self),
+            segment: segment.clone(),
+        }
+    }
+
+    fn is_pinned(&self, file: &str) -> bool {
+        let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        pins.contains_key(file)
+    }
+
+    fn path(&self, segment: &Segment) -> Result<PathBuf, FilesError> {
+        segment_path(&self.segments, &segment.file)
+            .map_err(|reason| corrupt(&self.root.join(MANIFEST), reason))
+    }
+
+    /// Reads a segment after checking its size and checksum against `segment`. The arrays
+    /// borrow the file's bytes, read once into memory of exactly the file's size.
+    fn read(&self, segment: &Segment) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
+        let path = self.path(segment)?;
+        check_size(&path, segment)?;
+        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
+        let len = usize::try_from(segment.bytes).map_err(|_| corrupt(&path, "too large"))?;
+        // Arrow's allocation is 64-byte aligned, so decoded arrays use it without copying.
+        let mut data = MutableBuffer::try_from_len_zeroed(len)
+            .map_err(|e| io_error(&path, "reading")(io::Error::other(e.to_string())))?;
+        file.read_exact(data.as_slice_mut())
+            .map_err(io_error(&path, "reading"))?;
+        let checksum = crc32fast::hash(&data);
+        if checksum != segment.checksum {
+            let (found, recorded) = (crc(checksum), crc(segment.checksum));
+            return Err(differs(&path, "CRC-32", found, recorded, "the manifest"));
+        }
+        let data = Buffer::from(data);
+        // The checksum matched, so only a forged file gets here malformed; Arrow's decoder
+        // asserts instead of erring on some malformed layouts, and that too is corruption.
+        guarded(|| decode(&data)).map_err(|reason| corrupt(&path, reason))
+    }
+
+    /// A segment's schema, from its footer alone: what a dataset is listed with before its
+    /// rows are loaded. The checksum is checked when the rows are.
+    fn read_schema(&self, segment: &Segment) -> Result<SchemaRef, FilesError> {
+        let path = self.path(segment)?;
+        check_size(&path, segment)?;
+        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
+        let mut trailer = [0u8; 10];
+        let footer_start = segment
+            .bytes
+            .checked_sub(trailer.len() as u64)
+            .and_then(|trailer_start| {
+                file.seek(SeekFrom::Start(trailer_start)).ok()?;
+                file.read_exact(&mut trailer).ok()?;
+                let footer_len = read_footer_length(trailer).ok()?;
+                trailer_start.checked_sub(footer_len as u64)
+            })
+            .ok_or_else(|| corrupt(&path, "it has no Arrow file footer"))?;
+        // At most the file's size, which `check_size` just read.
+        let mut footer = vec![0u8; (segment.bytes - footer_start - 10) as usize];
+        file.seek(SeekFrom::Start(footer_start))
+            .and_then(|_| file.read_exact(&mut footer))
+            .map_err(io_error(&path, "reading"))?;
+        guarded(|| {
+            let footer =
+                root_as_footer(&footer).map_err(|e| format!("its footer does not parse: {e}"))?;
+            footer_schema(&footer)
+        })
+        .map_err(|reason| corrupt(&path, reason))
+    }
+}
+
+/// `decode`, with a panic of Arrow's decoder (on a forged layout) as an error.
+fn guarded<T>(decode: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(AssertUnwindSafe(decode)).unwrap_or_else(|panic| {
+        Err(format!(
+            "the Arrow decoder panicked: {}",
+            crate::error::panic_message(panic.as_ref())
+        ))
+    })
+}
+
+/// One segment a dataset still needs, kept on disk while this lives.
+#[derive(Debug)]
+pub(crate) struct PinnedSegment {
+    files: Arc<SegmentFiles>,
+    segment: Segment,
+}
+
+impl PinnedSegment {
+    pub(crate) fn segment(&self) -> &Segment {
+        &self.segment
+    }
+
+    /// Its schema and batches, checked against the manifest's checksum.
+    pub(crate) fn read(&self) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
+        self.files.read(&self.segment)
+    }
+
+    /// Its schema, from the file's footer.
+    pub(crate) fn read_schema(&self) -> Result<SchemaRef, FilesError> {
+        self.files.read_schema(&self.segment)
+    }
+}
+
+impl Drop for PinnedSegment {
+    fn drop(&mut self) {
+        let mut pins = self.files.pins.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = pins.get_mut(&self.segment.file) {
+            *count -= 1;
+            if *count == 0 {
+                pins.remove(&self.segment.file);
+            }
+        }
     }
 }
 
@@ -539,11 +667,7 @@ fn decode(data: &Buffer) -> Result<(SchemaRef, Vec<RecordBatch>), String> {
         .ok_or("its footer length exceeds the file")?;
     let footer = root_as_footer(&data[footer_start..trailer_start])
         .map_err(|e| format!("its footer does not parse: {e}"))?;
-    let ipc_schema = footer.schema().ok_or("its footer has no schema")?;
-    if !ipc_schema.endianness().equals_to_target_endianness() {
-        return Err("it was written with the other byte order".to_owned());
-    }
-    let schema = Arc::new(try_fb_to_schema(ipc_schema).map_err(|e| e.to_string())?);
+    let schema = footer_schema(&footer)?;
     let block_data = |block: &Block| {
         let start = usize::try_from(block.offset()).ok();
         let meta = usize::try_from(block.metaDataLength()).ok();
@@ -570,6 +694,16 @@ fn decode(data: &Buffer) -> Result<(SchemaRef, Vec<RecordBatch>), String> {
         batches.extend(batch);
     }
     Ok((schema, batches))
+}
+
+fn footer_schema(footer: &Footer<'_>) -> Result<SchemaRef, String> {
+    let ipc_schema = footer.schema().ok_or("its footer has no schema")?;
+    if !ipc_schema.endianness().equals_to_target_endianness() {
+        return Err("it was written with the other byte order".to_owned());
+    }
+    Ok(Arc::new(
+        try_fb_to_schema(ipc_schema).map_err(|e| e.to_string())?,
+    ))
 }
 
 /// An IPC file holds one dictionary per field for all its batches, while each batch a put

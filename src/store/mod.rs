@@ -22,11 +22,13 @@
 //! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction),
 //! `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
 //! `status` (what the store holds), `tier` (spilling to host memory and back), `durable` and
-//! `files` (persistence under `--data-dir`); `dataset`,
+//! `files` (persistence under `--data-dir`), `disk` (datasets loaded from it when needed);
+//! `dataset`,
 //! `lease`, `memory` and `progress` are the parts they share.
 
 mod catalog;
 mod dataset;
+mod disk;
 mod durable;
 mod export;
 mod files;
@@ -185,6 +187,8 @@ pub enum StoreError {
     DiskFull(String),
     #[error("the data directory failed: {0}")]
     Persist(String),
+    #[error("stored data is damaged: {0}; restore the file from a backup, or drop the dataset")]
+    Corrupt(String),
     #[error(transparent)]
     Backend(#[from] BackendError),
 }
@@ -197,6 +201,7 @@ impl From<files::FilesError> for StoreError {
             {
                 Self::DiskFull(error.to_string())
             }
+            files::FilesError::Corrupt { .. } => Self::Corrupt(error.to_string()),
             _ => Self::Persist(error.to_string()),
         }
     }

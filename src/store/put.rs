@@ -449,7 +449,7 @@ impl Store {
             match tier {
                 Tier::Device(device) => compacted.extend(self.compact(schema, run, device).await?),
                 // Spilled while the put ran: compacted if it is ever restored.
-                Tier::Host => compacted.extend(run),
+                Tier::Host | Tier::Disk => compacted.extend(run),
             }
         }
         Ok(compacted)

@@ -204,9 +204,9 @@ impl Store {
                 continue;
             }
             copied_bytes += partition.data_bytes;
-            if resident.tier == Tier::Host {
+            if !matches!(resident.tier, Tier::Device(_)) {
                 partitions.push(
-                    self.upload_spilled(&resident.data, device, partition.data_bytes)
+                    self.upload_resident(&resident, device, partition.data_bytes)
                         .await?,
                 );
                 continue;

@@ -69,6 +69,13 @@ pub struct TierStatus {
     pub restores: u64,
     pub restored_bytes: u64,
     pub restore_seconds: f64,
+    /// Bytes of datasets only in the data directory's files (not loaded since the start).
+    pub disk_bytes: u64,
+    /// Partitions loaded from the data directory, the bytes of their files, and the time
+    /// loading took.
+    pub loads: u64,
+    pub loaded_bytes: u64,
+    pub load_seconds: f64,
 }
 
 /// A live lease, for `status`.
@@ -141,6 +148,10 @@ impl Store {
             restores: t.restores.load(Ordering::Relaxed),
             restored_bytes: t.restored_bytes.load(Ordering::Relaxed),
             restore_seconds: seconds(&t.restore_nanos),
+            disk_bytes: t.disk_used(),
+            loads: t.loads.load(Ordering::Relaxed),
+            loaded_bytes: t.loaded_bytes.load(Ordering::Relaxed),
+            load_seconds: seconds(&t.load_nanos),
         };
         let mut leases = Vec::new();
         let mut leased_only = std::collections::HashMap::new();

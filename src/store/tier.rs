@@ -9,6 +9,9 @@
 //! it is; `ipc-export` restores it onto its device first, since other processes can map only
 //! device memory.
 //!
+//! With `--data-dir`, a dataset the server started with is in a third tier, the disk, until
+//! it is first read (see `disk`).
+//!
 //! A partition's place is a [`Slot`] shared by every dataset version that includes it (appends
 //! share their base's partitions), so a spill frees the memory once for all of them. What a
 //! slot holds is a [`Resident`]: the data and the reservation that pays for it, swapped as a
@@ -21,7 +24,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Instant;
 
+use arrow::record_batch::RecordBatch;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+
 use super::dataset::StoredPartition;
+use super::disk::DiskPartition;
 use super::memory::{MemoryBudget, Reservation};
 use super::{Store, StoreError};
 use crate::backend::{BackendError, Partition, SpilledPartition, spilled};
@@ -34,8 +42,10 @@ const SPILL_PIECE_BYTES: u64 = 64 << 20;
 pub enum Tier {
     /// On this device, where it can be exported.
     Device(u32),
-    /// Spilled to host memory.
+    /// Spilled to host memory, or loaded there from the data directory.
     Host,
+    /// Only in the data directory's files, not loaded since the server started.
+    Disk,
 }
 
 /// A partition's data and what pays for it, in one tier.
@@ -88,7 +98,12 @@ impl Slot {
         self.home
     }
 
-    fn replace(&self, resident: Arc<Resident>) -> Arc<Resident> {
+    /// Held by whoever moves the partition between tiers.
+    pub(super) fn moving(&self) -> &tokio::sync::Mutex<()> {
+        &self.moving
+    }
+
+    pub(super) fn replace(&self, resident: Arc<Resident>) -> Arc<Resident> {
         let mut current = self.resident.write().unwrap_or_else(|p| p.into_inner());
         std::mem::replace(&mut *current, resident)
     }
@@ -105,6 +120,8 @@ impl Slot {
 pub(crate) struct Tiers {
     /// The host tier's budget, as one device.
     host: Arc<MemoryBudget>,
+    /// What partitions only on disk hold there, unbounded: for `status`.
+    disk: Arc<MemoryBudget>,
     slots: Mutex<Vec<Weak<Slot>>>,
     pub(crate) spills: AtomicU64,
     pub(crate) spilled_bytes: AtomicU64,
@@ -112,6 +129,10 @@ pub(crate) struct Tiers {
     pub(crate) restores: AtomicU64,
     pub(crate) restored_bytes: AtomicU64,
     pub(crate) restore_nanos: AtomicU64,
+    pub(crate) loads: AtomicU64,
+    /// Bytes of the files loaded.
+    pub(crate) loaded_bytes: AtomicU64,
+    pub(crate) load_nanos: AtomicU64,
 }
 
 impl Tiers {
@@ -119,6 +140,7 @@ impl Tiers {
     pub(crate) fn new(limit: u64) -> Self {
         Self {
             host: MemoryBudget::new(vec![Some(limit)]),
+            disk: MemoryBudget::new(vec![None]),
             slots: Mutex::new(Vec::new()),
             spills: AtomicU64::new(0),
             spilled_bytes: AtomicU64::new(0),
@@ -126,6 +148,9 @@ impl Tiers {
             restores: AtomicU64::new(0),
             restored_bytes: AtomicU64::new(0),
             restore_nanos: AtomicU64::new(0),
+            loads: AtomicU64::new(0),
+            loaded_bytes: AtomicU64::new(0),
+            load_nanos: AtomicU64::new(0),
         }
     }
 
@@ -143,7 +168,19 @@ impl Tiers {
         self.host.try_reserve(0, bytes)
     }
 
-    /// A new partition on `device`, which may later be spilled.
+    /// Bytes partitions only on disk hold there.
+    pub(crate) fn disk_used(&self) -> u64 {
+        self.disk.used(0)
+    }
+
+    /// A charge of `bytes` on disk, which never fails: the files are there already.
+    pub(super) fn reserve_disk(&self, bytes: u64) -> Reservation {
+        self.disk
+            .try_reserve(0, bytes)
+            .unwrap_or_else(|_| unreachable!("the disk budget has no limit"))
+    }
+
+    /// A new partition on the device `reservation` is for, which may later be spilled.
     pub(crate) fn hold(
         &self,
         data: Arc<dyn Partition>,
@@ -151,11 +188,33 @@ impl Tiers {
         data_bytes: u64,
     ) -> StoredPartition {
         let home = reservation.device();
+        self.hold_in(Tier::Device(home), home, data, reservation, data_bytes)
+    }
+
+    /// A partition only on disk, loaded onto (or by way of the host tier for) `home`.
+    pub(super) fn hold_on_disk(
+        &self,
+        data: Arc<dyn Partition>,
+        reservation: Reservation,
+        home: u32,
+        data_bytes: u64,
+    ) -> StoredPartition {
+        self.hold_in(Tier::Disk, home, data, reservation, data_bytes)
+    }
+
+    fn hold_in(
+        &self,
+        tier: Tier,
+        home: u32,
+        data: Arc<dyn Partition>,
+        reservation: Reservation,
+        data_bytes: u64,
+    ) -> StoredPartition {
         let slot = Arc::new(Slot {
             resident: RwLock::new(Arc::new(Resident {
                 data,
                 reservation,
-                tier: Tier::Device(home),
+                tier,
             })),
             home,
             last_used: AtomicU64::new(tick()),
@@ -186,7 +245,7 @@ impl Tiers {
     }
 }
 
-fn elapsed_nanos(started: Instant) -> u64 {
+pub(super) fn elapsed_nanos(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
@@ -322,8 +381,9 @@ impl Store {
         Ok(true)
     }
 
-    /// `partition` on a device, restored from the host tier onto the device it was stored
-    /// on if it was spilled. The returned resident holds the device memory for the caller.
+    /// `partition` on a device: restored from the host tier, or loaded from disk, onto the
+    /// device it was stored on where it is not on one. The returned resident holds the device
+    /// memory for the caller.
     pub(super) async fn restore(
         &self,
         partition: &StoredPartition,
@@ -340,11 +400,27 @@ impl Store {
         }
         let started = Instant::now();
         let restored = self
-            .upload_spilled(&resident.data, slot.home, partition.data_bytes)
+            .upload_resident(&resident, slot.home, partition.data_bytes)
             .await?;
         let restored = restored.slot.resident();
         slot.replace(Arc::clone(&restored));
         let tiers = &self.inner.tiers;
+        if resident.tier == Tier::Disk {
+            tiers.loads.fetch_add(1, Ordering::Relaxed);
+            tiers
+                .loaded_bytes
+                .fetch_add(resident.reservation.bytes(), Ordering::Relaxed);
+            tiers
+                .load_nanos
+                .fetch_add(elapsed_nanos(started), Ordering::Relaxed);
+            tracing::info!(
+                device = slot.home,
+                rows = restored.data.num_rows(),
+                bytes = restored.reservation.bytes(),
+                "partition loaded from the data directory onto its device"
+            );
+            return Ok(restored);
+        }
         tiers.restores.fetch_add(1, Ordering::Relaxed);
         tiers
             .restored_bytes
@@ -361,34 +437,53 @@ impl Store {
         Ok(restored)
     }
 
-    /// A compact copy on `device` of a partition spilled to the host tier: its pieces
-    /// uploaded, then concatenated there, each paid for (making room) before it is made.
-    pub(super) async fn upload_spilled(
+    /// A compact copy on `device` of a partition off the devices (spilled to the host tier,
+    /// or only on disk).
+    pub(super) async fn upload_resident(
         &self,
-        data: &Arc<dyn Partition>,
+        resident: &Resident,
         device: u32,
         data_bytes: u64,
     ) -> Result<StoredPartition, StoreError> {
-        let spilled = data
-            .as_any()
-            .downcast_ref::<SpilledPartition>()
-            .ok_or_else(|| {
-                BackendError::Device("a host-tier partition of an unknown kind".to_owned())
-            })?;
-        let pieces = spilled.pieces().to_vec();
-        let Some(schema) = pieces.first().map(|p| p.schema()) else {
-            return Err(BackendError::Device("a spilled partition without rows".to_owned()).into());
+        if let Some(disk) = DiskPartition::of(resident) {
+            let peak = 2 * disk.file_bytes();
+            return self
+                .upload_pieces(disk.pieces(), peak, device, data_bytes)
+                .await;
+        }
+        let Some(spilled) = resident.data.as_any().downcast_ref::<SpilledPartition>() else {
+            return Err(BackendError::Device(
+                "a host-tier partition of an unknown kind".to_owned(),
+            )
+            .into());
         };
-        let charges = pieces
+        let pieces = spilled.pieces().to_vec();
+        let total = pieces
             .iter()
             .map(|piece| self.stored_charge(piece))
-            .collect::<Result<Vec<u64>, _>>()?;
-        let total: u64 = charges.iter().sum();
+            .sum::<Result<u64, _>>()?;
         // Room for the pieces and, where there are several, their concatenation beside them.
         let peak = if pieces.len() > 1 { 2 * total } else { total };
+        let pieces = futures::stream::iter(pieces).map(Ok).boxed();
+        self.upload_pieces(pieces, peak, device, data_bytes).await
+    }
+
+    /// `pieces` (consecutive rows of one schema) uploaded onto `device` and concatenated
+    /// there into one compact partition. Room for `peak` bytes is made first; each piece is
+    /// paid for before it is uploaded.
+    pub(super) async fn upload_pieces(
+        &self,
+        mut pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
+        peak: u64,
+        device: u32,
+        data_bytes: u64,
+    ) -> Result<StoredPartition, StoreError> {
         self.make_room(device, peak).await;
-        let mut uploaded = Vec::with_capacity(pieces.len());
-        for (piece, charge) in pieces.into_iter().zip(charges) {
+        let mut total = 0;
+        let mut uploaded = Vec::new();
+        while let Some(piece) = pieces.try_next().await? {
+            let charge = self.stored_charge(&piece)?;
+            total += charge;
             let reservation = self
                 .inner
                 .budget
@@ -398,7 +493,13 @@ impl Store {
             let data = self.inner.backend.upload(device, piece).await?;
             uploaded.push(self.inner.tiers.hold(data, reservation, piece_bytes));
         }
-        let mut compacted = self.compact(&schema, uploaded, device).await?;
+        if uploaded.is_empty() {
+            return Err(
+                BackendError::Device("a partition without rows to upload".to_owned()).into(),
+            );
+        }
+        // Concatenated whether or not the backend compacts puts: a slot holds one partition.
+        let mut compacted = self.concatenate(uploaded, device).await?;
         match (compacted.pop(), compacted.is_empty()) {
             (Some(mut partition), true) => {
                 partition.data_bytes = data_bytes;

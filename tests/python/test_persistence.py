@@ -134,11 +134,22 @@ def test_the_files_are_arrow_ipc_that_pyarrow_opens_without_the_server(tmp_path)
         assert got.schema.equals(want.schema), name
         assert got.combine_chunks().equals(want.combine_chunks()) or got.to_pylist() == want.to_pylist(), name
 
-    # And the server loads them back.
+    # And the server serves them again: listed at once from the manifest and the files'
+    # footers, each loaded when it is first read.
     server = Server("--data-dir", str(data_dir))
+    tiers = server.status()["tiers"]
+    assert tiers["loads"] == 0 and tiers["disk_bytes"] > 0, tiers
     with server.client() as client:
+        assert names(client) == sorted(tables)
+        info = client.get_flight_info(flight.FlightDescriptor.for_path("plain"))
+        assert info.total_records == expected(3).num_rows + expected(4).num_rows
+        assert json.loads(info.app_metadata)["tiers"]["disk"] > 0
         assert get(client, "plain").to_pylist() == pa.concat_tables([expected(3), expected(4)]).to_pylist()
         assert get(client, "dictionary").to_pylist() == tables["dictionary"].to_pylist()
+        assert get(client, "empty").num_rows == 0
+        info = client.get_flight_info(flight.FlightDescriptor.for_path("plain"))
+        assert json.loads(info.app_metadata)["tiers"]["disk"] == 0
+    assert server.status()["tiers"]["loads"] == 2
     assert server.stop() == 0
 
 
