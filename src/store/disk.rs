@@ -105,11 +105,13 @@ impl DiskPartition {
     }
 
     /// The rows, one segment's batches after another, each segment read (and checked) on a
-    /// blocking thread when the stream reaches it: a reader holds one segment at a time.
+    /// blocking thread, the next while the stream's reader handles one: a reader holds at
+    /// most two segments at a time.
     pub(super) fn pieces(&self) -> BoxStream<'static, Result<RecordBatch, StoreError>> {
         let (segments, schema) = (Arc::clone(&self.segments), Arc::clone(&self.schema));
         futures::stream::iter(0..segments.len())
-            .then(move |index| read_segment(Arc::clone(&segments), index, Arc::clone(&schema)))
+            .map(move |index| read_segment(Arc::clone(&segments), index, Arc::clone(&schema)))
+            .buffered(2)
             .map_ok(|batches| futures::stream::iter(batches.into_iter().map(Ok)))
             .try_flatten()
             .boxed()

@@ -37,6 +37,15 @@ use crate::backend::{BackendError, Partition, SpilledPartition, spilled};
 /// Most bytes a spill reads back at once: a staging buffer's worth, never the whole partition.
 const SPILL_PIECE_BYTES: u64 = 64 << 20;
 
+/// Pieces a spill reads ahead of its copies, and copies out of staging memory it runs at once,
+/// so that the device-to-host copies overlap the host copies and those use several cores. At
+/// most this many pieces of staging memory are held: 320 MiB, well inside the pool.
+const SPILL_READS_AHEAD: usize = 2;
+const SPILL_COPIES: usize = 3;
+
+/// Pieces a restore or load uploads at once.
+const UPLOADS_AHEAD: usize = 3;
+
 /// Where a partition's data lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tier {
@@ -342,20 +351,22 @@ impl Store {
             .div_ceil(rows.max(1) as u64)
             .max(1);
         let rows_per_piece = usize::try_from((SPILL_PIECE_BYTES / per_row).max(1)).unwrap_or(1);
-        let mut pieces = Vec::new();
-        let mut offset = 0;
-        while offset < rows {
-            let len = rows_per_piece.min(rows - offset);
-            let piece = resident.data.read(offset, len).await?;
-            // Copied out of staging memory at once, which goes back to the pool; CPU work,
-            // so not on the runtime's threads.
-            pieces.push(
+        let data = Arc::clone(&resident.data);
+        let pieces: Vec<RecordBatch> = futures::stream::iter((0..rows).step_by(rows_per_piece))
+            .map(move |offset| data.read(offset, rows_per_piece.min(rows - offset)))
+            .buffered(SPILL_READS_AHEAD)
+            .map_err(StoreError::from)
+            // Each copied out of staging memory as soon as it is read, which then goes back
+            // to the pool; CPU work, so on threads of its own, several at once.
+            .map_ok(|piece| async move {
                 tokio::task::spawn_blocking(move || spilled::copied(&piece))
                     .await
-                    .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))??,
-            );
-            offset += len;
-        }
+                    .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))?
+                    .map_err(StoreError::from)
+            })
+            .try_buffered(SPILL_COPIES)
+            .try_collect()
+            .await?;
         let spilled = SpilledPartition::of_copies(pieces);
         let bytes = super::charge(spilled.bytes(), rows as u64);
         host.resize(bytes)?;
@@ -473,26 +484,34 @@ impl Store {
     /// paid for before it is uploaded.
     pub(super) async fn upload_pieces(
         &self,
-        mut pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
+        pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
         peak: u64,
         device: u32,
         data_bytes: u64,
     ) -> Result<StoredPartition, StoreError> {
         self.make_room(device, peak).await;
-        let mut total = 0;
-        let mut uploaded = Vec::new();
-        while let Some(piece) = pieces.try_next().await? {
-            let charge = self.stored_charge(&piece)?;
-            total += charge;
-            let reservation = self
-                .inner
-                .budget
-                .try_reserve(device, charge)
-                .map_err(|error| self.tiers_full(error))?;
-            let piece_bytes = crate::batch_size::batch_bytes(&piece);
-            let data = self.inner.backend.upload(device, piece).await?;
-            uploaded.push(self.inner.tiers.hold(data, reservation, piece_bytes));
-        }
+        let store = self.clone();
+        let uploaded: Vec<StoredPartition> = pieces
+            // Each paid for in order, before its upload starts.
+            .map(move |piece| {
+                let piece = piece?;
+                let charge = store.stored_charge(&piece)?;
+                let reservation = store
+                    .inner
+                    .budget
+                    .try_reserve(device, charge)
+                    .map_err(|error| store.tiers_full(error))?;
+                let piece_bytes = crate::batch_size::batch_bytes(&piece);
+                let upload = store.inner.backend.upload(device, piece);
+                let inner = Arc::clone(&store.inner);
+                Ok(async move {
+                    Ok::<_, StoreError>(inner.tiers.hold(upload.await?, reservation, piece_bytes))
+                })
+            })
+            .try_buffered(UPLOADS_AHEAD)
+            .try_collect()
+            .await?;
+        let total: u64 = uploaded.iter().map(StoredPartition::memory_bytes).sum();
         if uploaded.is_empty() {
             return Err(
                 BackendError::Device("a partition without rows to upload".to_owned()).into(),

@@ -17,6 +17,7 @@ import pyarrow.flight as flight
 import pytest
 from conftest import Server
 from test_flight import get, put
+from test_ipc import consumer_module, cuda_only
 
 # A client that writes until it is stopped, printing what the server acknowledged: creates of
 # d<i>, and replaces of r (version i), each a table that says which it is.
@@ -159,3 +160,27 @@ def test_a_second_server_on_the_same_directory_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="in use by another process"):
         Server("--data-dir", str(data_dir), log=str(tmp_path / "second.log"))
     assert first.stop() == 0
+
+
+@cuda_only
+def test_after_a_restart_ipc_export_loads_the_files_onto_the_gpu(tmp_path):
+    ipc = consumer_module()
+    data_dir = tmp_path / "data"
+    data = expected(7)
+    server = Server("--data-dir", str(data_dir))
+    with server.client() as client:
+        put(client, "t", data, chunk=20_000)
+    assert server.stop() == 0
+
+    server = Server("--data-dir", str(data_dir))
+    try:
+        assert server.status()["tiers"]["loads"] == 0
+        with server.client() as client:
+            with ipc.ExportedDataset(client, "t") as exported:
+                assert exported.to_arrow().to_pylist() == data.to_pylist()
+            info = client.get_flight_info(flight.FlightDescriptor.for_path("t"))
+            tiers = json.loads(info.app_metadata)["tiers"]
+            assert tiers["device"] > 0 and tiers["disk"] == 0 and tiers["host"] == 0, tiers
+        assert server.status()["tiers"]["loads"] == 1
+    finally:
+        assert server.stop() == 0
