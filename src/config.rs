@@ -125,7 +125,8 @@ pub struct ServeArgs {
     pub host_memory_limit: Option<ByteSize>,
 
     /// Makes every committed dataset durable in this directory (Arrow IPC files and a
-    /// manifest), and loads what it holds at start. Without it nothing touches the disk.
+    /// manifest), and serves what it holds after a restart, each dataset loaded when first
+    /// read. Without it nothing touches the disk.
     #[arg(long, env = "GPU_FLIGHT_DATA_DIR")]
     pub data_dir: Option<std::path::PathBuf>,
 
