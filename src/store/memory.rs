@@ -125,6 +125,11 @@ impl Reservation {
         self.device
     }
 
+    /// Whether `budget` pays for this reservation.
+    pub fn is_of(&self, budget: &Arc<MemoryBudget>) -> bool {
+        Arc::ptr_eq(&self.budget, budget)
+    }
+
     /// Adds `bytes` to the reservation, or fails leaving it as it was.
     pub fn try_grow(&mut self, bytes: u64) -> Result<(), StoreError> {
         let more = self.budget.try_reserve(self.device, bytes)?;

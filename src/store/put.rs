@@ -124,6 +124,25 @@ impl Store {
         }
     }
 
+    /// A received message's charge when its batch finds no room on a device: where the
+    /// message is paid for by a device, that charge gives way to the batch's. A backend that
+    /// keeps the decoded arrays keeps the message's memory as the batch, which the batch's
+    /// charge then pays for: the two would count it twice. Any other's message is host
+    /// memory that a device's budget stood in for; it moves to the host tier where that has
+    /// room, and otherwise is bounded only by `--max-put-message-bytes` until the upload
+    /// is done with it.
+    fn message_yields(&self, message: Reservation) -> Option<Reservation> {
+        if !message.is_of(&self.inner.budget) {
+            return Some(message);
+        }
+        let bytes = message.bytes();
+        drop(message);
+        if self.inner.backend.keeps_decoded_arrays() {
+            return None;
+        }
+        self.inner.tiers.try_reserve_host(bytes).ok()
+    }
+
     /// What keeping `batch` in the backend is charged: its stored size (at least a bit a row)
     /// and an overhead per array. Paid before the batch is uploaded anywhere.
     pub(super) fn stored_charge(&self, batch: &RecordBatch) -> Result<u64, StoreError> {
@@ -227,7 +246,8 @@ impl PendingPut {
         }
         let backend = Arc::clone(&self.store.inner.backend);
         let bytes = self.store.stored_charge(&batch)?;
-        let reservation = self.reserve(bytes).await?;
+        let mut message = message;
+        let reservation = self.reserve(bytes, &mut message).await?;
         let data_bytes = batch_bytes(&batch);
         self.rows = self.rows.saturating_add(batch.num_rows() as u64);
         self.data_bytes = self.data_bytes.saturating_add(data_bytes);
@@ -247,14 +267,35 @@ impl PendingPut {
     }
 
     /// Reserves `bytes` on the put's device or, for a put the store places, on the freest
-    /// device that has room, which the put then stays on. Where none has room, partitions on
-    /// the put's device are spilled to the host tier to make some. Fails saying what every
-    /// tier holds when that does not make room either.
-    async fn reserve(&mut self, bytes: u64) -> Result<Reservation, StoreError> {
+    /// device that has room, which the put then stays on. Where none has room, the charge of
+    /// the batch's own `message` on a device gives way first (see [`Store::message_yields`]),
+    /// so that a put fits whenever its bytes are free; then partitions on the put's device
+    /// are spilled to the host tier to make room. Fails saying what every tier holds when
+    /// that does not make room either.
+    async fn reserve(
+        &mut self,
+        bytes: u64,
+        message: &mut Option<Reservation>,
+    ) -> Result<Reservation, StoreError> {
+        if let Some(reservation) = self.reserve_without_spilling(bytes)? {
+            return Ok(reservation);
+        }
+        if let Some(charged) = message.take() {
+            *message = self.store.message_yields(charged);
+            if let Some(reservation) = self.reserve_without_spilling(bytes)? {
+                return Ok(reservation);
+            }
+        }
+        self.store.reserve_on(self.device, bytes).await
+    }
+
+    /// `bytes` on the put's device, or another with room where the store places the put;
+    /// `None` where none has room.
+    fn reserve_without_spilling(&mut self, bytes: u64) -> Result<Option<Reservation>, StoreError> {
         let budget = &self.store.inner.budget;
         match budget.try_reserve(self.device, bytes) {
             Err(StoreError::MemoryExhausted { .. }) => {}
-            reserved => return reserved,
+            reserved => return reserved.map(Some),
         }
         if !self.fixed {
             for device in self.store.freest_devices() {
@@ -263,11 +304,11 @@ impl PendingPut {
                 }
                 if let Ok(reservation) = budget.try_reserve(device, bytes) {
                     self.device = device;
-                    return Ok(reservation);
+                    return Ok(Some(reservation));
                 }
             }
         }
-        self.store.reserve_on(self.device, bytes).await
+        Ok(None)
     }
 
     /// Adds a finished upload to the put.

@@ -86,3 +86,35 @@ def test_a_spilled_dataset_comes_back_to_the_gpu_to_be_exported(make_server):
 @pytest.mark.skipif(BACKEND != "host", reason="the host backend's default")
 def test_the_host_backend_has_no_host_tier_unless_asked(server):
     assert server.status()["tiers"]["host_limit_bytes"] == 0
+
+
+@pytest.mark.parametrize("host_tier", ["0", "256MiB"])
+def test_a_put_fits_whenever_its_bytes_are_free(make_server, host_tier):
+    # The issue's own case: 40 MB stored under a 100 MiB limit, and another 40 MB put, each
+    # one message. Its message and its batch are not charged side by side, and nothing is
+    # spilled to make room for what was free.
+    server = make_server("--memory-limit", "100MiB", "--host-memory-limit", host_tier)
+    device = lambda: server.status()["devices"][0]  # noqa: E731
+    rows = 40_000_000 // 8
+    with server.client() as client:
+        first = pa.table({"x": np.arange(rows, dtype=np.int64)})
+        put(client, "first", first)
+        second = pa.table({"x": np.arange(rows, 2 * rows, dtype=np.int64)})
+        put(client, "second", second)
+        # And then what is left, less a little for the schema and each array's overhead
+        # (and, on a GPU, the allocation's rounding).
+        free = device()["limit_bytes"] - device()["used_bytes"]
+        rest = pa.table({"x": np.arange((free - (2 << 20)) // 8, dtype=np.int64)})
+        put(client, "rest", rest)
+        assert device()["used_bytes"] <= device()["limit_bytes"]
+        assert server.status()["tiers"]["spills"] == 0
+        more = pa.table({"x": np.arange(1 << 20, dtype=np.int64)})
+        if host_tier == "0":
+            with pytest.raises(pa.ArrowException, match="(?i)resource exhausted"):
+                put(client, "more", more)
+        else:
+            # Only now, with the device full, is something spilled to make room.
+            put(client, "more", more)
+            assert server.status()["tiers"]["spills"] > 0
+        for name, table in (("first", first), ("second", second), ("rest", rest)):
+            assert get(client, name).equals(table), name
