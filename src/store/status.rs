@@ -26,11 +26,14 @@ pub struct StoreStatus {
     pub leased_only_bytes: u64,
     /// Puts being received, oldest first.
     pub puts: Vec<Arc<PutProgress>>,
-    /// Compactions of batches into one partition (at commit), and the time they took.
+    /// Compactions of batches into one partition (at commit, and background merges of
+    /// appended partitions), and the time they took.
     pub concatenations: u64,
     /// Arrow bytes the compactions copied.
     pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
+    /// Background merges of appended partitions, published (each also a concatenation).
+    pub merges: u64,
     pub tiers: TierStatus,
     /// Under `--data-dir`: what the disk holds and owes.
     pub persistence: Option<PersistenceStatus>,
@@ -186,6 +189,7 @@ impl Store {
                 inner.concatenation_nanos.load(Ordering::Relaxed),
             )
             .as_secs_f64(),
+            merges: inner.merges.load(Ordering::Relaxed),
             tiers,
             persistence: inner.durable.get().map(|durable| {
                 let counters = &durable.counters;

@@ -398,7 +398,9 @@ impl Store {
             let data = self.inner.backend.upload(device, piece).await?;
             uploaded.push(self.inner.tiers.hold(data, reservation, piece_bytes));
         }
-        let mut compacted = self.compact(&schema, uploaded, device).await?;
+        let mut compacted = self
+            .compact(&schema, uploaded, device, super::put::Room::Spill)
+            .await?;
         match (compacted.pop(), compacted.is_empty()) {
             (Some(mut partition), true) => {
                 partition.data_bytes = data_bytes;
