@@ -288,7 +288,7 @@ impl Collector for StoreCollector {
         let concatenations = ConstCounter::new(status.concatenations);
         concatenations.encode(encoder.encode_descriptor(
             "concatenations",
-            "Compactions of a put's batches, and merges of an append's with the partitions before",
+            "Compactions of a put's batches at commit, and background merges of appended partitions",
             None,
             concatenations.metric_type(),
         )?)?;
@@ -305,6 +305,13 @@ impl Collector for StoreCollector {
             "Time spent in compactions",
             Some(&Unit::Seconds),
             concat_time.metric_type(),
+        )?)?;
+        let merges = ConstCounter::new(status.merges);
+        merges.encode(encoder.encode_descriptor(
+            "merges",
+            "Background merges of appended partitions with their neighbours",
+            None,
+            merges.metric_type(),
         )?)?;
 
         let tiers = &status.tiers;

@@ -664,7 +664,8 @@ async fn appended_dictionaries_are_merged(make: MakeBackend) {
         RecordBatch::try_from_iter_with_nullable([("d", Arc::new(dictionary) as ArrayRef, true)])
             .expect("batch")
     };
-    // Batches of one size, so the append merges them (appends of other sizes stay apart).
+    // Batches of one size, so the append's merge takes them (appends of other sizes stay
+    // apart).
     let first = make_batch(&[Some("a"), None, Some("b"), Some("a")]);
     let second = make_batch(&[Some("b"), Some("c"), None, Some("c")]);
     put(&mut client, path("cats"), vec![first.clone()])
@@ -673,11 +674,22 @@ async fn appended_dictionaries_are_merged(make: MakeBackend) {
     put(&mut client, cmd("cats", "append"), vec![second.clone()])
         .await
         .expect("append");
+    // Issued while the merge may still be running: the merge keeps the version.
+    let info = client.get_flight_info(path("cats")).await.expect("info");
+    server.store.merges_settled().await;
     assert_eq!(
         server.store.get("cats").expect("dataset").num_partitions(),
         1
     );
-    let received = get_all(&mut client, "cats").await.expect("get");
+    let mut received = Vec::new();
+    for endpoint in &info.endpoint {
+        let ticket = endpoint.ticket.clone().expect("ticket");
+        let stream = client
+            .do_get(ticket)
+            .await
+            .expect("a ticket from before the merge");
+        received.extend(stream.try_collect::<Vec<_>>().await.expect("read"));
+    }
     assert_same_data(&[first, second], &received);
     for batch in &received {
         let values = batch.column(0).as_any_dictionary().values();
@@ -775,6 +787,7 @@ async fn puts_end_compacted(make: MakeBackend) {
     put(&mut client, cmd("t", "append"), more.clone())
         .await
         .expect("append");
+    server.store.merges_settled().await;
     assert_eq!(server.store.get("t").expect("dataset").num_partitions(), 2);
     let all: Vec<_> = batches.into_iter().chain(more).collect();
     assert_same_data(&all, &get_all(&mut client, "t").await.expect("get"));

@@ -435,3 +435,43 @@ async fn a_replica_is_charged_for_every_array_of_its_columns() {
         export.lease.terms.replica_bytes()
     );
 }
+
+#[tokio::test]
+async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
+    let store = Store::new(Arc::new(PretendGpus::new(1, true)), StoreOptions::default());
+    // Small enough to merge with each other, too small to merge with the first.
+    let eighth = |i: i64| batch(i).slice(0, ROWS as usize / 8);
+    put(&store, "t", PutMode::Create, None, &[batch(0)])
+        .await
+        .expect("put");
+    let created = store.get("t").expect("t").memory_bytes();
+    let first = store.export(request("t")).await.expect("export");
+    put(&store, "t", PutMode::Append, None, &[eighth(1)])
+        .await
+        .expect("append");
+    store.merges_settled().await;
+    assert_eq!(
+        store.status().leased_only_bytes,
+        0,
+        "the append's version shares the leased partition"
+    );
+
+    let appended = store.get("t").expect("t").memory_bytes() - created;
+    let second = store.export(request("t")).await.expect("export");
+    put(&store, "t", PutMode::Append, None, &[eighth(2)])
+        .await
+        .expect("append");
+    store.merges_settled().await;
+    let status = store.status();
+    assert_eq!(status.merges, 1);
+    assert_eq!(
+        status.leased_only_bytes, appended,
+        "the first append's partition, merged away, is held by the second lease alone"
+    );
+    for export in [first, second] {
+        store.release(&export.lease.id).expect("release");
+    }
+    let status = store.status();
+    assert_eq!(status.leased_only_bytes, 0);
+    assert_eq!(status.devices[0].used_bytes, status.bytes);
+}

@@ -266,6 +266,61 @@ async fn appends_write_what_they_add_not_the_dataset() {
 }
 
 #[tokio::test]
+async fn background_merges_keep_the_version_and_write_nothing() {
+    let dir = data_dir("merges");
+    let store = open(&dir, Durability::Sync, 1).await;
+    // Small batches, which the host backend merges.
+    let small = |i: i64| batch(i).slice(0, 1000);
+    let sent: Vec<_> = (0..17).map(small).collect();
+    put(&store, "log", PutMode::Create, None, &sent[..1])
+        .await
+        .expect("create");
+    for batch in &sent[1..16] {
+        put(
+            &store,
+            "log",
+            PutMode::Append,
+            None,
+            std::slice::from_ref(batch),
+        )
+        .await
+        .expect("append");
+    }
+    let disk = |store: &Store| {
+        let persistence = store.status().persistence.expect("persistence status");
+        (
+            persistence.segments,
+            persistence.written_bytes,
+            persistence.pending,
+        )
+    };
+    let version = store.get("log").expect("log").version();
+    let (segments, written, _) = disk(&store);
+    store.merges_settled().await;
+    assert!(store.status().merges > 0, "the appends were merged");
+    assert_eq!(store.get("log").expect("log").version(), version);
+    assert_eq!(
+        disk(&store),
+        (segments, written, 0),
+        "nothing more to write"
+    );
+    // An append to the merged dataset still writes only what it adds: the writer knows its
+    // version.
+    put(&store, "log", PutMode::Append, None, &sent[16..])
+        .await
+        .expect("append");
+    assert_eq!(disk(&store).0, segments + 1);
+    store.merges_settled().await;
+    store.close().await;
+    drop(store);
+
+    let store = open(&dir, Durability::Sync, 1).await;
+    assert_eq!(read_all(&store, "log").await, rows(&sent));
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn a_failed_disk_write_fails_the_put_and_keeps_what_was_stored() {
     let dir = data_dir("failing");
     let store = open(&dir, Durability::Sync, 1).await;

@@ -570,6 +570,7 @@ mod tests {
             concatenations: 0,
             concatenated_bytes: 0,
             concatenation_seconds: 0.0,
+            merges: 0,
             tiers: TierStatus::default(),
             persistence: None,
         };

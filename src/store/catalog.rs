@@ -41,6 +41,8 @@ impl Store {
                 concatenations: AtomicU64::new(0),
                 concatenated_bytes: AtomicU64::new(0),
                 concatenation_nanos: AtomicU64::new(0),
+                merging: tokio::sync::watch::Sender::new(Default::default()),
+                merges: AtomicU64::new(0),
             }),
         }
     }

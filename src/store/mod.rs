@@ -19,8 +19,8 @@
 //! The catalog is a `DashMap`: lookups from many concurrent `DoGet`s never contend on one lock,
 //! and no shard lock is ever held across an `.await`.
 //!
-//! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction),
-//! `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
+//! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction), `merge`
+//! (merging appended partitions in the background), `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
 //! `status` (what the store holds), `tier` (spilling to host memory and back), `durable` and
 //! `files` (persistence under `--data-dir`), `disk` (datasets loaded from it when needed);
 //! `dataset`,
@@ -34,10 +34,13 @@ mod export;
 mod files;
 mod lease;
 pub mod memory;
+mod merge;
 mod progress;
 mod put;
 mod relocate;
 mod status;
+#[cfg(test)]
+mod testing;
 mod tier;
 
 use std::sync::Arc;
@@ -261,10 +264,15 @@ struct Inner {
     /// The persistence writer, under `--data-dir`: set once the data directory is loaded.
     durable: std::sync::OnceLock<durable::Durable>,
     puts: Arc<progress::Puts>,
+    /// Compactions of a put's batches at commit, and background merges.
     concatenations: AtomicU64,
     /// Arrow bytes those compactions copied.
     concatenated_bytes: AtomicU64,
     concatenation_nanos: AtomicU64,
+    /// Names whose partitions a background merge task is working on (`merge`).
+    merging: tokio::sync::watch::Sender<merge::Running>,
+    /// Background merges published.
+    merges: AtomicU64,
 }
 
 /// What each array of a stored batch costs beyond its buffers (headers, `Arc`s, allocator

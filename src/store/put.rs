@@ -169,6 +169,17 @@ impl Store {
     }
 }
 
+/// Where a compaction finds the memory for its copy when the device is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Room {
+    /// Spills other partitions to the host tier: the copy is part of a request (a put, a
+    /// move, a restore) that asked for it.
+    Spill,
+    /// Only memory free now: a background merge is an optimisation, and must not evict
+    /// other datasets' partitions for itself.
+    Free,
+}
+
 /// A put in progress: uploaded partitions that nobody else can see yet.
 #[derive(Debug)]
 pub struct PendingPut {
@@ -316,27 +327,21 @@ impl PendingPut {
         self.partitions.push(uploaded.0);
     }
 
-    /// Compacts the put's partitions (with the dataset's, for `append`) and makes the result
-    /// visible in one catalog operation, or fails leaving the catalog untouched.
+    /// Compacts the put's partitions and makes them visible in one catalog operation (after
+    /// the dataset's, for `append`), or fails leaving the catalog untouched. An append copies
+    /// only its own batches here, so that its cost follows what it adds, not the dataset: the
+    /// dataset's partitions are merged afterwards, in the background (`merge`).
     pub async fn commit(self) -> Result<PutSummary, StoreError> {
         let (Some(schema), Some(schema_charge)) = (self.schema, self.schema_charge) else {
             return Err(StoreError::MissingSchema);
         };
         let store = self.store;
-        let base = match self.mode {
-            PutMode::Append => store.get(&self.name).ok(),
-            PutMode::Create | PutMode::Replace => None,
-        };
-        let existing = match &base {
-            Some(existing) => {
-                check_append_schema(existing, &schema)?;
-                existing.partitions().to_vec()
-            }
-            None => Vec::new(),
-        };
-        let compacted = store
-            .append_partitions(&schema, existing, self.partitions.clone())
-            .await?;
+        if self.mode == PutMode::Append
+            && let Ok(existing) = store.get(&self.name)
+        {
+            check_append_schema(&existing, &schema)?;
+        }
+        let compacted = store.compact_runs(&schema, self.partitions).await?;
 
         let version = store.next_version();
         let summary = |dataset: &Dataset| PutSummary {
@@ -357,15 +362,8 @@ impl PendingPut {
             Entry::Occupied(mut entry) if self.mode == PutMode::Append => {
                 let current = Arc::clone(entry.get());
                 check_append_schema(&current, &schema)?;
-                let partitions = if base.as_ref().map(|b| b.version()) == Some(current.version()) {
-                    compacted
-                } else {
-                    // Another commit won the race since we compacted: append our own
-                    // partitions to what is there now, uncompacted, rather than lose rows.
-                    let mut partitions = current.partitions().to_vec();
-                    partitions.extend(self.partitions);
-                    partitions
-                };
+                let mut partitions = current.partitions().to_vec();
+                partitions.extend(compacted);
                 let dataset = Arc::new(Dataset::new(
                     self.name.clone(),
                     current.schema(),
@@ -396,18 +394,11 @@ impl PendingPut {
                 (dataset, Some(previous), persisted)
             }
             Entry::Vacant(entry) => {
-                // An append whose dataset was dropped meanwhile commits its own rows only: the
-                // compacted copy holds the dropped rows too.
-                let partitions = if base.is_some() {
-                    self.partitions
-                } else {
-                    compacted
-                };
                 let dataset = Arc::new(Dataset::new(
                     self.name.clone(),
                     schema,
                     version,
-                    partitions,
+                    compacted,
                     schema_charge,
                 ));
                 let persisted = store.persist_whole(&dataset);
@@ -418,6 +409,9 @@ impl PendingPut {
         if let Err(error) = durable::wait(persisted).await {
             store.undo(&self.name, version, previous);
             return Err(error);
+        }
+        if self.mode == PutMode::Append {
+            store.schedule_merge(&self.name);
         }
         Ok(summary(&committed))
     }
@@ -436,42 +430,6 @@ impl Store {
 
     /// Compacts each run of consecutive partitions on one device, on that device, keeping the
     /// runs in row order: a dataset spread across devices stays spread, each part compact.
-    /// `existing` (a dataset's partitions, possibly none) followed by `new`: the new batches
-    /// compacted among themselves, then merged with the partitions before them only while the
-    /// two last are of comparable size (the newer no larger than the older, and at least half
-    /// of it). Each merge at least doubles the newer's bytes and grows the older's by half, so
-    /// a byte is copied O(log n) times over n appends, not once per append, and a dataset
-    /// built by appends keeps O(log n) partitions.
-    pub(super) async fn append_partitions(
-        &self,
-        schema: &Schema,
-        existing: Vec<StoredPartition>,
-        new: Vec<StoredPartition>,
-    ) -> Result<Vec<StoredPartition>, StoreError> {
-        let mut partitions = existing;
-        for partition in self.compact_runs(schema, new).await? {
-            partitions.push(partition);
-            while let [.., older, newer] = partitions.as_slice() {
-                let comparable = newer.data_bytes <= older.data_bytes
-                    && older.data_bytes <= 2 * newer.data_bytes;
-                let Tier::Device(device) = newer.tier() else {
-                    break;
-                };
-                if !comparable || older.tier() != newer.tier() {
-                    break;
-                }
-                let pair = partitions.split_off(partitions.len() - 2);
-                let merged = self.compact(schema, pair, device).await?;
-                let kept_apart = merged.len() > 1;
-                partitions.extend(merged);
-                if kept_apart {
-                    break;
-                }
-            }
-        }
-        Ok(partitions)
-    }
-
     pub(super) async fn compact_runs(
         &self,
         schema: &Schema,
@@ -488,7 +446,9 @@ impl Store {
         let mut compacted = Vec::new();
         for (tier, run) in runs {
             match tier {
-                Tier::Device(device) => compacted.extend(self.compact(schema, run, device).await?),
+                Tier::Device(device) => {
+                    compacted.extend(self.compact(schema, run, device, Room::Spill).await?);
+                }
                 // Spilled while the put ran: compacted if it is ever restored.
                 Tier::Host | Tier::Disk => compacted.extend(run),
             }
@@ -503,6 +463,7 @@ impl Store {
         schema: &Schema,
         partitions: Vec<StoredPartition>,
         device: u32,
+        room: Room,
     ) -> Result<Vec<StoredPartition>, StoreError> {
         if partitions.len() <= 1 {
             return Ok(partitions);
@@ -514,18 +475,19 @@ impl Store {
         if !self.inner.backend.compacts(schema, &data) {
             return Ok(partitions);
         }
-        self.concatenate(partitions, device).await
+        self.concatenate(partitions, device, room).await
     }
 
     /// Concatenates partitions of `device` into one compact partition, reserving its memory
-    /// first (spilling others to make room): the inputs stay reserved until they are dropped,
-    /// so the budget covers the transient peak. Partitions are returned unchanged where the
-    /// compact copy does not fit beside them, or the backend cannot concatenate them (a merged
+    /// first (as `room` allows): the inputs stay reserved until they are dropped, so the
+    /// budget covers the transient peak. Partitions are returned unchanged where the compact
+    /// copy does not fit beside them, or the backend cannot concatenate them (a merged
     /// dictionary its keys cannot index).
     pub(super) async fn concatenate(
         &self,
         partitions: Vec<StoredPartition>,
         device: u32,
+        room: Room,
     ) -> Result<Vec<StoredPartition>, StoreError> {
         if partitions.len() <= 1 {
             return Ok(partitions);
@@ -546,7 +508,11 @@ impl Store {
             Err(error) => return Err(error.into()),
         };
         let rows = partitions.iter().map(|p| p.num_rows() as u64).sum();
-        let reservation = match self.reserve_on(device, charge(size, rows)).await {
+        let reserved = match room {
+            Room::Spill => self.reserve_on(device, charge(size, rows)).await,
+            Room::Free => self.inner.budget.try_reserve(device, charge(size, rows)),
+        };
+        let reservation = match reserved {
             Ok(reservation) => reservation,
             Err(
                 StoreError::MemoryExhausted {
@@ -611,116 +577,10 @@ fn check_append_schema(existing: &Dataset, incoming: &SchemaRef) -> Result<(), S
 
 #[cfg(test)]
 mod tests {
-    use arrow::array::{ArrayRef, Int64Array};
-
     use super::*;
-    use crate::backend::{Backend, DeviceInfo, HostBackend};
+    use crate::backend::HostBackend;
     use crate::store::StoreOptions;
-
-    fn batch(values: std::ops::Range<i64>) -> RecordBatch {
-        let column: ArrayRef = Arc::new(Int64Array::from_iter_values(values));
-        RecordBatch::try_from_iter([("x", column)]).expect("batch")
-    }
-
-    async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>) -> PendingPut {
-        let mut pending = store
-            .begin_put("t".to_owned(), mode, "test")
-            .expect("begin");
-        pending.declare_schema(batches[0].schema()).expect("schema");
-        for b in batches {
-            if let Some(upload) = pending.upload(b, None).await.expect("reserve") {
-                pending.add(upload.await.expect("upload"));
-            }
-        }
-        pending
-    }
-
-    /// The host backend, but concatenation (or, with `gate_copies`, copying) waits for
-    /// `release` (after saying it started), so a test can act while a commit is compacting.
-    #[derive(Debug)]
-    struct GatedBackend {
-        host: HostBackend,
-        started: Arc<tokio::sync::Notify>,
-        release: Arc<tokio::sync::Notify>,
-        gate_copies: bool,
-    }
-
-    impl GatedBackend {
-        fn new(host: HostBackend, gate_copies: bool) -> Self {
-            Self {
-                host,
-                started: Arc::new(tokio::sync::Notify::new()),
-                release: Arc::new(tokio::sync::Notify::new()),
-                gate_copies,
-            }
-        }
-
-        fn gate<T: Send + 'static>(&self, work: BoxFuture<'static, T>) -> BoxFuture<'static, T> {
-            let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
-            async move {
-                started.notify_one();
-                release.notified().await;
-                work.await
-            }
-            .boxed()
-        }
-    }
-
-    impl Backend for GatedBackend {
-        fn name(&self) -> &'static str {
-            "gated"
-        }
-        fn devices(&self) -> Vec<DeviceInfo> {
-            self.host.devices()
-        }
-        fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
-            self.host.stored_size(batch)
-        }
-        fn upload(
-            &self,
-            device: u32,
-            batch: RecordBatch,
-        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
-            self.host.upload(device, batch)
-        }
-        fn concatenated_size(
-            &self,
-            partitions: &[Arc<dyn crate::backend::Partition>],
-        ) -> Result<u64, BackendError> {
-            self.host.concatenated_size(partitions)
-        }
-        fn copied_size(
-            &self,
-            partition: &Arc<dyn crate::backend::Partition>,
-            columns: &[usize],
-        ) -> Result<u64, BackendError> {
-            self.host.copied_size(partition, columns)
-        }
-        fn copy_to(
-            &self,
-            partition: Arc<dyn crate::backend::Partition>,
-            columns: Vec<usize>,
-            device: u32,
-        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
-            let copy = self.host.copy_to(partition, columns, device);
-            if self.gate_copies {
-                self.gate(copy)
-            } else {
-                copy
-            }
-        }
-        fn concatenate(
-            &self,
-            partitions: Vec<Arc<dyn crate::backend::Partition>>,
-        ) -> BoxFuture<'static, Result<Arc<dyn crate::backend::Partition>, BackendError>> {
-            let concatenated = self.host.concatenate(partitions);
-            if self.gate_copies {
-                concatenated
-            } else {
-                self.gate(concatenated)
-            }
-        }
-    }
+    use crate::store::testing::{GatedBackend, batch, put};
 
     #[tokio::test]
     async fn an_append_to_a_dataset_dropped_while_compacting_does_not_bring_it_back() {
@@ -736,10 +596,6 @@ mod tests {
         let commit = tokio::spawn(append.commit());
         started.notified().await;
         store.remove("t").expect("drop while the append compacts");
-        release.notify_one();
-        // The appended batches, compacted, are then merged with the dataset's partition of
-        // the same size.
-        started.notified().await;
         release.notify_one();
         let summary = commit.await.expect("task").expect("append");
         assert_eq!(
@@ -828,57 +684,5 @@ mod tests {
         }
         assert_eq!(used(&store), 0, "returned with the copy's memory");
         assert_eq!(store.get("t").expect("t").device_runs()[0].1, 0);
-    }
-
-    #[tokio::test]
-    async fn appends_copy_each_byte_a_logarithmic_number_of_times() {
-        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
-        let appends = 256_i64;
-        let rows = 1000;
-        for i in 0..appends {
-            let mode = if i == 0 {
-                PutMode::Create
-            } else {
-                PutMode::Append
-            };
-            put(&store, mode, vec![batch(i * rows..(i + 1) * rows)])
-                .await
-                .commit()
-                .await
-                .expect("append");
-        }
-        let dataset = store.get("t").expect("dataset");
-        assert_eq!(dataset.num_rows(), (appends * rows) as u64);
-        let total = dataset.data_bytes();
-        let copied = store.status().concatenated_bytes;
-        // Recopying the dataset at every append would copy about appends / 2 times its size.
-        assert!(
-            copied <= total * 9,
-            "{copied} bytes copied for {total} appended: more than log2(256) + 1 times"
-        );
-        assert!(
-            dataset.num_partitions() <= 9,
-            "{} partitions",
-            dataset.num_partitions()
-        );
-        let read: Vec<RecordBatch> = futures::TryStreamExt::try_collect(
-            dataset
-                .read(0..dataset.num_rows(), 1 << 20, 2)
-                .expect("read"),
-        )
-        .await
-        .expect("read");
-        let values: Vec<i64> = read
-            .iter()
-            .flat_map(|b| {
-                b.column(0)
-                    .as_any()
-                    .downcast_ref::<Int64Array>()
-                    .expect("int64")
-                    .values()
-                    .to_vec()
-            })
-            .collect();
-        assert_eq!(values, (0..appends * rows).collect::<Vec<_>>());
     }
 }

@@ -26,11 +26,14 @@ pub struct StoreStatus {
     pub leased_only_bytes: u64,
     /// Puts being received, oldest first.
     pub puts: Vec<Arc<PutProgress>>,
-    /// Compactions of batches into one partition (at commit), and the time they took.
+    /// Compactions of batches into one partition (at commit, and background merges of
+    /// appended partitions), and the time they took.
     pub concatenations: u64,
     /// Arrow bytes the compactions copied.
     pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
+    /// Background merges of appended partitions, published (each also a concatenation).
+    pub merges: u64,
     pub tiers: TierStatus,
     /// Under `--data-dir`: what the disk holds and owes.
     pub persistence: Option<PersistenceStatus>,
@@ -154,16 +157,34 @@ impl Store {
             load_seconds: seconds(&t.load_nanos),
         };
         let mut leases = Vec::new();
+        // By address, so that memory several leases hold counts once. Partitions, not
+        // versions: an append's version shares its base's partitions, and a background merge
+        // changes a version's partitions but not its number.
         let mut leased_only = std::collections::HashMap::new();
         let mut replicas = 0;
         for lease in inner.leases.list() {
             let dataset = &lease.dataset;
-            let in_catalog = inner
+            let current = inner
                 .catalog
                 .get(dataset.name())
+                .map(|entry| Arc::clone(entry.value()));
+            let in_catalog = current
+                .as_ref()
                 .is_some_and(|current| current.version() == dataset.version());
-            if !in_catalog {
-                leased_only.insert(dataset.version(), dataset.memory_bytes());
+            let catalog_holds: std::collections::HashSet<*const super::tier::Slot> = current
+                .iter()
+                .flat_map(|current| current.partitions())
+                .map(|partition| Arc::as_ptr(&partition.slot))
+                .collect();
+            for partition in dataset.partitions() {
+                let slot = Arc::as_ptr(&partition.slot);
+                if !catalog_holds.contains(&slot) {
+                    leased_only.insert(slot as usize, partition.memory_bytes());
+                }
+            }
+            let schema_charge = dataset.schema_charge();
+            if !current.is_some_and(|current| Arc::ptr_eq(current.schema_charge(), schema_charge)) {
+                leased_only.insert(Arc::as_ptr(schema_charge) as usize, schema_charge.bytes());
             }
             let replica_bytes = lease.terms.replica_bytes();
             replicas += replica_bytes;
@@ -197,6 +218,7 @@ impl Store {
                 inner.concatenation_nanos.load(Ordering::Relaxed),
             )
             .as_secs_f64(),
+            merges: inner.merges.load(Ordering::Relaxed),
             tiers,
             persistence: inner.durable.get().map(|durable| {
                 let counters = &durable.counters;

@@ -518,7 +518,9 @@ impl Store {
             );
         }
         // Concatenated whether or not the backend compacts puts: a slot holds one partition.
-        let mut compacted = self.concatenate(uploaded, device).await?;
+        let mut compacted = self
+            .concatenate(uploaded, device, super::put::Room::Spill)
+            .await?;
         match (compacted.pop(), compacted.is_empty()) {
             (Some(mut partition), true) => {
                 partition.data_bytes = data_bytes;

@@ -1,0 +1,117 @@
+//! What the store's unit tests share: batches, puts, and a backend that holds concatenations
+//! and copies until the test lets them go on.
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayRef, Int64Array};
+use arrow::record_batch::RecordBatch;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+
+use super::{PendingPut, PutMode, Store};
+use crate::backend::{Backend, BackendError, DeviceInfo, HostBackend, Partition};
+
+/// One int64 column `x` holding `values`.
+pub(super) fn batch(values: std::ops::Range<i64>) -> RecordBatch {
+    let column: ArrayRef = Arc::new(Int64Array::from_iter_values(values));
+    RecordBatch::try_from_iter([("x", column)]).expect("batch")
+}
+
+/// A put of `batches` to dataset `t`, uploaded and ready to commit.
+pub(super) async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>) -> PendingPut {
+    let mut pending = store
+        .begin_put("t".to_owned(), mode, "test")
+        .expect("begin");
+    pending.declare_schema(batches[0].schema()).expect("schema");
+    for b in batches {
+        if let Some(upload) = pending.upload(b, None).await.expect("reserve") {
+            pending.add(upload.await.expect("upload"));
+        }
+    }
+    pending
+}
+
+/// The host backend, but concatenation (or, with `gate_copies`, copying) waits for
+/// `release` (after saying it started), so a test can act while a commit or a background
+/// merge is compacting.
+#[derive(Debug)]
+pub(super) struct GatedBackend {
+    host: HostBackend,
+    pub(super) started: Arc<tokio::sync::Notify>,
+    pub(super) release: Arc<tokio::sync::Notify>,
+    gate_copies: bool,
+}
+
+impl GatedBackend {
+    pub(super) fn new(host: HostBackend, gate_copies: bool) -> Self {
+        Self {
+            host,
+            started: Arc::new(tokio::sync::Notify::new()),
+            release: Arc::new(tokio::sync::Notify::new()),
+            gate_copies,
+        }
+    }
+
+    fn gate<T: Send + 'static>(&self, work: BoxFuture<'static, T>) -> BoxFuture<'static, T> {
+        let (started, release) = (Arc::clone(&self.started), Arc::clone(&self.release));
+        async move {
+            started.notify_one();
+            release.notified().await;
+            work.await
+        }
+        .boxed()
+    }
+}
+
+impl Backend for GatedBackend {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+    fn devices(&self) -> Vec<DeviceInfo> {
+        self.host.devices()
+    }
+    fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
+        self.host.stored_size(batch)
+    }
+    fn upload(
+        &self,
+        device: u32,
+        batch: RecordBatch,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        self.host.upload(device, batch)
+    }
+    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        self.host.concatenated_size(partitions)
+    }
+    fn copied_size(
+        &self,
+        partition: &Arc<dyn Partition>,
+        columns: &[usize],
+    ) -> Result<u64, BackendError> {
+        self.host.copied_size(partition, columns)
+    }
+    fn copy_to(
+        &self,
+        partition: Arc<dyn Partition>,
+        columns: Vec<usize>,
+        device: u32,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let copy = self.host.copy_to(partition, columns, device);
+        if self.gate_copies {
+            self.gate(copy)
+        } else {
+            copy
+        }
+    }
+    fn concatenate(
+        &self,
+        partitions: Vec<Arc<dyn Partition>>,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let concatenated = self.host.concatenate(partitions);
+        if self.gate_copies {
+            concatenated
+        } else {
+            self.gate(concatenated)
+        }
+    }
+}
