@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use common::devices::{batch, put, read_all, rows};
 use gpu_flight::backend::HostBackend;
+use gpu_flight::batch_size::batch_bytes;
 use gpu_flight::store::{Durability, PutMode, Store, StoreError, StoreOptions};
 
 fn data_dir(test: &str) -> PathBuf {
@@ -184,6 +185,47 @@ async fn a_restart_reads_no_rows_until_they_are_needed() {
     assert_eq!(read_all(&store, "c").await, batch(2));
     let c = store.get("c").expect("c").tier_bytes();
     assert!(c.device > 0 && c.host == 0 && c.disk == 0, "{c:?}");
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn reads_of_a_loaded_dataset_are_slices_of_its_files_batches() {
+    // Three appends, three segments; loaded into the host tier as three pieces.
+    let dir = data_dir("pieces");
+    let store = open(&dir, Durability::Sync, 1).await;
+    for i in 0..3 {
+        put(&store, "d", PutMode::Append, None, &[batch(i)])
+            .await
+            .expect("append");
+    }
+    store.close().await;
+    drop(store);
+    let store = open_with_host_tier(&dir, 1, 1 << 30).await;
+    let dataset = store.get("d").expect("d");
+    let piece = batch(0).num_rows();
+    // Chunks of three quarters of a piece: without regard for the pieces, every other one
+    // would join two of them (a copy).
+    let chunk_bytes = (batch_bytes(&batch(0)) * 3 / 4) as u64;
+    let read: Vec<_> = dataset
+        .read(0..dataset.num_rows(), chunk_bytes, 2)
+        .expect("a stream")
+        .try_collect()
+        .await
+        .expect("read");
+    assert!(dataset.tier_bytes().host > 0);
+    let mut row = 0;
+    for batch in &read {
+        let (first, last) = (row / piece, (row + batch.num_rows() - 1) / piece);
+        assert_eq!(
+            first,
+            last,
+            "rows {row}+{} span two pieces",
+            batch.num_rows()
+        );
+        row += batch.num_rows();
+    }
+    assert_eq!(rows(&read), rows(&(0..3).map(batch).collect::<Vec<_>>()));
     store.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

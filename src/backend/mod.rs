@@ -198,6 +198,13 @@ pub trait Partition: Send + Sync + fmt::Debug {
     /// Bytes of backend memory this partition holds.
     fn bytes(&self) -> u64;
 
+    /// How many rows from `offset` on a [`Partition::read`] returns without joining pieces
+    /// the partition holds apart (copying them into one batch): readers end their chunks
+    /// there. All of them, for a partition held as one piece.
+    fn contiguous_rows(&self, offset: usize) -> usize {
+        self.num_rows().saturating_sub(offset)
+    }
+
     /// Copies rows `offset..offset + len` back into a host record batch.
     fn read(
         &self,

@@ -116,6 +116,14 @@ impl Partition for SpilledPartition {
         self.bytes
     }
 
+    fn contiguous_rows(&self, offset: usize) -> usize {
+        // The end of the piece holding `offset`.
+        let next = self.starts.partition_point(|&start| start <= offset);
+        self.starts
+            .get(next)
+            .map_or(0, |&end| end.saturating_sub(offset))
+    }
+
     fn read(
         &self,
         offset: usize,
@@ -164,6 +172,10 @@ mod tests {
             assert_eq!(read, whole.slice(offset, len), "rows {offset}+{len}");
         }
         assert!(spilled.read(90, 11).await.is_err(), "past the end");
+        let runs: Vec<usize> = [0, 29, 30, 99, 100]
+            .map(|offset| spilled.contiguous_rows(offset))
+            .into();
+        assert_eq!(runs, [30, 1, 70, 1, 0], "rows to the end of each piece");
         assert!(matches!(
             spilled.export(&[0]),
             Err(BackendError::NotExportable { .. })

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
 
 use super::StoreError;
 use super::memory::Reservation;
@@ -200,8 +200,18 @@ impl Dataset {
         }
         let chunks = Chunks::new(Arc::clone(self), rows, chunk_bytes.max(1));
         let dataset = Arc::clone(self);
-        let stream = futures::stream::iter(chunks)
-            .map(move |chunk| {
+        // A partition only on disk is loaded before its chunks are planned: they end where
+        // its pieces in memory will.
+        let chunks = futures::stream::try_unfold(chunks, |mut chunks| async move {
+            if let Some(slot) = chunks.next_slot()
+                && slot.resident().tier == Tier::Disk
+            {
+                slot.readable().await?;
+            }
+            Ok::<_, StoreError>(chunks.next().map(|chunk| (chunk, chunks)))
+        });
+        let stream = chunks
+            .map_ok(move |chunk| {
                 let slot = Arc::clone(&dataset.partitions[chunk.partition].slot);
                 slot.touch();
                 async move {
@@ -213,7 +223,7 @@ impl Dataset {
                     batch.map_err(StoreError::from)
                 }
             })
-            .buffered(prefetch.max(1));
+            .try_buffered(prefetch.max(1));
         Ok(stream.boxed())
     }
 }
@@ -251,6 +261,14 @@ impl Chunks {
     }
 }
 
+impl Chunks {
+    /// The partition the next chunk is read from, if any.
+    fn next_slot(&self) -> Option<Arc<Slot>> {
+        let partition = self.dataset.partitions.get(self.partition)?;
+        (self.next_row < self.rows.end).then(|| Arc::clone(&partition.slot))
+    }
+}
+
 impl Iterator for Chunks {
     type Item = Chunk;
 
@@ -267,12 +285,13 @@ impl Iterator for Chunks {
                 continue;
             }
             let partition_rows = (end - first).max(1);
-            let bytes_per_row = dataset.partitions[index]
-                .memory_bytes()
-                .div_ceil(partition_rows)
-                .max(1);
+            let resident = dataset.partitions[index].slot.resident();
+            let bytes_per_row = resident.reservation.bytes().div_ceil(partition_rows).max(1);
             let rows_per_chunk = (self.chunk_bytes / bytes_per_row).max(1);
-            let len = rows_per_chunk.min(stop - start);
+            // Chunks end where the partition's pieces do (spilled or loaded ones), so that
+            // each is a slice of one, not a copy of two joined.
+            let contiguous = resident.data.contiguous_rows((start - first) as usize) as u64;
+            let len = rows_per_chunk.min(stop - start).min(contiguous.max(1));
             self.next_row = start + len;
             if self.next_row >= stop {
                 self.partition += 1;
