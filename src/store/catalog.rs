@@ -215,7 +215,9 @@ impl Store {
             let partitions = store
                 .disk_partitions(&files, &schema, &segments, device as u32)
                 .map_err(context)?;
-            planned[device] += partitions.iter().map(|p| p.data_bytes).sum::<u64>();
+            for partition in &partitions {
+                planned[device] = planned[device].saturating_add(partition.data_bytes);
+            }
             let version = store.next_version();
             let dataset = Dataset::new(
                 name.clone(),

@@ -99,7 +99,9 @@ impl Dataset {
             rows = rows.saturating_add(partition.num_rows() as u64);
             row_starts.push(rows);
         }
-        let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
+        let data_bytes = partitions
+            .iter()
+            .fold(0u64, |sum, p| sum.saturating_add(p.data_bytes));
         Self {
             name,
             schema,

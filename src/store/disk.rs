@@ -68,14 +68,16 @@ impl DiskPartition {
         usize::try_from(rows).map_err(|_| {
             StoreError::Corrupt(format!("the manifest claims {rows} rows for one dataset"))
         })?;
-        let file_bytes = segments.iter().map(|s| s.segment().bytes).sum();
-        let data_bytes = segments
+        // Sizes a damaged manifest may claim: summed without overflowing.
+        let file_bytes = segments
             .iter()
-            .map(|s| match s.segment().data_bytes {
+            .fold(0u64, |sum, s| sum.saturating_add(s.segment().bytes));
+        let data_bytes = segments.iter().fold(0u64, |sum, s| {
+            sum.saturating_add(match s.segment().data_bytes {
                 0 => s.segment().bytes,
                 bytes => bytes,
             })
-            .sum();
+        });
         Ok(Self {
             schema,
             segments: segments.into(),
@@ -144,18 +146,30 @@ impl DiskPartition {
     }
 }
 
-/// Segment `index`'s batches, read on a blocking thread, checked to be of `schema`.
+/// Segment `index`'s batches, read on a blocking thread, checked to be of `schema` and to
+/// hold the rows the manifest says: the dataset's rows were numbered by it.
 async fn read_segment(
     segments: Arc<[PinnedSegment]>,
     index: usize,
     schema: SchemaRef,
 ) -> Result<Vec<RecordBatch>, StoreError> {
+    let segment = segments[index].segment().clone();
     let (found, batches) = tokio::task::spawn_blocking(move || segments[index].read())
         .await
         .map_err(|e| StoreError::Persist(format!("a disk task failed: {e}")))??;
     if found.fields() != schema.fields() {
         return Err(StoreError::Corrupt(format!(
-            "a segment of schema {found} belongs to a dataset of schema {schema}"
+            "segment {} has schema {found}, but its dataset's is {schema}",
+            segment.file
+        )));
+    }
+    let rows = batches.iter().fold(0u64, |rows, batch| {
+        rows.saturating_add(batch.num_rows() as u64)
+    });
+    if rows != segment.rows {
+        return Err(StoreError::Corrupt(format!(
+            "segment {} holds {rows} rows, but the manifest records {}",
+            segment.file, segment.rows
         )));
     }
     Ok(batches
@@ -252,7 +266,7 @@ impl Store {
                         let pieces = futures::stream::iter(spilled.pieces().to_vec())
                             .map(Ok)
                             .boxed();
-                        let peak = 2 * disk.file_bytes;
+                        let peak = disk.file_bytes.saturating_mul(2);
                         self.upload_pieces(pieces, peak, slot.home(), disk.data_bytes)
                             .await?
                             .slot
@@ -261,7 +275,7 @@ impl Store {
                 }
             }
             Err(_) => {
-                let peak = 2 * disk.file_bytes;
+                let peak = disk.file_bytes.saturating_mul(2);
                 self.upload_pieces(disk.pieces(), peak, slot.home(), disk.data_bytes)
                     .await?
                     .slot

@@ -457,7 +457,7 @@ impl Store {
         data_bytes: u64,
     ) -> Result<StoredPartition, StoreError> {
         if let Some(disk) = DiskPartition::of(resident) {
-            let peak = 2 * disk.file_bytes();
+            let peak = disk.file_bytes().saturating_mul(2);
             return self
                 .upload_pieces(disk.pieces(), peak, device, data_bytes)
                 .await;
