@@ -231,6 +231,53 @@ async fn reads_of_a_loaded_dataset_are_slices_of_its_files_batches() {
 }
 
 #[tokio::test]
+async fn an_append_after_a_restart_loads_nothing_it_does_not_read() {
+    let dir = data_dir("append-lazy");
+    let store = open(&dir, Durability::Sync, 1).await;
+    put(&store, "d", PutMode::Create, None, &[batch(0)])
+        .await
+        .expect("create");
+    store.close().await;
+    drop(store);
+
+    // A budget with room for the appended rows, not for the base beside them: the append
+    // (and writing what it added to disk) must not load the base.
+    let store = Store::open(
+        Arc::new(HostBackend::new()),
+        StoreOptions {
+            data_dir: Some(dir.clone()),
+            memory_limit: Some(2_500_000),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        },
+    )
+    .await
+    .expect("open");
+    put(&store, "d", PutMode::Append, None, &[batch(1)])
+        .await
+        .expect("the appended rows fit");
+    let d = store.get("d").expect("d");
+    assert_eq!(store.status().tiers.loads, 0);
+    assert!(d.tier_bytes().disk > 0, "{:?}", d.tier_bytes());
+    // Reading the appended rows alone loads nothing either.
+    let base = batch(0).num_rows() as u64;
+    let read: Vec<_> = d
+        .read(base + 10..d.num_rows(), 1 << 20, 2)
+        .expect("a stream")
+        .try_collect()
+        .await
+        .expect("read");
+    assert_eq!(rows(&read), batch(1).slice(10, batch(1).num_rows() - 10));
+    assert_eq!(store.status().tiers.loads, 0);
+    store.close().await;
+    drop(store);
+    let store = open(&dir, Durability::Sync, 1).await;
+    assert_eq!(read_all(&store, "d").await, rows(&[batch(0), batch(1)]));
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn a_version_still_read_keeps_its_files_until_it_is_done() {
     let dir = data_dir("pinned");
     let store = open(&dir, Durability::Sync, 1).await;

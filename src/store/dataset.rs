@@ -253,21 +253,28 @@ struct Chunks {
 impl Chunks {
     fn new(dataset: Arc<Dataset>, rows: Range<u64>, chunk_bytes: u64) -> Self {
         let next_row = rows.start;
+        // The partition holding the first row: those before are not touched (not loaded).
+        let partition = dataset
+            .row_starts
+            .partition_point(|&start| start <= rows.start)
+            .saturating_sub(1);
         Self {
             dataset,
             rows,
             chunk_bytes,
-            partition: 0,
+            partition,
             next_row,
         }
     }
-}
 
-impl Chunks {
     /// The partition the next chunk is read from, if any.
     fn next_slot(&self) -> Option<Arc<Slot>> {
-        let partition = self.dataset.partitions.get(self.partition)?;
-        (self.next_row < self.rows.end).then(|| Arc::clone(&partition.slot))
+        let dataset = &self.dataset;
+        (self.partition..dataset.partitions.len())
+            .take_while(|_| self.next_row < self.rows.end)
+            // Partitions without rows of the range (empty ones) are skipped, not loaded.
+            .find(|&index| dataset.row_starts[index + 1] > self.next_row)
+            .map(|index| Arc::clone(&dataset.partitions[index].slot))
     }
 }
 
