@@ -475,3 +475,22 @@ async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
     assert_eq!(status.leased_only_bytes, 0);
     assert_eq!(status.devices[0].used_bytes, status.bytes);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_partition_export_right_after_an_append_waits_for_its_merge() {
+    // The append leaves its rows to a background merge; an export that needs the dataset
+    // in one partition lets the merge finish rather than refuse it.
+    let store = Store::new(Arc::new(PretendGpus::new(1, true)), StoreOptions::default());
+    let rows = |i: i64| batch(i).slice(0, 1000);
+    put(&store, "t", PutMode::Create, None, &[rows(0)])
+        .await
+        .expect("put");
+    put(&store, "t", PutMode::Append, None, &[rows(1)])
+        .await
+        .expect("append");
+    let mut one = request("t");
+    one.one_partition = true;
+    let export = store.export(one).await.expect("one partition");
+    assert_eq!(export.partitions.len(), 1);
+    store.release(&export.lease.id).expect("release");
+}

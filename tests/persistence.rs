@@ -278,6 +278,55 @@ async fn an_append_after_a_restart_loads_nothing_it_does_not_read() {
 }
 
 #[tokio::test]
+async fn a_load_pays_for_the_file_it_keeps_and_joins_small_segments() {
+    let dir = data_dir("load-charge");
+    let store = open(&dir, Durability::Sync, 1).await;
+    put(&store, "large", PutMode::Create, None, &[batch(0)])
+        .await
+        .expect("create");
+    // Two hundred ten-row appends: a segment file each, mostly framing.
+    let small: Vec<_> = (0..200).map(|i| batch(i).slice(0, 10)).collect();
+    for (i, rows) in small.iter().enumerate() {
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        put(&store, "small", mode, None, std::slice::from_ref(rows))
+            .await
+            .expect("put");
+    }
+    store.close().await;
+    drop(store);
+
+    let store = open_with_host_tier(&dir, 1, 1 << 30).await;
+    let on_disk = store.get("large").expect("large").tier_bytes().disk;
+    assert_eq!(read_all(&store, "large").await, batch(0));
+    // Its batches are slices of the file read into memory, which is what they hold.
+    let host = store.status().tiers.host_used_bytes;
+    assert!(host >= on_disk, "{host} charged for a file of {on_disk}");
+
+    // The small segments come back as one piece, of what their rows hold: one chunk.
+    let dataset = store.get("small").expect("small");
+    let read: Vec<_> = dataset
+        .read(0..dataset.num_rows(), 1 << 20, 2)
+        .expect("a stream")
+        .try_collect()
+        .await
+        .expect("read");
+    assert_eq!(read.len(), 1, "{} chunks", read.len());
+    assert_eq!(rows(&read), rows(&small));
+    let charged = store.status().tiers.host_used_bytes - host;
+    let data: u64 = small.iter().map(batch_bytes).sum();
+    assert!(
+        charged >= data && charged < 4 * data,
+        "{charged} for {data}"
+    );
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn a_version_still_read_keeps_its_files_until_it_is_done() {
     let dir = data_dir("pinned");
     let store = open(&dir, Durability::Sync, 1).await;

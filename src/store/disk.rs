@@ -19,7 +19,7 @@ use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use futures::{FutureExt, StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryFutureExt, TryStreamExt};
 
 use super::files::{PinnedSegment, SegmentFiles};
 use super::tier::{Resident, Slot, Tier};
@@ -110,12 +110,22 @@ impl DiskPartition {
     /// blocking thread, the next while the stream's reader handles one: a reader holds at
     /// most two segments at a time.
     pub(super) fn pieces(&self) -> BoxStream<'static, Result<RecordBatch, StoreError>> {
+        self.segments_read()
+            .map_ok(|(batches, _)| futures::stream::iter(batches.into_iter().map(Ok)))
+            .try_flatten()
+            .boxed()
+    }
+
+    /// Each segment's batches, with the size of its file (which they point into), in order.
+    fn segments_read(&self) -> BoxStream<'static, Result<(Vec<RecordBatch>, u64), StoreError>> {
         let (segments, schema) = (Arc::clone(&self.segments), Arc::clone(&self.schema));
         futures::stream::iter(0..segments.len())
-            .map(move |index| read_segment(Arc::clone(&segments), index, Arc::clone(&schema)))
+            .map(move |index| {
+                let bytes = segments[index].segment().bytes;
+                read_segment(Arc::clone(&segments), index, Arc::clone(&schema))
+                    .map_ok(move |batches| (batches, bytes))
+            })
             .buffered(2)
-            .map_ok(|batches| futures::stream::iter(batches.into_iter().map(Ok)))
-            .try_flatten()
             .boxed()
     }
 
@@ -224,13 +234,22 @@ impl Partition for DiskPartition {
     }
 }
 
+/// Segment files smaller than this are joined with their neighbours when loaded.
+const SMALL_SEGMENT_BYTES: u64 = 1 << 20;
+
+/// About how large a piece joined from small segments grows.
+const JOINED_PIECE_BYTES: u64 = 8 << 20;
+
+/// Loads that run at once (see [`Store::load`]).
+pub(super) const LOADS_AT_ONCE: usize = 2;
+
 impl Slot {
     /// What to read the partition's rows from: where they are only on disk, they are loaded
     /// first (see [`Store::load`]).
-    pub(crate) async fn readable(&self) -> Result<Arc<Resident>, StoreError> {
+    pub(crate) async fn readable(self: &Arc<Self>) -> Result<Arc<Resident>, StoreError> {
         let resident = self.resident();
         match DiskPartition::of(&resident).and_then(DiskPartition::store) {
-            Some(store) => store.load(self).await,
+            Some(store) => store.load(self, false).await,
             None => Ok(resident),
         }
     }
@@ -238,9 +257,27 @@ impl Slot {
 
 impl Store {
     /// Loads `slot`'s partition if it is only on disk: into the host tier where that has room
-    /// for it, else onto its device, making room there as a put does. Returns what the slot
-    /// holds then.
-    pub(super) async fn load(&self, slot: &Slot) -> Result<Arc<Resident>, StoreError> {
+    /// for it, else (or with `onto_device`) onto its device, making room there as a put
+    /// does. Returns what the slot holds then.
+    ///
+    /// The load runs on a task of its own, which owns what it allocates and what pays for
+    /// it: a reader that goes away mid-load (a cancelled DoGet) neither frees the budget under
+    /// memory still in use nor wastes the work, and the next reader finds it loaded. Loads
+    /// run [`LOADS_AT_ONCE`] at a time, which bounds the host memory their reads hold on the
+    /// way to a device whatever clients ask for.
+    pub(super) async fn load(
+        &self,
+        slot: &Arc<Slot>,
+        onto_device: bool,
+    ) -> Result<Arc<Resident>, StoreError> {
+        let (store, slot) = (self.clone(), Arc::clone(slot));
+        tokio::spawn(async move { store.load_now(&slot, onto_device).await })
+            .await
+            .map_err(|e| StoreError::Persist(format!("a load task failed: {e}")))?
+    }
+
+    async fn load_now(&self, slot: &Slot, onto_device: bool) -> Result<Arc<Resident>, StoreError> {
+        let _turn = self.inner.tiers.loading.acquire().await;
         let _moving = slot.moving().lock().await;
         let resident = slot.resident();
         let Some(disk) = DiskPartition::of(&resident) else {
@@ -248,33 +285,14 @@ impl Store {
         };
         let started = Instant::now();
         let tiers = &self.inner.tiers;
-        let loaded = match tiers.try_reserve_host(disk.file_bytes) {
-            Ok(mut host) => {
-                let pieces: Vec<RecordBatch> = disk.pieces().try_collect().await?;
-                let spilled = SpilledPartition::of_copies(pieces);
-                let rows = spilled.num_rows() as u64;
-                match host.resize(super::charge(spilled.bytes(), rows)) {
-                    Ok(()) => Arc::new(Resident {
-                        data: Arc::new(spilled),
-                        reservation: host,
-                        tier: Tier::Host,
-                    }),
-                    // More than the files held (dictionaries the file shares count for each
-                    // batch): onto the device after all.
-                    Err(_) => {
-                        drop(host);
-                        let pieces = futures::stream::iter(spilled.pieces().to_vec())
-                            .map(Ok)
-                            .boxed();
-                        let peak = disk.file_bytes.saturating_mul(2);
-                        self.upload_pieces(pieces, peak, slot.home(), disk.data_bytes)
-                            .await?
-                            .slot
-                            .resident()
-                    }
-                }
-            }
-            Err(_) => {
+        let host = if onto_device {
+            None
+        } else {
+            tiers.try_reserve_host(disk.file_bytes).ok()
+        };
+        let loaded = match host {
+            Some(host) => self.load_to_host(disk, host, slot.home()).await?,
+            None => {
                 let peak = disk.file_bytes.saturating_mul(2);
                 self.upload_pieces(disk.pieces(), peak, slot.home(), disk.data_bytes)
                     .await?
@@ -297,6 +315,77 @@ impl Store {
             seconds = started.elapsed().as_secs_f64(),
             "partition loaded from the data directory"
         );
+        Ok(loaded)
+    }
+
+    /// `disk`'s rows in the host tier, paid for by `host` (reserved for the files' size and
+    /// trued up): a large segment's batches stay slices of the file read into memory, which
+    /// is charged whole; runs of small segments (an append's each) are joined into pieces of
+    /// their own, so that they cost what their rows do and read as few large chunks. Where
+    /// the result outgrows the host tier, it goes onto `device` instead.
+    async fn load_to_host(
+        &self,
+        disk: &DiskPartition,
+        mut host: super::memory::Reservation,
+        device: u32,
+    ) -> Result<Arc<Resident>, StoreError> {
+        let mut pieces = Vec::new();
+        let mut charge = 0u64;
+        let mut small: Vec<RecordBatch> = Vec::new();
+        let mut small_bytes = 0u64;
+        let join = |small: &mut Vec<RecordBatch>,
+                    pieces: &mut Vec<RecordBatch>|
+         -> Result<u64, StoreError> {
+            if small.is_empty() {
+                return Ok(0);
+            }
+            let joined = arrow::compute::concat_batches(&disk.schema, small.iter())
+                .map_err(|e| StoreError::Corrupt(format!("joining segments: {e}")))?;
+            small.clear();
+            let bytes = crate::batch_size::batch_bytes(&joined);
+            pieces.push(joined);
+            Ok(bytes)
+        };
+        let mut segments = disk.segments_read();
+        while let Some((batches, file_bytes)) = segments.try_next().await? {
+            if file_bytes < SMALL_SEGMENT_BYTES {
+                small_bytes += batches
+                    .iter()
+                    .map(crate::batch_size::batch_bytes)
+                    .sum::<u64>();
+                small.extend(batches);
+                if small_bytes >= JOINED_PIECE_BYTES {
+                    charge = charge.saturating_add(join(&mut small, &mut pieces)?);
+                    small_bytes = 0;
+                }
+            } else {
+                charge = charge.saturating_add(join(&mut small, &mut pieces)?);
+                small_bytes = 0;
+                charge = charge.saturating_add(file_bytes);
+                pieces.extend(batches);
+            }
+        }
+        charge = charge.saturating_add(join(&mut small, &mut pieces)?);
+        let spilled = SpilledPartition::of_copies(pieces);
+        let rows = spilled.num_rows() as u64;
+        if host.resize(super::charge(charge, rows)).is_ok() {
+            return Ok(Arc::new(Resident {
+                data: Arc::new(spilled),
+                reservation: host,
+                tier: Tier::Host,
+            }));
+        }
+        // The host tier is still paying for what was read until it is uploaded.
+        let pieces = futures::stream::iter(spilled.pieces().to_vec())
+            .map(Ok)
+            .boxed();
+        let peak = disk.file_bytes.saturating_mul(2);
+        let loaded = self
+            .upload_pieces(pieces, peak, device, disk.data_bytes)
+            .await?
+            .slot
+            .resident();
+        drop((spilled, host));
         Ok(loaded)
     }
 

@@ -117,7 +117,15 @@ impl Store {
                 })?;
             return self.describe(lease);
         }
-        let dataset = self.get(&request.name)?;
+        let mut dataset = self.get(&request.name)?;
+        if request.one_partition && dataset.num_partitions() > 1 {
+            // Appends leave their partitions to a background merge, which may make the
+            // dataset compact: let it run (again, should memory have been freed since),
+            // rather than refuse a dataset just appended to.
+            self.schedule_merge(&request.name);
+            self.merge_settled(&request.name).await;
+            dataset = self.get(&request.name)?;
+        }
         let names = match request.columns {
             Some(names) => names,
             None => dataset
@@ -314,8 +322,9 @@ fn check_partitions(dataset: &Dataset, one_partition: bool) -> Result<(), StoreE
             reason: if spread {
                 "it is spread over several devices"
             } else {
-                "its batches could not be concatenated, e.g. their merged dictionary \
-                 outgrew the key type"
+                "appended rows are merged only with partitions of comparable size, and only \
+                 where memory is free for the merged copy (or a merged dictionary would \
+                 outgrow its key type)"
             },
         });
     }

@@ -66,6 +66,14 @@ impl Store {
         let _ = running.wait_for(Running::is_empty).await;
     }
 
+    /// Waits until no background merge of `name` is running or asked for.
+    pub(super) async fn merge_settled(&self, name: &str) {
+        let mut running = self.inner.merging.subscribe();
+        let _ = running
+            .wait_for(|running| !running.contains_key(name))
+            .await;
+    }
+
     async fn merge_while_asked(self, name: String) {
         let mut task = Task {
             store: &self,
@@ -118,9 +126,12 @@ impl Store {
                 .await
             {
                 Ok(merged) => merged,
+                // Such as an input spilled since it was looked at: later pairs may still be
+                // merged, and this one at the next look.
                 Err(error) => {
-                    tracing::warn!(dataset = name, %error, "a background merge failed");
-                    return;
+                    tracing::info!(dataset = name, %error, "a background merge failed");
+                    from = at + 1;
+                    continue;
                 }
             };
             let Ok([merged]) = <[StoredPartition; 1]>::try_from(merged) else {

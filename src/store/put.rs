@@ -128,19 +128,19 @@ impl Store {
     /// message is paid for by a device, that charge gives way to the batch's. A backend that
     /// keeps the decoded arrays keeps the message's memory as the batch, which the batch's
     /// charge then pays for: the two would count it twice. Any other's message is host
-    /// memory that a device's budget stood in for; it moves to the host tier where that has
-    /// room, and otherwise is bounded only by `--max-put-message-bytes` until the upload
-    /// is done with it.
+    /// memory that a device's budget stood in for: it moves to the host tier where that has
+    /// room, and otherwise stays where it is (counted, if beside the batch).
     fn message_yields(&self, message: Reservation) -> Option<Reservation> {
         if !message.is_of(&self.inner.budget) {
             return Some(message);
         }
-        let bytes = message.bytes();
-        drop(message);
         if self.inner.backend.keeps_decoded_arrays() {
             return None;
         }
-        self.inner.tiers.try_reserve_host(bytes).ok()
+        match self.inner.tiers.try_reserve_host(message.bytes()) {
+            Ok(host) => Some(host),
+            Err(_) => Some(message),
+        }
     }
 
     /// What keeping `batch` in the backend is charged: its stored size (at least a bit a row)

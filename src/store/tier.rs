@@ -136,6 +136,8 @@ pub(crate) struct Tiers {
     pub(crate) spilled_bytes: AtomicU64,
     pub(crate) spill_nanos: AtomicU64,
     pub(crate) restores: AtomicU64,
+    /// Turns for loads from disk (see `Store::load`).
+    pub(super) loading: tokio::sync::Semaphore,
     pub(crate) restored_bytes: AtomicU64,
     pub(crate) restore_nanos: AtomicU64,
     pub(crate) loads: AtomicU64,
@@ -155,6 +157,7 @@ impl Tiers {
             spilled_bytes: AtomicU64::new(0),
             spill_nanos: AtomicU64::new(0),
             restores: AtomicU64::new(0),
+            loading: tokio::sync::Semaphore::new(super::disk::LOADS_AT_ONCE),
             restored_bytes: AtomicU64::new(0),
             restore_nanos: AtomicU64::new(0),
             loads: AtomicU64::new(0),
@@ -401,37 +404,33 @@ impl Store {
     ) -> Result<Arc<Resident>, StoreError> {
         let slot = &partition.slot;
         let resident = slot.resident();
-        if matches!(resident.tier, Tier::Device(_)) {
-            return Ok(resident);
+        match resident.tier {
+            Tier::Device(_) => return Ok(resident),
+            Tier::Disk => return self.load(slot, true).await,
+            Tier::Host => {}
         }
+        // On a task of its own, like a load (see `Store::load`): a caller that goes away
+        // mid-restore frees nothing still in use.
+        let (store, slot, data_bytes) = (self.clone(), Arc::clone(slot), partition.data_bytes);
+        tokio::spawn(async move { store.restore_now(&slot, data_bytes).await })
+            .await
+            .map_err(|e| BackendError::Device(format!("a restore task failed: {e}")))?
+    }
+
+    async fn restore_now(&self, slot: &Slot, data_bytes: u64) -> Result<Arc<Resident>, StoreError> {
         let _moving = slot.moving.lock().await;
         let resident = slot.resident();
-        if matches!(resident.tier, Tier::Device(_)) {
+        if resident.tier != Tier::Host {
+            // Restored meanwhile; or, loaded onto its device, on it.
             return Ok(resident);
         }
         let started = Instant::now();
         let restored = self
-            .upload_resident(&resident, slot.home, partition.data_bytes)
+            .upload_resident(&resident, slot.home, data_bytes)
             .await?;
         let restored = restored.slot.resident();
         slot.replace(Arc::clone(&restored));
         let tiers = &self.inner.tiers;
-        if resident.tier == Tier::Disk {
-            tiers.loads.fetch_add(1, Ordering::Relaxed);
-            tiers
-                .loaded_bytes
-                .fetch_add(resident.reservation.bytes(), Ordering::Relaxed);
-            tiers
-                .load_nanos
-                .fetch_add(elapsed_nanos(started), Ordering::Relaxed);
-            tracing::info!(
-                device = slot.home,
-                rows = restored.data.num_rows(),
-                bytes = restored.reservation.bytes(),
-                "partition loaded from the data directory onto its device"
-            );
-            return Ok(restored);
-        }
         tiers.restores.fetch_add(1, Ordering::Relaxed);
         tiers
             .restored_bytes
