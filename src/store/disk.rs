@@ -418,3 +418,73 @@ impl Store {
         )])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::backend::HostBackend;
+    use crate::store::testing::{GatedBackend, batch, put};
+    use crate::store::{PutMode, StoreOptions};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_load_goes_on_when_its_reader_goes_away() {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-load-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = StoreOptions {
+            data_dir: Some(dir.clone()),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        };
+        let store = Store::open(Arc::new(HostBackend::new()), options.clone())
+            .await
+            .expect("open");
+        for (mode, rows) in [(PutMode::Create, 0..1000), (PutMode::Append, 1000..2000)] {
+            put(&store, mode, vec![batch(rows)])
+                .await
+                .commit()
+                .await
+                .expect("commit");
+        }
+        store.close().await;
+        drop(store);
+
+        // Two segments, so loading onto the device ends in a concatenation, which waits.
+        let backend = GatedBackend::new(HostBackend::new(), false);
+        let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
+        let store = Store::open(Arc::new(backend), options)
+            .await
+            .expect("reopen");
+        let dataset = store.get("t").expect("t");
+        let mut reading = dataset.read(0..2000, 1 << 20, 2).expect("a stream");
+        tokio::select! {
+            _ = reading.next() => panic!("the read went past the waiting concatenation"),
+            () = started.notified() => {}
+        }
+        // The reader goes away mid-load (a cancelled DoGet); the load finishes all the same.
+        drop(reading);
+        release.notify_one();
+        for _ in 0..500 {
+            if store.status().tiers.loads == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(store.status().tiers.loads, 1, "the load was abandoned");
+        let tiers = dataset.tier_bytes();
+        assert!(tiers.device > 0 && tiers.disk == 0, "{tiers:?}");
+        let rows: Vec<RecordBatch> = dataset
+            .read(0..2000, 1 << 20, 2)
+            .expect("a stream")
+            .try_collect()
+            .await
+            .expect("read");
+        assert_eq!(
+            arrow::compute::concat_batches(&rows[0].schema(), &rows).expect("concat"),
+            batch(0..2000)
+        );
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
