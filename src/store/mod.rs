@@ -84,7 +84,7 @@ pub enum StoreError {
     #[error("the put sent record batches before a schema")]
     MissingSchema,
     #[error(
-        "memory limit reached on device {device}: the put needs {requested} more bytes, \
+        "memory limit reached on device {device}: {requested} more bytes are needed, \
          {used} of {limit} are in use; drop datasets or raise --memory-limit"
     )]
     MemoryExhausted {
