@@ -399,6 +399,12 @@ impl Collector for StoreCollector {
                 Some(&Unit::Seconds),
                 tiers.load_seconds,
             ),
+            (
+                "evictions",
+                "Partitions dropped back to the data directory's files to free memory",
+                None,
+                tiers.evictions as f64,
+            ),
         ] {
             let counter = ConstCounter::new(value);
             counter.encode(encoder.encode_descriptor(

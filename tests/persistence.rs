@@ -327,6 +327,65 @@ async fn a_load_pays_for_the_file_it_keeps_and_joins_small_segments() {
 }
 
 #[tokio::test]
+async fn loaded_datasets_go_back_to_disk_when_memory_is_needed() {
+    let dir = data_dir("evict");
+    let store = open(&dir, Durability::Sync, 1).await;
+    for (index, name) in ["a", "b"].into_iter().enumerate() {
+        put(&store, name, PutMode::Create, None, &[batch(index as i64)])
+            .await
+            .expect("create");
+    }
+    store.close().await;
+    drop(store);
+    let reopen = |host_limit: u64| {
+        Store::open(
+            Arc::new(HostBackend::new()),
+            StoreOptions {
+                data_dir: Some(dir.clone()),
+                memory_limit: Some(2_000_000),
+                host_memory_limit: Some(host_limit),
+                ..StoreOptions::default()
+            },
+        )
+    };
+
+    // A host tier with room for the two loaded datasets and little more: once the device is
+    // full, a put spills there, and what was loaded from disk makes way (back to disk, not
+    // copied) rather than refuse the put.
+    let store = reopen(3_500_000).await.expect("open");
+    assert_eq!(read_all(&store, "a").await, batch(0));
+    assert_eq!(read_all(&store, "b").await, batch(1));
+    assert!(store.status().tiers.host_used_bytes > 3_000_000);
+    put(&store, "new1", PutMode::Create, None, &[batch(2)])
+        .await
+        .expect("fits the device");
+    put(&store, "new2", PutMode::Create, None, &[batch(3)])
+        .await
+        .expect("new1 spills, a loaded dataset going back to disk for it");
+    let tiers = store.status().tiers;
+    assert!(tiers.evictions >= 1 && tiers.spills >= 1, "{tiers:?}");
+    assert!(store.get("a").expect("a").tier_bytes().disk > 0);
+    for (name, index) in [("a", 0), ("b", 1), ("new1", 2), ("new2", 3)] {
+        assert_eq!(read_all(&store, name).await, batch(index), "{name}");
+    }
+    store.close().await;
+    drop(store);
+
+    // Without a host tier (the host backend's default), a dataset loaded onto the device
+    // goes back to disk for a put that needs its room.
+    let store = reopen(0).await.expect("open");
+    assert_eq!(read_all(&store, "a").await, batch(0));
+    put(&store, "new3", PutMode::Create, None, &[batch(4)])
+        .await
+        .expect("a goes back to disk");
+    assert!(store.get("a").expect("a").tier_bytes().disk > 0);
+    assert_eq!(store.status().tiers.evictions, 1);
+    assert_eq!(read_all(&store, "new3").await, batch(4));
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn a_version_still_read_keeps_its_files_until_it_is_done() {
     let dir = data_dir("pinned");
     let store = open(&dir, Durability::Sync, 1).await;

@@ -79,6 +79,9 @@ pub struct TierStatus {
     pub loads: u64,
     pub loaded_bytes: u64,
     pub load_seconds: f64,
+    /// Partitions loaded from the data directory and dropped back to it (not copied) when
+    /// memory was needed.
+    pub evictions: u64,
 }
 
 /// A live lease, for `status`.
@@ -155,6 +158,7 @@ impl Store {
             loads: t.loads.load(Ordering::Relaxed),
             loaded_bytes: t.loaded_bytes.load(Ordering::Relaxed),
             load_seconds: seconds(&t.load_nanos),
+            evictions: t.evictions.load(Ordering::Relaxed),
         };
         let mut leases = Vec::new();
         // By address, so that memory several leases hold counts once. Partitions, not

@@ -84,6 +84,9 @@ pub(crate) struct Slot {
     last_used: AtomicU64,
     /// Held by whoever moves the partition between tiers, so that one move runs at a time.
     moving: tokio::sync::Mutex<()>,
+    /// For a partition the data directory holds as it is (one loaded from there): its rows
+    /// on disk, where it goes back rather than be copied when memory is needed.
+    on_disk: Option<Arc<dyn Partition>>,
 }
 
 /// A clock for least-recently-used order: any counter all slots share will do.
@@ -117,10 +120,11 @@ impl Slot {
         std::mem::replace(&mut *current, resident)
     }
 
-    /// Whether spilling would free anything: no reader, export or copy holds the resident.
-    fn spillable_from(&self, device: u32) -> bool {
+    /// Whether moving it out of `tier` would free anything: no reader, export or copy holds
+    /// the resident.
+    fn movable_from(&self, tier: Tier) -> bool {
         let resident = self.resident.read().unwrap_or_else(|p| p.into_inner());
-        resident.tier == Tier::Device(device) && Arc::strong_count(&resident) == 1
+        resident.tier == tier && Arc::strong_count(&resident) == 1
     }
 }
 
@@ -141,6 +145,8 @@ pub(crate) struct Tiers {
     pub(crate) restored_bytes: AtomicU64,
     pub(crate) restore_nanos: AtomicU64,
     pub(crate) loads: AtomicU64,
+    /// Partitions dropped back to the disk tier to free memory.
+    pub(crate) evictions: AtomicU64,
     /// Bytes of the files loaded.
     pub(crate) loaded_bytes: AtomicU64,
     pub(crate) load_nanos: AtomicU64,
@@ -161,6 +167,7 @@ impl Tiers {
             restored_bytes: AtomicU64::new(0),
             restore_nanos: AtomicU64::new(0),
             loads: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
             loaded_bytes: AtomicU64::new(0),
             load_nanos: AtomicU64::new(0),
         }
@@ -223,14 +230,15 @@ impl Tiers {
         data_bytes: u64,
     ) -> StoredPartition {
         let slot = Arc::new(Slot {
+            home,
+            last_used: AtomicU64::new(tick()),
+            moving: tokio::sync::Mutex::new(()),
+            on_disk: (tier == Tier::Disk).then(|| Arc::clone(&data)),
             resident: RwLock::new(Arc::new(Resident {
                 data,
                 reservation,
                 tier,
             })),
-            home,
-            last_used: AtomicU64::new(tick()),
-            moving: tokio::sync::Mutex::new(()),
         });
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         // Forget dropped partitions now and then, so the list follows what is stored.
@@ -242,14 +250,15 @@ impl Tiers {
         StoredPartition { slot, data_bytes }
     }
 
-    /// Partitions on `device` whose spilling would free memory, least recently used first.
-    fn spill_candidates(&self, device: u32) -> Vec<Arc<Slot>> {
+    /// Partitions in `tier` whose moving out would free memory, least recently used first;
+    /// with `on_disk`, only those the data directory holds.
+    fn spill_candidates(&self, tier: Tier, on_disk: bool) -> Vec<Arc<Slot>> {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         slots.retain(|slot| slot.strong_count() > 0);
         let mut candidates: Vec<Arc<Slot>> = slots
             .iter()
             .filter_map(Weak::upgrade)
-            .filter(|slot| slot.spillable_from(device))
+            .filter(|slot| (!on_disk || slot.on_disk.is_some()) && slot.movable_from(tier))
             .collect();
         drop(slots);
         candidates.sort_by_key(|slot| slot.last_used.load(Ordering::Relaxed));
@@ -302,17 +311,19 @@ impl Store {
     }
 
     /// Spills least recently used partitions off `device` until `bytes` are free there, or
-    /// nothing more can go. Returns whether `bytes` are free.
+    /// nothing more can go. Returns whether `bytes` are free. Without a host tier, only
+    /// partitions the data directory holds go (back there).
     pub(super) async fn make_room(&self, device: u32, bytes: u64) -> bool {
         let budget = &self.inner.budget;
-        if self.inner.tiers.host_limit() == 0 {
-            return budget.free(device) >= bytes;
-        }
+        let to_disk_only = self.inner.tiers.host_limit() == 0;
         loop {
             if budget.free(device) >= bytes {
                 return true;
             }
-            let candidates = self.inner.tiers.spill_candidates(device);
+            let candidates = self
+                .inner
+                .tiers
+                .spill_candidates(Tier::Device(device), to_disk_only);
             let mut spilled_any = false;
             for slot in candidates {
                 if budget.free(device) >= bytes {
@@ -332,8 +343,9 @@ impl Store {
         }
     }
 
-    /// Moves `slot`'s partition from its device to the host tier. `Ok(false)` when another
-    /// move of it is under way or it is no longer on a device.
+    /// Moves `slot`'s partition from its device to the host tier, or back to the disk tier
+    /// where the data directory holds it as it is. `Ok(false)` when another move of it is
+    /// under way or it is no longer on a device.
     async fn spill(&self, slot: &Slot) -> Result<bool, StoreError> {
         let Ok(_moving) = slot.moving.try_lock() else {
             return Ok(false);
@@ -342,10 +354,21 @@ impl Store {
         let Tier::Device(device) = resident.tier else {
             return Ok(false);
         };
+        if self.evict(slot, &resident) {
+            return Ok(true);
+        }
         let tiers = &self.inner.tiers;
         // Paid for in the host tier before anything is read: the device layout's size, then
-        // trued up to what the pieces hold.
-        let mut host = tiers.host.try_reserve(0, resident.reservation.bytes())?;
+        // trued up to what the pieces hold. Partitions there that the data directory holds
+        // go back to it to make room.
+        let needed = resident.reservation.bytes();
+        let mut host = match tiers.host.try_reserve(0, needed) {
+            Ok(host) => host,
+            Err(_) => {
+                self.evict_from_host(needed);
+                tiers.host.try_reserve(0, needed)?
+            }
+        };
         let started = Instant::now();
         let rows = resident.data.num_rows();
         let per_row = resident
@@ -393,6 +416,47 @@ impl Store {
             "partition spilled to host memory"
         );
         Ok(true)
+    }
+
+    /// Puts `slot`'s partition, held as `resident`, back in the disk tier if the data
+    /// directory holds it as it is: nothing is copied, the memory is freed. The caller holds
+    /// the slot's `moving` lock. Returns whether it did.
+    fn evict(&self, slot: &Slot, resident: &Resident) -> bool {
+        let Some(on_disk) = &slot.on_disk else {
+            return false;
+        };
+        let tiers = &self.inner.tiers;
+        let file_bytes = on_disk.bytes();
+        slot.replace(Arc::new(Resident {
+            data: Arc::clone(on_disk),
+            reservation: tiers.reserve_disk(file_bytes),
+            tier: Tier::Disk,
+        }));
+        tiers.evictions.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            tier = ?resident.tier,
+            bytes = resident.reservation.bytes(),
+            "partition dropped back to the data directory's files"
+        );
+        true
+    }
+
+    /// Puts least recently used host-tier partitions that the data directory holds back in
+    /// the disk tier until `bytes` are free in the host tier, or none is left.
+    fn evict_from_host(&self, bytes: u64) {
+        let tiers = &self.inner.tiers;
+        for slot in tiers.spill_candidates(Tier::Host, true) {
+            if tiers.host_limit().saturating_sub(tiers.host_used()) >= bytes {
+                return;
+            }
+            let Ok(_moving) = slot.moving.try_lock() else {
+                continue;
+            };
+            let resident = slot.resident();
+            if resident.tier == Tier::Host {
+                self.evict(&slot, &resident);
+            }
+        }
     }
 
     /// `partition` on a device: restored from the host tier, or loaded from disk, onto the
