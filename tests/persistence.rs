@@ -22,16 +22,22 @@ fn data_dir(test: &str) -> PathBuf {
 }
 
 async fn open(dir: &Path, durability: Durability, devices: u32) -> Store {
-    Store::open(
-        Arc::new(HostBackend::new().with_devices(devices)),
-        StoreOptions {
-            data_dir: Some(dir.to_owned()),
-            durability,
-            ..StoreOptions::default()
-        },
-    )
-    .await
-    .expect("open the data directory")
+    let options = StoreOptions {
+        durability,
+        ..StoreOptions::default()
+    };
+    open_with(dir, devices, options).await
+}
+
+/// Opens `dir` on `devices` pretend devices with `options` (its `data_dir` set to `dir`).
+async fn open_with(dir: &Path, devices: u32, options: StoreOptions) -> Store {
+    let options = StoreOptions {
+        data_dir: Some(dir.to_owned()),
+        ..options
+    };
+    Store::open(Arc::new(HostBackend::new().with_devices(devices)), options)
+        .await
+        .expect("open the data directory")
 }
 
 fn names(store: &Store) -> Vec<String> {
@@ -109,16 +115,11 @@ async fn every_committed_change_survives_a_restart() {
 
 /// Opens `dir` on `devices` pretend devices with a host tier of `host_limit` bytes.
 async fn open_with_host_tier(dir: &Path, devices: u32, host_limit: u64) -> Store {
-    Store::open(
-        Arc::new(HostBackend::new().with_devices(devices)),
-        StoreOptions {
-            data_dir: Some(dir.to_owned()),
-            host_memory_limit: Some(host_limit),
-            ..StoreOptions::default()
-        },
-    )
-    .await
-    .expect("open the data directory")
+    let options = StoreOptions {
+        host_memory_limit: Some(host_limit),
+        ..StoreOptions::default()
+    };
+    open_with(dir, devices, options).await
 }
 
 #[tokio::test]
@@ -242,17 +243,12 @@ async fn an_append_after_a_restart_loads_nothing_it_does_not_read() {
 
     // A budget with room for the appended rows, not for the base beside them: the append
     // (and writing what it added to disk) must not load the base.
-    let store = Store::open(
-        Arc::new(HostBackend::new()),
-        StoreOptions {
-            data_dir: Some(dir.clone()),
-            memory_limit: Some(2_500_000),
-            host_memory_limit: Some(0),
-            ..StoreOptions::default()
-        },
-    )
-    .await
-    .expect("open");
+    let options = StoreOptions {
+        memory_limit: Some(2_500_000),
+        host_memory_limit: Some(0),
+        ..StoreOptions::default()
+    };
+    let store = open_with(&dir, 1, options).await;
     put(&store, "d", PutMode::Append, None, &[batch(1)])
         .await
         .expect("the appended rows fit");
@@ -338,21 +334,18 @@ async fn loaded_datasets_go_back_to_disk_when_memory_is_needed() {
     store.close().await;
     drop(store);
     let reopen = |host_limit: u64| {
-        Store::open(
-            Arc::new(HostBackend::new()),
-            StoreOptions {
-                data_dir: Some(dir.clone()),
-                memory_limit: Some(2_000_000),
-                host_memory_limit: Some(host_limit),
-                ..StoreOptions::default()
-            },
-        )
+        let options = StoreOptions {
+            memory_limit: Some(2_000_000),
+            host_memory_limit: Some(host_limit),
+            ..StoreOptions::default()
+        };
+        open_with(&dir, 1, options)
     };
 
     // A host tier with room for the two loaded datasets and little more: once the device is
     // full, a put spills there, and what was loaded from disk makes way (back to disk, not
     // copied) rather than refuse the put.
-    let store = reopen(3_500_000).await.expect("open");
+    let store = reopen(3_500_000).await;
     assert_eq!(read_all(&store, "a").await, batch(0));
     assert_eq!(read_all(&store, "b").await, batch(1));
     assert!(store.status().tiers.host_used_bytes > 3_000_000);
@@ -373,7 +366,7 @@ async fn loaded_datasets_go_back_to_disk_when_memory_is_needed() {
 
     // Without a host tier (the host backend's default), a dataset loaded onto the device
     // goes back to disk for a put that needs its room.
-    let store = reopen(0).await.expect("open");
+    let store = reopen(0).await;
     assert_eq!(read_all(&store, "a").await, batch(0));
     put(&store, "new3", PutMode::Create, None, &[batch(4)])
         .await

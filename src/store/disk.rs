@@ -26,7 +26,9 @@ use super::tier::{Resident, Slot, Tier};
 use super::{Inner, Store, StoreError};
 use crate::backend::{BackendError, Partition, PartitionExport, SpilledPartition};
 
-/// A partition held only in segment files: a dataset as the data directory holds it.
+/// A partition held only in segment files: a dataset as the data directory holds it. Cheap
+/// to clone: the segments are shared.
+#[derive(Clone)]
 pub(crate) struct DiskPartition {
     schema: SchemaRef,
     segments: Arc<[PinnedSegment]>,
@@ -205,14 +207,7 @@ impl Partition for DiskPartition {
         if let Err(error) = crate::backend::check_rows(offset, len, self.rows()) {
             return futures::future::ready(Err(error)).boxed();
         }
-        let partition = Self {
-            schema: Arc::clone(&self.schema),
-            segments: Arc::clone(&self.segments),
-            starts: Arc::clone(&self.starts),
-            file_bytes: self.file_bytes,
-            data_bytes: self.data_bytes,
-            store: Weak::clone(&self.store),
-        };
+        let partition = self.clone();
         async move {
             let rows = offset as u64..(offset + len) as u64;
             partition
