@@ -164,7 +164,8 @@ impl Store {
     fn freest_devices(&self) -> Vec<u32> {
         let budget = &self.inner.budget;
         let mut devices: Vec<u32> = (0..budget.devices().max(1)).collect();
-        devices.sort_by_key(|&d| std::cmp::Reverse(budget.free(d)));
+        // Free bytes change as other puts reserve: read each once (see `spill_candidates`).
+        devices.sort_by_cached_key(|&d| std::cmp::Reverse(budget.free(d)));
         devices
     }
 }

@@ -261,7 +261,9 @@ impl Tiers {
             .filter(|slot| (!on_disk || slot.on_disk.is_some()) && slot.movable_from(tier))
             .collect();
         drop(slots);
-        candidates.sort_by_key(|slot| slot.last_used.load(Ordering::Relaxed));
+        // Readers touch slots while this sorts: each key is read once, so the order is one
+        // snapshot's (a key read per comparison can change mid-sort, and sort panics).
+        candidates.sort_by_cached_key(|slot| slot.last_used.load(Ordering::Relaxed));
         candidates
     }
 }
@@ -596,5 +598,53 @@ impl Store {
                 limit: self.inner.budget.limit(device).unwrap_or(u64::MAX),
             })),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::AssertUnwindSafe;
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+    use crate::backend::{Backend, HostBackend};
+
+    /// Readers touch partitions while a put looks for ones to spill; the spill order must be
+    /// decided over one snapshot of the clock, or the sort sees a comparison that changes
+    /// under it (and Rust's sort may panic on such an order).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_spill_order_holds_while_partitions_are_used() {
+        let backend = HostBackend::new();
+        let batch = crate::store::testing::batch(0..1);
+        let data = backend.upload(0, batch).await.expect("upload");
+        let budget = MemoryBudget::new(vec![None]);
+        let tiers = Tiers::new(1 << 30);
+        let stored: Vec<StoredPartition> = (0..4096)
+            .map(|_| {
+                let charge = budget.try_reserve(0, 1).expect("unlimited");
+                tiers.hold(Arc::clone(&data), charge, 1)
+            })
+            .collect();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for offset in [0usize, 7] {
+                let (stored, stop) = (&stored, &stop);
+                scope.spawn(move || {
+                    let mut i = offset;
+                    while !stop.load(Ordering::Relaxed) {
+                        stored[(i * 2_654_435_761) % stored.len()].slot.touch();
+                        i = i.wrapping_add(1);
+                    }
+                });
+            }
+            let sorted = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                for _ in 0..300 {
+                    let candidates = tiers.spill_candidates(Tier::Device(0), false);
+                    assert_eq!(candidates.len(), stored.len());
+                }
+            }));
+            stop.store(true, Ordering::Relaxed);
+            assert!(sorted.is_ok(), "the spill order panicked");
+        });
     }
 }
