@@ -112,6 +112,7 @@ fn store_code(error: &StoreError) -> Code {
     match error {
         StoreError::NotFound { .. }
         | StoreError::StaleVersion { .. }
+        | StoreError::ForeignTicket { .. }
         | StoreError::LeaseNotFound { .. } => Code::NotFound,
         StoreError::AlreadyExists { .. } => Code::AlreadyExists,
         StoreError::SchemaMismatch { .. }

@@ -2394,9 +2394,12 @@ fn forged_ticket(rng: &mut StdRng, name: &str) -> Vec<u8> {
         "9223372036854775807",
     ];
     let mut number = || *numbers.choose(rng).expect("numbers");
-    let (version, start, end) = (number(), number(), number());
-    let body = match rng.random_range(0..6) {
+    let (version, tag, start, end) = (number(), number(), number(), number());
+    let body = match rng.random_range(0..7) {
         0 => format!(r#"{{"name":"{name}","version":{version},"start":{start},"end":{end}}}"#),
+        6 => format!(
+            r#"{{"name":"{name}","version":{version},"tag":{tag},"start":{start},"end":{end}}}"#
+        ),
         1 => format!(r#"{{"name":"{name}","version":{version},"start":{start}}}"#),
         2 => {
             format!(r#"{{"name":"{name}","version":{version},"start":{start},"end":{end},"x":0}}"#)

@@ -198,7 +198,7 @@ impl Service {
             let mut start = run.start;
             loop {
                 let end = run.end.min(start.saturating_add(step));
-                let ticket = ticket::encode(dataset.name(), dataset.version(), start..end, read);
+                let ticket = ticket::encode(dataset.name(), dataset.version_id(), start..end, read);
                 let mut endpoint = FlightEndpoint::new().with_ticket(Ticket::new(ticket));
                 if let Some(device) = device {
                     endpoint = endpoint.with_app_metadata(EndpointMetadata { device }.encode()?);

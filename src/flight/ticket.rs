@@ -1,8 +1,11 @@
 //! Tickets: what `DoGet` reads.
 //!
 //! The server issues opaque tickets in `GetFlightInfo`, one per endpoint. Each names a dataset,
-//! the version it was issued for, and a row range; a reader of several endpoints therefore never
-//! mixes rows of two versions (a stale ticket is refused, the client asks again). The encoding
+//! the version it was issued for (its number and random tag: see `store::Version`), and a row
+//! range; a reader of several endpoints therefore never mixes rows of two versions, and a ticket
+//! is never read against data other than what it was issued for, whether the dataset changed, the
+//! server restarted, or the ticket came from another server (it is refused as NOT_FOUND, and the
+//! client asks again). The encoding
 //! starts with a NUL byte and a format version: NUL can never begin a dataset name, so `DoGet`
 //! also accepts a bare dataset name as a ticket (what pyarrow users type, `Ticket(b"name")`)
 //! without ambiguity.
@@ -13,6 +16,7 @@ use bytes::Bytes;
 
 use super::descriptor::{ReadOptions, parse_name};
 use crate::error::Error;
+use crate::store::{StoreError, Version};
 
 const MAGIC: &[u8] = b"\0gpu-flight-ticket/";
 
@@ -48,7 +52,8 @@ impl DatasetMetadata {
     }
 }
 
-const FORMAT_VERSION: u32 = 1;
+/// Format 1 tickets carried a version number without a tag.
+const FORMAT_VERSION: u32 = 2;
 
 /// What a ticket asks `DoGet` for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +64,7 @@ pub enum TicketRequest {
     /// `GetFlightInfo` asked.
     Rows {
         name: String,
-        version: u64,
+        version: Version,
         rows: Range<u64>,
         options: ReadOptions,
     },
@@ -79,6 +84,7 @@ impl TicketRequest {
 struct TicketBody {
     name: String,
     version: u64,
+    tag: u64,
     start: u64,
     end: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -86,10 +92,11 @@ struct TicketBody {
 }
 
 /// Encodes a server-issued ticket.
-pub fn encode(name: &str, version: u64, rows: Range<u64>, options: ReadOptions) -> Bytes {
+pub fn encode(name: &str, version: Version, rows: Range<u64>, options: ReadOptions) -> Bytes {
     let body = TicketBody {
         name: name.to_owned(),
-        version,
+        version: version.number,
+        tag: version.tag,
         start: rows.start,
         end: rows.end,
         compression: options.compression,
@@ -116,6 +123,17 @@ pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
         Some(at) => (&rest[..at], &rest[at + 1..]),
         None => return Err(Error::InvalidTicket("truncated ticket".to_owned())),
     };
+    if version == b"1" {
+        // Issued before an upgrade: its version cannot be told from a later one of the name.
+        #[derive(serde::Deserialize)]
+        struct Untagged {
+            name: String,
+        }
+        return match serde_json::from_slice::<Untagged>(body) {
+            Ok(Untagged { name }) => Err(StoreError::ForeignTicket { name }.into()),
+            Err(e) => Err(Error::InvalidTicket(format!("corrupt ticket: {e}"))),
+        };
+    }
     if version != FORMAT_VERSION.to_string().as_bytes() {
         return Err(Error::InvalidTicket(format!(
             "ticket format {} is not supported by this server (it issues format {FORMAT_VERSION}); \
@@ -133,7 +151,10 @@ pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
     }
     Ok(TicketRequest::Rows {
         name: parse_name(body.name.as_bytes())?,
-        version: body.version,
+        version: Version {
+            number: body.version,
+            tag: body.tag,
+        },
         rows: body.start..body.end,
         options: ReadOptions {
             compression: body.compression,
@@ -153,12 +174,13 @@ mod tests {
                 compression: Some(super::super::descriptor::Compression::Lz4),
             },
         ] {
-            let ticket = encode("trips", 7, 10..20, options);
+            let version = Version { number: 7, tag: 42 };
+            let ticket = encode("trips", version, 10..20, options);
             assert_eq!(
                 decode(&ticket).expect("valid"),
                 TicketRequest::Rows {
                     name: "trips".to_owned(),
-                    version: 7,
+                    version,
                     rows: 10..20,
                     options,
                 }
@@ -178,12 +200,13 @@ mod tests {
 
     #[test]
     fn corrupt_tickets_are_rejected() {
-        let mut ticket = encode("trips", 7, 10..20, ReadOptions::default()).to_vec();
+        let version = Version { number: 7, tag: 42 };
+        let mut ticket = encode("trips", version, 10..20, ReadOptions::default()).to_vec();
         ticket.truncate(ticket.len() - 3);
         for bad in [
             ticket,
             b"\0gpu-flight-ticket/9\n{}".to_vec(),
-            b"\0gpu-flight-ticket/1".to_vec(),
+            b"\0gpu-flight-ticket/2".to_vec(),
             b"".to_vec(),
             b"\x01x".to_vec(),
         ] {
@@ -192,5 +215,15 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn tickets_of_the_untagged_format_are_not_found() {
+        let old =
+            b"\0gpu-flight-ticket/1\n{\"name\":\"trips\",\"version\":7,\"start\":0,\"end\":3}";
+        assert!(matches!(
+            decode(old),
+            Err(Error::Store(StoreError::ForeignTicket { name })) if name == "trips"
+        ));
     }
 }

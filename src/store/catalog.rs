@@ -171,6 +171,29 @@ impl Store {
             .iter()
             .map(|(name, entry)| (name.clone(), entry.segments.clone()))
             .collect();
+        // Numbers go on from the highest on disk, so none repeats within this run; the tags
+        // tell them from versions of earlier runs, other servers or copies of the directory.
+        let highest = manifest.datasets.values().map(|e| e.version).max();
+        store.inner.next_version.store(
+            highest.map_or(1, |v| v.saturating_add(1)),
+            Ordering::Relaxed,
+        );
+        let versions: HashMap<String, super::Version> = manifest
+            .datasets
+            .iter()
+            .map(|(name, entry)| {
+                let version = match entry.tag {
+                    Some(tag) => super::Version {
+                        number: entry.version,
+                        tag,
+                    },
+                    // Written before versions had tags: a tag of this run's, until the
+                    // dataset is next written (tickets of earlier runs had none either).
+                    None => super::Version::new(entry.version),
+                };
+                (name.clone(), version)
+            })
+            .collect();
         let schemas = {
             let files = Arc::clone(&files);
             let manifest_path = root.join("manifest.json");
@@ -218,7 +241,10 @@ impl Store {
             for partition in &partitions {
                 planned[device] = planned[device].saturating_add(partition.data_bytes);
             }
-            let version = store.next_version();
+            let version = versions
+                .get(&name)
+                .copied()
+                .unwrap_or_else(|| store.next_version());
             let dataset = Dataset::new(
                 name.clone(),
                 schema,
@@ -227,7 +253,7 @@ impl Store {
                 Arc::new(schema_charge),
             );
             store.inner.catalog.insert(name.clone(), Arc::new(dataset));
-            loaded.insert(name, version);
+            loaded.insert(name, version.number);
         }
         tracing::info!(
             data_dir = %root.display(),
@@ -241,7 +267,8 @@ impl Store {
         Ok(store)
     }
 
-    pub(super) fn next_version(&self) -> u64 {
-        self.inner.next_version.fetch_add(1, Ordering::Relaxed)
+    /// A version number no dataset of this store holds, with a tag of its own.
+    pub(super) fn next_version(&self) -> super::Version {
+        super::Version::new(self.inner.next_version.fetch_add(1, Ordering::Relaxed))
     }
 }

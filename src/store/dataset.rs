@@ -70,12 +70,46 @@ pub struct TierBytes {
     pub disk: u64,
 }
 
+/// Which committed version of a dataset a ticket names: the number that `status` and
+/// `GetFlightInfo` show, which grows with every commit, and a random tag. Numbers alone repeat
+/// (after a restart without `--data-dir`, in a copy of a data directory, on another server);
+/// a number and its tag together name one version of one store's dataset, so a ticket is
+/// either read as it was issued or refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Version {
+    pub number: u64,
+    pub tag: u64,
+}
+
+impl Version {
+    /// Version `number` with a tag of its own.
+    pub(crate) fn new(number: u64) -> Self {
+        Self {
+            number,
+            tag: random_tag(),
+        }
+    }
+}
+
+/// 64 random bits. Without the OS's generator (which TLS needs too), the clock and a
+/// counter still differ between versions of one process and, almost surely, between processes.
+fn random_tag() -> u64 {
+    getrandom::u64().unwrap_or_else(|_| {
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let count = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        nanos ^ count.rotate_left(48) ^ u64::from(std::process::id()).rotate_left(24)
+    })
+}
+
 /// An immutable, committed dataset.
 #[derive(Debug)]
 pub struct Dataset {
     name: String,
     schema: SchemaRef,
-    version: u64,
+    version: Version,
     partitions: Vec<StoredPartition>,
     /// Pays for the schema itself: names, types and metadata, which a client can make large.
     schema_charge: Arc<Reservation>,
@@ -88,7 +122,7 @@ impl Dataset {
     pub(crate) fn new(
         name: String,
         schema: SchemaRef,
-        version: u64,
+        version: Version,
         partitions: Vec<StoredPartition>,
         schema_charge: Arc<Reservation>,
     ) -> Self {
@@ -124,6 +158,11 @@ impl Dataset {
     /// Changes with every commit to this name; tickets carry it so that a reader never mixes
     /// rows of two versions.
     pub fn version(&self) -> u64 {
+        self.version.number
+    }
+
+    /// The version's number and tag: what a ticket must match.
+    pub fn version_id(&self) -> Version {
         self.version
     }
 

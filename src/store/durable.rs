@@ -246,6 +246,7 @@ impl Writer {
                 let entry = manifest.datasets.entry(name.clone()).or_insert_with(|| {
                     super::files::DatasetEntry {
                         version: dataset.version(),
+                        tag: None,
                         segments: Vec::new(),
                     }
                 });
@@ -253,6 +254,7 @@ impl Writer {
                     entry.segments.clear();
                 }
                 entry.version = dataset.version();
+                entry.tag = Some(dataset.version_id().tag);
                 entry.segments.extend(written.iter().cloned());
                 let committed = manifest.clone();
                 match self.blocking(move |dir| dir.commit(&committed)).await {

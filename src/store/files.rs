@@ -61,6 +61,10 @@ pub(crate) struct Manifest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct DatasetEntry {
     pub(crate) version: u64,
+    /// The version's random tag (see `store::Version`); absent in manifests written before
+    /// versions had tags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) tag: Option<u64>,
     pub(crate) segments: Vec<Segment>,
 }
 
@@ -1096,6 +1100,7 @@ mod tests {
                 name.to_owned(),
                 DatasetEntry {
                     version: 1,
+                    tag: None,
                     segments: vec![segment],
                 },
             );
@@ -1131,6 +1136,7 @@ mod tests {
             "d".to_owned(),
             DatasetEntry {
                 version: 2,
+                tag: None,
                 segments: attempt.written.clone(),
             },
         );
@@ -1472,6 +1478,7 @@ mod tests {
             let segment = dir.write_segment(&schema(), &[]).expect("write");
             let entry = DatasetEntry {
                 version: version as u64,
+                tag: None,
                 segments: vec![segment],
             };
             manifest.datasets.insert(name.clone(), entry);
@@ -1496,6 +1503,7 @@ mod tests {
             "d".to_owned(),
             DatasetEntry {
                 version: 1,
+                tag: None,
                 segments: vec![committed.clone()],
             },
         );

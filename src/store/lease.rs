@@ -209,7 +209,7 @@ mod tests {
         Arc::new(Dataset::new(
             name.to_owned(),
             Arc::new(Schema::empty()),
-            1,
+            crate::store::Version::new(1),
             Vec::new(),
             schema_charge,
         ))

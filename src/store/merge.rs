@@ -190,7 +190,7 @@ impl Store {
         kept.extend_from_slice(&partitions[..at]);
         kept.push(merged);
         kept.extend_from_slice(&partitions[at + inputs.len()..]);
-        let version = current.version();
+        let version = current.version_id();
         let dataset = Dataset::new(
             name.to_owned(),
             current.schema(),
@@ -199,7 +199,7 @@ impl Store {
             Arc::clone(current.schema_charge()),
         );
         entry.insert(Arc::new(dataset));
-        Some(version)
+        Some(version.number)
     }
 }
 

@@ -48,7 +48,7 @@ use std::sync::atomic::AtomicU64;
 
 use dashmap::DashMap;
 
-pub use dataset::{Dataset, TierBytes};
+pub use dataset::{Dataset, TierBytes, Version};
 pub use durable::Durability;
 pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
 pub use lease::{Lease, LeaseTerms};
@@ -123,6 +123,11 @@ pub enum StoreError {
         ticket: u64,
         current: u64,
     },
+    #[error(
+        "this ticket for dataset '{name}' was issued by another server, or by this one before it \
+         restarted or was upgraded; call GetFlightInfo again for fresh tickets"
+    )]
+    ForeignTicket { name: String },
     #[error(
         "dataset '{name}' changed while it was being moved; it stays as the change left it: \
          move it again"

@@ -408,7 +408,7 @@ impl PendingPut {
             }
         };
         if let Err(error) = durable::wait(persisted).await {
-            store.undo(&self.name, version, previous);
+            store.undo(&self.name, version.number, previous);
             return Err(error);
         }
         if self.mode == PutMode::Append {

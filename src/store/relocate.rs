@@ -78,7 +78,7 @@ impl Store {
                 let _ = self.persist(|_| Job::Rename {
                     name: name.to_owned(),
                     from: base.version(),
-                    to: version,
+                    to: version.number,
                 });
                 entry.insert(Arc::new(Dataset::new(
                     name.to_owned(),
@@ -99,7 +99,7 @@ impl Store {
             name: name.to_owned(),
             device,
             moved_bytes,
-            version,
+            version: version.number,
         })
     }
 
@@ -146,7 +146,7 @@ impl Store {
             }
         };
         if let Err(error) = durable::wait(persisted).await {
-            self.undo(copy, version, None);
+            self.undo(copy, version.number, None);
             return Err(error);
         }
         tracing::info!(dataset = name, copy, device, copied_bytes, "dataset copied");
@@ -155,7 +155,7 @@ impl Store {
             copy: copy.to_owned(),
             device,
             copied_bytes,
-            version,
+            version: version.number,
         })
     }
 

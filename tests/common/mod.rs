@@ -63,12 +63,21 @@ impl TestServer {
         Self::launch(backend, store_options, options, true).await
     }
 
+    /// Serves `store` as it is (one opened over a data directory, say).
+    pub async fn serve(store: Store, options: ServeOptions) -> Self {
+        Self::launch_store(store, options, false).await
+    }
+
     async fn launch(
         backend: Arc<dyn Backend>,
         store_options: StoreOptions,
-        mut options: ServeOptions,
+        options: ServeOptions,
         health_listener: bool,
     ) -> Self {
+        Self::launch_store(Store::new(backend, store_options), options, health_listener).await
+    }
+
+    async fn launch_store(store: Store, mut options: ServeOptions, health_listener: bool) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
         let health = match health_listener {
@@ -80,7 +89,6 @@ impl TestServer {
             flight: vec![listener.into()],
             health,
         };
-        let store = Store::new(backend, store_options);
         let metrics = Arc::clone(
             options
                 .metrics

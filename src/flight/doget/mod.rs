@@ -131,13 +131,17 @@ pub(super) fn stream(
             options,
         } => {
             let dataset = service.store.get(&name)?;
-            if dataset.version() != version {
+            let current = dataset.version_id();
+            if current.number != version.number {
                 return Err(crate::store::StoreError::StaleVersion {
                     name,
-                    ticket: version,
-                    current: dataset.version(),
+                    ticket: version.number,
+                    current: current.number,
                 }
                 .into());
+            }
+            if current.tag != version.tag {
+                return Err(crate::store::StoreError::ForeignTicket { name }.into());
             }
             (dataset, rows, options)
         }
