@@ -20,27 +20,30 @@
 //! `spawn_blocking`. Every step that changes the disk goes through [`Fs`], where tests inject
 //! faults (a failed or torn write, fsync, rename or delete, or a crash from that step on).
 
-use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File, OpenOptions, TryLockError};
-use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::panic::AssertUnwindSafe;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+mod segment;
+mod steps;
 
-use arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions};
-use arrow::buffer::{Buffer, MutableBuffer};
-use arrow::compute::concat;
-use arrow::datatypes::{DataType, Schema, SchemaRef};
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions, TryLockError};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+#[cfg(test)]
+use std::sync::atomic::Ordering;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::Schema;
+#[cfg(test)]
+use arrow::datatypes::SchemaRef;
 use arrow::error::ArrowError;
-use arrow::ipc::reader::{FileDecoder, read_footer_length};
 use arrow::ipc::writer::FileWriter;
-use arrow::ipc::{Block, Footer, convert::try_fb_to_schema, root_as_footer};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::dictionary;
-use crate::datatypes;
+pub(crate) use segment::{PinnedSegment, SegmentFiles};
+use segment::{one_dictionary_per_field, parse_file_name, segment_name, segment_path};
+#[cfg(test)]
+pub(crate) use steps::FaultPlan;
+use steps::{Fs, Tracked};
 
 /// The manifest format this code writes and reads. Bump it when the manifest's meaning changes.
 pub(crate) const MANIFEST_FORMAT: u32 = 1;
@@ -261,11 +264,7 @@ impl DataDir {
         let next_id = last_id.map_or(0, |id| id.saturating_add(1));
         let dir = DataDir {
             root: root.to_path_buf(),
-            files: Arc::new(SegmentFiles {
-                root: root.to_path_buf(),
-                segments: segments.clone(),
-                pins: Mutex::default(),
-            }),
+            files: Arc::new(SegmentFiles::new(root.to_path_buf(), segments.clone())),
             segments,
             _lock: lock,
             next_id,
@@ -477,137 +476,6 @@ impl DataDir {
     }
 }
 
-/// The segment files of an open data directory, for loading datasets when they are needed
-/// rather than all at start. A file a [`PinnedSegment`] names is never deleted while it is
-/// pinned, even once no manifest names it: a version a newer one replaced may still be read.
-#[derive(Debug)]
-pub(crate) struct SegmentFiles {
-    root: PathBuf,
-    segments: PathBuf,
-    /// File name to the number of pins on it.
-    pins: Mutex<HashMap<String, usize>>,
-}
-
-impl SegmentFiles {
-    /// Keeps `segment`'s file until the returned pin is dropped.
-    pub(crate) fn pin(self: &Arc<Self>, segment: &Segment) -> PinnedSegment {
-        let mut pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
-        *pins.entry(segment.file.clone()).or_default() += 1;
-        PinnedSegment {
-            files: Arc::clone(self),
-            segment: segment.clone(),
-        }
-    }
-
-    fn is_pinned(&self, file: &str) -> bool {
-        let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
-        pins.contains_key(file)
-    }
-
-    fn path(&self, segment: &Segment) -> Result<PathBuf, FilesError> {
-        segment_path(&self.segments, &segment.file)
-            .map_err(|reason| corrupt(&self.root.join(MANIFEST), reason))
-    }
-
-    /// Reads a segment after checking its size and checksum against `segment`. The arrays
-    /// borrow the file's bytes, read once into memory of exactly the file's size.
-    fn read(&self, segment: &Segment) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
-        let path = self.path(segment)?;
-        check_size(&path, segment)?;
-        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
-        let len = usize::try_from(segment.bytes).map_err(|_| corrupt(&path, "too large"))?;
-        // Arrow's allocation is 64-byte aligned, so decoded arrays use it without copying.
-        let mut data = MutableBuffer::try_from_len_zeroed(len)
-            .map_err(|e| io_error(&path, "reading")(io::Error::other(e.to_string())))?;
-        file.read_exact(data.as_slice_mut())
-            .map_err(io_error(&path, "reading"))?;
-        let checksum = crc32fast::hash(&data);
-        if checksum != segment.checksum {
-            let (found, recorded) = (crc(checksum), crc(segment.checksum));
-            return Err(differs(&path, "CRC-32", found, recorded, "the manifest"));
-        }
-        let data = Buffer::from(data);
-        // The checksum matched, so only a forged file gets here malformed; Arrow's decoder
-        // asserts instead of erring on some malformed layouts, and that too is corruption.
-        guarded(|| decode(&data)).map_err(|reason| corrupt(&path, reason))
-    }
-
-    /// A segment's schema, from its footer alone: what a dataset is listed with before its
-    /// rows are loaded. The checksum is checked when the rows are.
-    fn read_schema(&self, segment: &Segment) -> Result<SchemaRef, FilesError> {
-        let path = self.path(segment)?;
-        check_size(&path, segment)?;
-        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
-        let mut trailer = [0u8; 10];
-        let footer_start = segment
-            .bytes
-            .checked_sub(trailer.len() as u64)
-            .and_then(|trailer_start| {
-                file.seek(SeekFrom::Start(trailer_start)).ok()?;
-                file.read_exact(&mut trailer).ok()?;
-                let footer_len = read_footer_length(trailer).ok()?;
-                trailer_start.checked_sub(footer_len as u64)
-            })
-            .ok_or_else(|| corrupt(&path, "it has no Arrow file footer"))?;
-        // At most the file's size, which `check_size` just read.
-        let mut footer = vec![0u8; (segment.bytes - footer_start - 10) as usize];
-        file.seek(SeekFrom::Start(footer_start))
-            .and_then(|_| file.read_exact(&mut footer))
-            .map_err(io_error(&path, "reading"))?;
-        guarded(|| {
-            let footer =
-                root_as_footer(&footer).map_err(|e| format!("its footer does not parse: {e}"))?;
-            footer_schema(&footer)
-        })
-        .map_err(|reason| corrupt(&path, reason))
-    }
-}
-
-/// `decode`, with a panic of Arrow's decoder (on a forged layout) as an error.
-fn guarded<T>(decode: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    std::panic::catch_unwind(AssertUnwindSafe(decode)).unwrap_or_else(|panic| {
-        Err(format!(
-            "the Arrow decoder panicked: {}",
-            crate::error::panic_message(panic.as_ref())
-        ))
-    })
-}
-
-/// One segment a dataset still needs, kept on disk while this lives.
-#[derive(Debug)]
-pub(crate) struct PinnedSegment {
-    files: Arc<SegmentFiles>,
-    segment: Segment,
-}
-
-impl PinnedSegment {
-    pub(crate) fn segment(&self) -> &Segment {
-        &self.segment
-    }
-
-    /// Its schema and batches, checked against the manifest's checksum.
-    pub(crate) fn read(&self) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
-        self.files.read(&self.segment)
-    }
-
-    /// Its schema, from the file's footer.
-    pub(crate) fn read_schema(&self) -> Result<SchemaRef, FilesError> {
-        self.files.read_schema(&self.segment)
-    }
-}
-
-impl Drop for PinnedSegment {
-    fn drop(&mut self) {
-        let mut pins = self.files.pins.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(count) = pins.get_mut(&self.segment.file) {
-            *count -= 1;
-            if *count == 0 {
-                pins.remove(&self.segment.file);
-            }
-        }
-    }
-}
-
 fn encode_manifest(manifest: &Manifest) -> Result<Vec<u8>, serde_json::Error> {
     let body = serde_json::to_vec(manifest)?;
     let header = Header {
@@ -657,121 +525,6 @@ fn read_manifest(path: &Path) -> Result<Manifest, FilesError> {
     serde_json::from_slice(body).map_err(|e| corrupt(path, format!("it does not parse: {e}")))
 }
 
-/// Decodes an Arrow IPC file held in memory; the arrays borrow `data`. Every block is checked
-/// to lie inside the file before it is sliced, as Arrow's own slicing would panic instead.
-fn decode(data: &Buffer) -> Result<(SchemaRef, Vec<RecordBatch>), String> {
-    let trailer_start = data
-        .len()
-        .checked_sub(10)
-        .ok_or("it is too short for an Arrow file")?;
-    let trailer = <[u8; 10]>::try_from(&data[trailer_start..]).map_err(|e| e.to_string())?;
-    let footer_len = read_footer_length(trailer).map_err(|e| e.to_string())?;
-    let footer_start = trailer_start
-        .checked_sub(footer_len)
-        .ok_or("its footer length exceeds the file")?;
-    let footer = root_as_footer(&data[footer_start..trailer_start])
-        .map_err(|e| format!("its footer does not parse: {e}"))?;
-    let schema = footer_schema(&footer)?;
-    let block_data = |block: &Block| {
-        let start = usize::try_from(block.offset()).ok();
-        let meta = usize::try_from(block.metaDataLength()).ok();
-        let body = usize::try_from(block.bodyLength()).ok();
-        let len = meta.zip(body).and_then(|(m, b)| m.checked_add(b));
-        match start.zip(len) {
-            Some((start, len)) if start.checked_add(len).is_some_and(|e| e <= footer_start) => {
-                Ok(data.slice_with_length(start, len))
-            }
-            _ => Err(format!("a block ({block:?}) lies outside the file")),
-        }
-    };
-    let mut decoder = FileDecoder::new(Arc::clone(&schema), footer.version());
-    for block in footer.dictionaries().iter().flatten() {
-        decoder
-            .read_dictionary(block, &block_data(block)?)
-            .map_err(|e| e.to_string())?;
-    }
-    let mut batches = Vec::new();
-    for block in footer.recordBatches().iter().flatten() {
-        let batch = decoder
-            .read_record_batch(block, &block_data(block)?)
-            .map_err(|e| e.to_string())?;
-        batches.extend(batch);
-    }
-    Ok((schema, batches))
-}
-
-fn footer_schema(footer: &Footer<'_>) -> Result<SchemaRef, String> {
-    let ipc_schema = footer.schema().ok_or("its footer has no schema")?;
-    if !ipc_schema.endianness().equals_to_target_endianness() {
-        return Err("it was written with the other byte order".to_owned());
-    }
-    Ok(Arc::new(
-        try_fb_to_schema(ipc_schema).map_err(|e| e.to_string())?,
-    ))
-}
-
-/// An IPC file holds one dictionary per field for all its batches, while each batch a put
-/// receives may carry its own. A column containing dictionaries is concatenated (top-level
-/// dictionaries merged to distinct values, as the backends concatenate them, so pandas can
-/// read the file) and sliced back, so the batches keep their boundaries and share one.
-fn one_dictionary_per_field<'a>(
-    schema: &Schema,
-    batches: &'a [RecordBatch],
-) -> Result<Cow<'a, [RecordBatch]>, ArrowError> {
-    let is_dictionary = |t: &DataType| matches!(t, DataType::Dictionary(_, _));
-    let columns: Vec<usize> = (0..schema.fields().len())
-        .filter(|&i| datatypes::contains(schema.field(i).data_type(), &is_dictionary))
-        .collect();
-    if columns.is_empty() || batches.len() < 2 {
-        return Ok(Cow::Borrowed(batches));
-    }
-    let mut arrays: Vec<Vec<ArrayRef>> = batches.iter().map(|b| b.columns().to_vec()).collect();
-    for &column in &columns {
-        let parts: Vec<&dyn Array> = batches.iter().map(|b| b.column(column).as_ref()).collect();
-        let whole = if is_dictionary(schema.field(column).data_type()) {
-            dictionary::concat_on_host(&parts)
-                .map_err(|e| ArrowError::ComputeError(e.to_string()))?
-        } else {
-            concat(&parts)?
-        };
-        let mut offset = 0;
-        for (batch, arrays) in batches.iter().zip(&mut arrays) {
-            arrays[column] = whole.slice(offset, batch.num_rows());
-            offset += batch.num_rows();
-        }
-    }
-    let shared = batches.iter().zip(arrays).map(|(batch, arrays)| {
-        let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-        RecordBatch::try_new_with_options(batch.schema(), arrays, &options)
-    });
-    Ok(Cow::Owned(shared.collect::<Result<_, _>>()?))
-}
-
-fn segment_name(id: u64) -> String {
-    format!("seg-{id:020}.arrow")
-}
-
-/// The id of a segment file name, and whether it is the temporary one.
-fn parse_file_name(name: &str) -> Option<(u64, bool)> {
-    let (name, tmp) = match name.strip_suffix(TMP_SUFFIX) {
-        Some(name) => (name, true),
-        None => (name, false),
-    };
-    let digits = name.strip_prefix("seg-")?.strip_suffix(".arrow")?;
-    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((digits.parse().ok()?, tmp))
-}
-
-/// The path of a segment named in a manifest, which is only trusted if it is a name we write.
-fn segment_path(segments: &Path, file: &str) -> Result<PathBuf, String> {
-    match parse_file_name(file) {
-        Some((_, false)) => Ok(segments.join(file)),
-        _ => Err(format!("{file:?} is not a segment file name")),
-    }
-}
-
 /// Checks by its size that the file at `path` is the segment the manifest records.
 fn check_size(path: &Path, segment: &Segment) -> Result<(), FilesError> {
     match fs::metadata(path) {
@@ -804,133 +557,6 @@ fn sync_dir(dir: &Path) -> Result<(), FilesError> {
         .map_err(io_error(dir, "syncing directory"))
 }
 
-/// A fault for tests: the `step`-th file-system step (counted from 0 after
-/// [`DataDir::inject`]; a write, an fsync, a rename, a create or a delete) fails. `torn` makes a
-/// failing write put half its bytes on disk first; `crash` makes every later step fail too, as
-/// if the process had died there, so no cleanup runs.
-#[cfg(test)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct FaultPlan {
-    pub(crate) step: u64,
-    pub(crate) torn: bool,
-    pub(crate) crash: bool,
-}
-
-/// The file-system steps that change the disk, each one a place a fault can be injected. With
-/// no plan (outside tests), a step costs one atomic increment.
-#[derive(Debug, Default)]
-struct Fs {
-    fail_at: Option<u64>,
-    torn: bool,
-    crash: bool,
-    steps: AtomicU64,
-    fired: AtomicBool,
-}
-
-enum Step {
-    Go,
-    Fail,
-    Tear,
-}
-
-impl Fs {
-    fn step(&self) -> Step {
-        let step = self.steps.fetch_add(1, Ordering::Relaxed);
-        let Some(fail_at) = self.fail_at else {
-            return Step::Go;
-        };
-        if step < fail_at || (step > fail_at && !self.crash) {
-            return Step::Go;
-        }
-        self.fired.store(true, Ordering::Relaxed);
-        if step == fail_at && self.torn {
-            Step::Tear
-        } else {
-            Step::Fail
-        }
-    }
-
-    fn check(&self) -> io::Result<()> {
-        match self.step() {
-            Step::Go => Ok(()),
-            Step::Fail | Step::Tear => Err(injected()),
-        }
-    }
-
-    fn create(&self, path: &Path) -> io::Result<File> {
-        self.check()?;
-        File::create(path)
-    }
-
-    fn write(&self, file: &mut File, buf: &[u8]) -> io::Result<usize> {
-        match self.step() {
-            Step::Go => file.write(buf),
-            Step::Fail => Err(injected()),
-            Step::Tear => {
-                file.write_all(&buf[..buf.len() / 2])?;
-                Err(injected())
-            }
-        }
-    }
-
-    fn sync(&self, file: &File) -> io::Result<()> {
-        self.check()?;
-        file.sync_all()
-    }
-
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.check()?;
-        fs::rename(from, to)
-    }
-
-    fn sync_dir(&self, dir: &Path) -> Result<(), FilesError> {
-        self.check().map_err(io_error(dir, "syncing directory"))?;
-        sync_dir(dir)
-    }
-
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        self.check()?;
-        fs::remove_file(path)
-    }
-}
-
-fn injected() -> io::Error {
-    io::Error::new(io::ErrorKind::StorageFull, "injected fault")
-}
-
-/// A file being written through [`Fs`], with the CRC-32 and size of what reached it.
-struct Tracked<'a> {
-    file: File,
-    fs: &'a Fs,
-    hasher: crc32fast::Hasher,
-    bytes: u64,
-}
-
-impl<'a> Tracked<'a> {
-    fn new(file: File, fs: &'a Fs) -> Self {
-        Self {
-            file,
-            fs,
-            hasher: crc32fast::Hasher::new(),
-            bytes: 0,
-        }
-    }
-}
-
-impl Write for Tracked<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let written = self.fs.write(&mut self.file, buf)?;
-        self.hasher.update(&buf[..written]);
-        self.bytes += written as u64;
-        Ok(written)
-    }
-
-    /// `File` buffers nothing; durability is the explicit fsync's job.
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -941,7 +567,7 @@ mod tests {
         ArrayRef, DictionaryArray, Int32Array, Int64Array, ListArray, StringArray, StructArray,
     };
     use arrow::buffer::OffsetBuffer;
-    use arrow::datatypes::{Field, Int8Type, Int32Type};
+    use arrow::datatypes::{DataType, Field, Int8Type, Int32Type};
     use arrow::ipc::reader::FileReader;
 
     /// A directory under the system's temporary one, removed when dropped.

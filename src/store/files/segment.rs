@@ -1,0 +1,281 @@
+//! Reading segment files back: pins that keep a version's files on disk while it may be
+//! read, the checked decoding of Arrow IPC files, and the names segment files are given.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions};
+use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::compute::concat;
+use arrow::datatypes::{DataType, Schema, SchemaRef};
+use arrow::error::ArrowError;
+use arrow::ipc::reader::{FileDecoder, read_footer_length};
+use arrow::ipc::{Block, Footer, convert::try_fb_to_schema, root_as_footer};
+
+use super::{
+    FilesError, MANIFEST, Segment, TMP_SUFFIX, check_size, corrupt, crc, differs, io_error,
+};
+use crate::backend::dictionary;
+use crate::datatypes;
+
+/// The segment files of an open data directory, for loading datasets when they are needed
+/// rather than all at start. A file a [`PinnedSegment`] names is never deleted while it is
+/// pinned, even once no manifest names it: a version a newer one replaced may still be read.
+#[derive(Debug)]
+pub(crate) struct SegmentFiles {
+    root: PathBuf,
+    segments: PathBuf,
+    /// File name to the number of pins on it.
+    pins: Mutex<HashMap<String, usize>>,
+}
+
+impl SegmentFiles {
+    pub(super) fn new(root: PathBuf, segments: PathBuf) -> Self {
+        Self {
+            root,
+            segments,
+            pins: Mutex::default(),
+        }
+    }
+
+    /// Keeps `segment`'s file until the returned pin is dropped.
+    pub(crate) fn pin(self: &Arc<Self>, segment: &Segment) -> PinnedSegment {
+        let mut pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        *pins.entry(segment.file.clone()).or_default() += 1;
+        PinnedSegment {
+            files: Arc::clone(self),
+            segment: segment.clone(),
+        }
+    }
+
+    pub(super) fn is_pinned(&self, file: &str) -> bool {
+        let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        pins.contains_key(file)
+    }
+
+    fn path(&self, segment: &Segment) -> Result<PathBuf, FilesError> {
+        segment_path(&self.segments, &segment.file)
+            .map_err(|reason| corrupt(&self.root.join(MANIFEST), reason))
+    }
+
+    /// Reads a segment after checking its size and checksum against `segment`. The arrays
+    /// borrow the file's bytes, read once into memory of exactly the file's size.
+    pub(super) fn read(
+        &self,
+        segment: &Segment,
+    ) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
+        let path = self.path(segment)?;
+        check_size(&path, segment)?;
+        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
+        let len = usize::try_from(segment.bytes).map_err(|_| corrupt(&path, "too large"))?;
+        // Arrow's allocation is 64-byte aligned, so decoded arrays use it without copying.
+        let mut data = MutableBuffer::try_from_len_zeroed(len)
+            .map_err(|e| io_error(&path, "reading")(io::Error::other(e.to_string())))?;
+        file.read_exact(data.as_slice_mut())
+            .map_err(io_error(&path, "reading"))?;
+        let checksum = crc32fast::hash(&data);
+        if checksum != segment.checksum {
+            let (found, recorded) = (crc(checksum), crc(segment.checksum));
+            return Err(differs(&path, "CRC-32", found, recorded, "the manifest"));
+        }
+        let data = Buffer::from(data);
+        // The checksum matched, so only a forged file gets here malformed; Arrow's decoder
+        // asserts instead of erring on some malformed layouts, and that too is corruption.
+        guarded(|| decode(&data)).map_err(|reason| corrupt(&path, reason))
+    }
+
+    /// A segment's schema, from its footer alone: what a dataset is listed with before its
+    /// rows are loaded. The checksum is checked when the rows are.
+    fn read_schema(&self, segment: &Segment) -> Result<SchemaRef, FilesError> {
+        let path = self.path(segment)?;
+        check_size(&path, segment)?;
+        let mut file = File::open(&path).map_err(io_error(&path, "opening"))?;
+        let mut trailer = [0u8; 10];
+        let footer_start = segment
+            .bytes
+            .checked_sub(trailer.len() as u64)
+            .and_then(|trailer_start| {
+                file.seek(SeekFrom::Start(trailer_start)).ok()?;
+                file.read_exact(&mut trailer).ok()?;
+                let footer_len = read_footer_length(trailer).ok()?;
+                trailer_start.checked_sub(footer_len as u64)
+            })
+            .ok_or_else(|| corrupt(&path, "it has no Arrow file footer"))?;
+        // At most the file's size, which `check_size` just read.
+        let mut footer = vec![0u8; (segment.bytes - footer_start - 10) as usize];
+        file.seek(SeekFrom::Start(footer_start))
+            .and_then(|_| file.read_exact(&mut footer))
+            .map_err(io_error(&path, "reading"))?;
+        guarded(|| {
+            let footer =
+                root_as_footer(&footer).map_err(|e| format!("its footer does not parse: {e}"))?;
+            footer_schema(&footer)
+        })
+        .map_err(|reason| corrupt(&path, reason))
+    }
+}
+
+/// `decode`, with a panic of Arrow's decoder (on a forged layout) as an error.
+fn guarded<T>(decode: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(AssertUnwindSafe(decode)).unwrap_or_else(|panic| {
+        Err(format!(
+            "the Arrow decoder panicked: {}",
+            crate::error::panic_message(panic.as_ref())
+        ))
+    })
+}
+
+/// One segment a dataset still needs, kept on disk while this lives.
+#[derive(Debug)]
+pub(crate) struct PinnedSegment {
+    files: Arc<SegmentFiles>,
+    segment: Segment,
+}
+
+impl PinnedSegment {
+    pub(crate) fn segment(&self) -> &Segment {
+        &self.segment
+    }
+
+    /// Its schema and batches, checked against the manifest's checksum.
+    pub(crate) fn read(&self) -> Result<(SchemaRef, Vec<RecordBatch>), FilesError> {
+        self.files.read(&self.segment)
+    }
+
+    /// Its schema, from the file's footer.
+    pub(crate) fn read_schema(&self) -> Result<SchemaRef, FilesError> {
+        self.files.read_schema(&self.segment)
+    }
+}
+
+impl Drop for PinnedSegment {
+    fn drop(&mut self) {
+        let mut pins = self.files.pins.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = pins.get_mut(&self.segment.file) {
+            *count -= 1;
+            if *count == 0 {
+                pins.remove(&self.segment.file);
+            }
+        }
+    }
+}
+
+/// Decodes an Arrow IPC file held in memory; the arrays borrow `data`. Every block is checked
+/// to lie inside the file before it is sliced, as Arrow's own slicing would panic instead.
+fn decode(data: &Buffer) -> Result<(SchemaRef, Vec<RecordBatch>), String> {
+    let trailer_start = data
+        .len()
+        .checked_sub(10)
+        .ok_or("it is too short for an Arrow file")?;
+    let trailer = <[u8; 10]>::try_from(&data[trailer_start..]).map_err(|e| e.to_string())?;
+    let footer_len = read_footer_length(trailer).map_err(|e| e.to_string())?;
+    let footer_start = trailer_start
+        .checked_sub(footer_len)
+        .ok_or("its footer length exceeds the file")?;
+    let footer = root_as_footer(&data[footer_start..trailer_start])
+        .map_err(|e| format!("its footer does not parse: {e}"))?;
+    let schema = footer_schema(&footer)?;
+    let block_data = |block: &Block| {
+        let start = usize::try_from(block.offset()).ok();
+        let meta = usize::try_from(block.metaDataLength()).ok();
+        let body = usize::try_from(block.bodyLength()).ok();
+        let len = meta.zip(body).and_then(|(m, b)| m.checked_add(b));
+        match start.zip(len) {
+            Some((start, len)) if start.checked_add(len).is_some_and(|e| e <= footer_start) => {
+                Ok(data.slice_with_length(start, len))
+            }
+            _ => Err(format!("a block ({block:?}) lies outside the file")),
+        }
+    };
+    let mut decoder = FileDecoder::new(Arc::clone(&schema), footer.version());
+    for block in footer.dictionaries().iter().flatten() {
+        decoder
+            .read_dictionary(block, &block_data(block)?)
+            .map_err(|e| e.to_string())?;
+    }
+    let mut batches = Vec::new();
+    for block in footer.recordBatches().iter().flatten() {
+        let batch = decoder
+            .read_record_batch(block, &block_data(block)?)
+            .map_err(|e| e.to_string())?;
+        batches.extend(batch);
+    }
+    Ok((schema, batches))
+}
+
+fn footer_schema(footer: &Footer<'_>) -> Result<SchemaRef, String> {
+    let ipc_schema = footer.schema().ok_or("its footer has no schema")?;
+    if !ipc_schema.endianness().equals_to_target_endianness() {
+        return Err("it was written with the other byte order".to_owned());
+    }
+    Ok(Arc::new(
+        try_fb_to_schema(ipc_schema).map_err(|e| e.to_string())?,
+    ))
+}
+
+/// An IPC file holds one dictionary per field for all its batches, while each batch a put
+/// receives may carry its own. A column containing dictionaries is concatenated (top-level
+/// dictionaries merged to distinct values, as the backends concatenate them, so pandas can
+/// read the file) and sliced back, so the batches keep their boundaries and share one.
+pub(super) fn one_dictionary_per_field<'a>(
+    schema: &Schema,
+    batches: &'a [RecordBatch],
+) -> Result<Cow<'a, [RecordBatch]>, ArrowError> {
+    let is_dictionary = |t: &DataType| matches!(t, DataType::Dictionary(_, _));
+    let columns: Vec<usize> = (0..schema.fields().len())
+        .filter(|&i| datatypes::contains(schema.field(i).data_type(), &is_dictionary))
+        .collect();
+    if columns.is_empty() || batches.len() < 2 {
+        return Ok(Cow::Borrowed(batches));
+    }
+    let mut arrays: Vec<Vec<ArrayRef>> = batches.iter().map(|b| b.columns().to_vec()).collect();
+    for &column in &columns {
+        let parts: Vec<&dyn Array> = batches.iter().map(|b| b.column(column).as_ref()).collect();
+        let whole = if is_dictionary(schema.field(column).data_type()) {
+            dictionary::concat_on_host(&parts)
+                .map_err(|e| ArrowError::ComputeError(e.to_string()))?
+        } else {
+            concat(&parts)?
+        };
+        let mut offset = 0;
+        for (batch, arrays) in batches.iter().zip(&mut arrays) {
+            arrays[column] = whole.slice(offset, batch.num_rows());
+            offset += batch.num_rows();
+        }
+    }
+    let shared = batches.iter().zip(arrays).map(|(batch, arrays)| {
+        let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+        RecordBatch::try_new_with_options(batch.schema(), arrays, &options)
+    });
+    Ok(Cow::Owned(shared.collect::<Result<_, _>>()?))
+}
+
+pub(super) fn segment_name(id: u64) -> String {
+    format!("seg-{id:020}.arrow")
+}
+
+/// The id of a segment file name, and whether it is the temporary one.
+pub(super) fn parse_file_name(name: &str) -> Option<(u64, bool)> {
+    let (name, tmp) = match name.strip_suffix(TMP_SUFFIX) {
+        Some(name) => (name, true),
+        None => (name, false),
+    };
+    let digits = name.strip_prefix("seg-")?.strip_suffix(".arrow")?;
+    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((digits.parse().ok()?, tmp))
+}
+
+/// The path of a segment named in a manifest, which is only trusted if it is a name we write.
+pub(super) fn segment_path(segments: &Path, file: &str) -> Result<PathBuf, String> {
+    match parse_file_name(file) {
+        Some((_, false)) => Ok(segments.join(file)),
+        _ => Err(format!("{file:?} is not a segment file name")),
+    }
+}
