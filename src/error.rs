@@ -134,7 +134,7 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
         StoreError::DiskFull(_) => Code::ResourceExhausted,
         StoreError::Persist(_) => Code::Internal,
-        StoreError::Corrupt(_) => Code::DataLoss,
+        StoreError::Corrupt(_) | StoreError::Damaged { .. } => Code::DataLoss,
         StoreError::Backend(error) => backend_code(error),
     }
 }

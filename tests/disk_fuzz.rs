@@ -350,12 +350,33 @@ async fn run_case(
             if !message.contains(&dir.display().to_string()) {
                 return Err(format!("an open failed without naming the file: {message}"));
             }
+            // Damage to one dataset's files must not keep the others from being served.
+            if !case.manifest {
+                return Err(format!("a damaged segment failed the start: {message}"));
+            }
             return Ok(());
         }
     };
     if !case.forged && case.manifest {
         store.close().await;
         return Err("a damaged manifest was accepted".to_owned());
+    }
+    for (name, damage) in store.damaged() {
+        if !case.manifest && case.damaged.as_deref() != Some(name.as_str()) {
+            return Err(format!(
+                "{name:?} was not damaged but is quarantined: {damage:?}"
+            ));
+        }
+        match store.get(&name) {
+            Err(StoreError::Damaged { reason, .. })
+                if reason.contains(&dir.display().to_string()) => {}
+            other => {
+                return Err(format!(
+                    "{name:?} is damaged but reads as {:?}",
+                    other.map(|d| d.num_rows())
+                ));
+            }
+        }
     }
     for dataset in store.list("") {
         let name = dataset.name().to_owned();
@@ -408,6 +429,21 @@ async fn run_case(
             }
             Err(error) => return Err(format!("{name:?} failed as other than corrupt: {error}")),
         }
+    }
+    // Whatever was found damaged, the directory still takes changes: a new dataset, and the
+    // drop of every damaged one.
+    let fresh = all_types_batch(3);
+    put(&store, "fuzz-fresh", PutMode::Create, None, &[fresh])
+        .await
+        .map_err(|e| format!("a put after the start failed: {e}"))?;
+    for (name, _) in store.damaged() {
+        store
+            .drop_dataset(&name)
+            .await
+            .map_err(|e| format!("dropping damaged {name:?} failed: {e}"))?;
+    }
+    if !store.damaged().is_empty() {
+        return Err("damaged datasets remain after their drops".to_owned());
     }
     store.close().await;
     Ok(())

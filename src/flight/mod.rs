@@ -226,12 +226,12 @@ impl Service {
         match request {
             ActionRequest::Drop { name } => {
                 caller.require(Role::Write, "the drop action")?;
-                let dataset = self.store.drop_dataset(&name).await?;
-                tracing::info!(dataset = ?name, bytes = dataset.memory_bytes(), "dataset dropped");
+                let dropped = self.store.drop_dataset(&name).await?;
+                tracing::info!(dataset = ?name, bytes = dropped.memory_bytes, "dataset dropped");
                 action::to_value(&action::DropResult {
                     name,
-                    rows: dataset.num_rows(),
-                    bytes: dataset.data_bytes(),
+                    rows: dropped.rows,
+                    bytes: dropped.bytes,
                 })
             }
             ActionRequest::Status => action::status_document(&self.store.status(), caller),

@@ -11,8 +11,28 @@ use dashmap::mapref::entry::Entry;
 
 use super::durable::{self, Done, Durable, Job, Persisted};
 use super::memory::MemoryBudget;
-use super::{Dataset, Inner, Store, StoreError, StoreOptions, lease};
+use super::{Dataset, Inner, PutMode, Store, StoreError, StoreOptions, lease};
 use crate::backend::Backend;
+
+/// A dataset of the data directory whose files failed the checks at start: listed by `status`,
+/// read as DATA_LOSS, and kept on disk until it is dropped or replaced.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Damaged {
+    /// What is wrong, naming the file.
+    pub reason: String,
+    /// Rows and file bytes the manifest records for it.
+    pub rows: u64,
+    pub bytes: u64,
+}
+
+/// What a drop removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dropped {
+    pub rows: u64,
+    /// Arrow bytes of its rows, and the memory they held (nothing for a damaged dataset).
+    pub bytes: u64,
+    pub memory_bytes: u64,
+}
 
 impl Store {
     pub fn new(backend: Arc<dyn Backend>, options: StoreOptions) -> Self {
@@ -33,6 +53,7 @@ impl Store {
                 budget: MemoryBudget::new(limits),
                 backend,
                 catalog: DashMap::new(),
+                damaged: DashMap::new(),
                 next_version: AtomicU64::new(1),
                 leases: lease::Leases::default(),
                 tiers: super::tier::Tiers::new(host_limit),
@@ -57,9 +78,53 @@ impl Store {
             .catalog
             .get(name)
             .map(|entry| Arc::clone(entry.value()))
-            .ok_or_else(|| StoreError::NotFound {
+            .ok_or_else(|| self.missing(name))
+    }
+
+    /// Why `name` is not in the catalog: damaged on disk, or unknown.
+    fn missing(&self, name: &str) -> StoreError {
+        match self.inner.damaged.get(name) {
+            Some(damaged) => StoreError::Damaged {
                 name: name.to_owned(),
-            })
+                reason: damaged.reason.clone(),
+            },
+            None => StoreError::NotFound {
+                name: name.to_owned(),
+            },
+        }
+    }
+
+    /// Datasets of the data directory found damaged at start, sorted by name.
+    pub fn damaged(&self) -> Vec<(String, Damaged)> {
+        let mut damaged: Vec<_> = self
+            .inner
+            .damaged
+            .iter()
+            .map(|entry| (entry.key().clone(), entry.value().clone()))
+            .collect();
+        damaged.sort_by(|a, b| a.0.cmp(&b.0));
+        damaged
+    }
+
+    /// Whether a put of `mode` may commit under `name`: over a damaged dataset only a
+    /// `replace` may (a `create` would hide it, an `append` build on rows it cannot read).
+    pub(super) fn check_damage(&self, name: &str, mode: PutMode) -> Result<(), StoreError> {
+        match mode {
+            PutMode::Replace => Ok(()),
+            PutMode::Create | PutMode::Append => match self.inner.damaged.get(name) {
+                Some(damaged) => Err(StoreError::Damaged {
+                    name: name.to_owned(),
+                    reason: damaged.reason.clone(),
+                }),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// A change that replaced `name` is durable: a damaged dataset of that name is gone from
+    /// the disk too.
+    pub(super) fn replaced_on_disk(&self, name: &str) {
+        self.inner.damaged.remove(name);
     }
 
     /// Datasets whose names start with `prefix`, sorted by name.
@@ -82,11 +147,39 @@ impl Store {
     }
 
     /// [`Store::remove`], acknowledged as `--durability` says: under `sync`, once the
-    /// dataset is gone from the disk too.
-    pub async fn drop_dataset(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
-        let (dataset, persisted) = self.remove_queued(name)?;
+    /// dataset is gone from the disk too. A dataset found damaged at start is dropped too
+    /// (its files with it).
+    pub async fn drop_dataset(&self, name: &str) -> Result<Dropped, StoreError> {
+        let (dropped, persisted) = match self.remove_queued(name) {
+            Ok((dataset, persisted)) => (
+                Dropped {
+                    rows: dataset.num_rows(),
+                    bytes: dataset.data_bytes(),
+                    memory_bytes: dataset.memory_bytes(),
+                },
+                persisted,
+            ),
+            Err(StoreError::NotFound { .. }) => {
+                let Some((_, damaged)) = self.inner.damaged.remove(name) else {
+                    return Err(StoreError::NotFound {
+                        name: name.to_owned(),
+                    });
+                };
+                let persisted = self.persist(|done| Job::Remove {
+                    name: name.to_owned(),
+                    done,
+                });
+                let dropped = Dropped {
+                    rows: damaged.rows,
+                    bytes: damaged.bytes,
+                    memory_bytes: 0,
+                };
+                (dropped, persisted)
+            }
+            Err(error) => return Err(error),
+        };
         durable::wait(persisted).await?;
-        Ok(dataset)
+        Ok(dropped)
     }
 
     fn remove_queued(&self, name: &str) -> Result<(Arc<Dataset>, Persisted), StoreError> {
@@ -130,6 +223,11 @@ impl Store {
                     });
                     entry.insert(previous);
                 }
+                // Over a dataset found damaged at start, the disk still holds that one: the
+                // refused change never replaced it there.
+                None if self.inner.damaged.contains_key(name) => {
+                    entry.remove();
+                }
                 None => {
                     let _ = self.persist(|_| Job::Remove {
                         name: name.to_owned(),
@@ -166,9 +264,13 @@ impl Store {
         let started = std::time::Instant::now();
         let (dir, manifest) = durable::open(root.clone()).await?;
         let files = dir.segment_files();
+        for (name, damage) in dir.damaged() {
+            store.quarantine(name, &manifest.datasets[name], damage.reason.clone());
+        }
         let entries: Vec<_> = manifest
             .datasets
             .iter()
+            .filter(|(name, _)| !store.inner.damaged.contains_key(*name))
             .map(|(name, entry)| (name.clone(), entry.segments.clone()))
             .collect();
         // Numbers go on from the highest on disk, so none repeats within this run; the tags
@@ -221,23 +323,36 @@ impl Store {
         let mut planned = vec![0u64; budget.devices().max(1) as usize];
         let mut loaded = HashMap::new();
         for (name, segments, schema) in schemas {
+            // Only this dataset is not served: every other one is, and this one stays on disk
+            // for an operator to restore (or to drop).
+            let schema = match schema {
+                Ok(schema) => schema,
+                Err(error) => {
+                    store.quarantine(&name, &manifest.datasets[&name], error.to_string());
+                    continue;
+                }
+            };
+            let device = (0..planned.len())
+                .rev()
+                .max_by_key(|&d| budget.free(d as u32).saturating_sub(planned[d]))
+                .unwrap_or(0);
             let context = |error: StoreError| {
                 StoreError::Persist(format!(
                     "opening dataset {name:?} in {}: {error}",
                     root.display()
                 ))
             };
-            let schema = schema.map_err(|e| context(e.into()))?;
-            let device = (0..planned.len())
-                .rev()
-                .max_by_key(|&d| budget.free(d as u32).saturating_sub(planned[d]))
-                .unwrap_or(0);
             let schema_charge = budget
                 .try_reserve(device as u32, crate::batch_size::schema_bytes(&schema))
                 .map_err(context)?;
-            let partitions = store
-                .disk_partitions(&files, &schema, &segments, device as u32)
-                .map_err(context)?;
+            let partitions = match store.disk_partitions(&files, &schema, &segments, device as u32)
+            {
+                Ok(partitions) => partitions,
+                Err(error) => {
+                    store.quarantine(&name, &manifest.datasets[&name], error.to_string());
+                    continue;
+                }
+            };
             for partition in &partitions {
                 planned[device] = planned[device].saturating_add(partition.data_bytes);
             }
@@ -258,6 +373,7 @@ impl Store {
         tracing::info!(
             data_dir = %root.display(),
             datasets = loaded.len(),
+            damaged = store.inner.damaged.len(),
             bytes = store.inner.tiers.disk_used(),
             seconds = started.elapsed().as_secs_f64(),
             "data directory opened; datasets load as they are read"
@@ -265,6 +381,32 @@ impl Store {
         let durable = Durable::start(dir, manifest, loaded, options.durability);
         let _ = store.inner.durable.set(durable);
         Ok(store)
+    }
+
+    /// Keeps `name` out of the catalog, as damaged for `reason` (which names the file).
+    fn quarantine(&self, name: &str, entry: &super::files::DatasetEntry, reason: String) {
+        tracing::error!(
+            dataset = ?name,
+            %reason,
+            "a dataset in the data directory is damaged and is not served; every other \
+             dataset is. Restore the file from a backup and restart, or drop or replace the dataset"
+        );
+        let rows = entry
+            .segments
+            .iter()
+            .fold(0u64, |n, s| n.saturating_add(s.rows));
+        let bytes = entry
+            .segments
+            .iter()
+            .fold(0u64, |n, s| n.saturating_add(s.bytes));
+        self.inner.damaged.insert(
+            name.to_owned(),
+            Damaged {
+                reason,
+                rows,
+                bytes,
+            },
+        );
     }
 
     /// A version number no dataset of this store holds, with a tag of its own.

@@ -48,6 +48,7 @@ use std::sync::atomic::AtomicU64;
 
 use dashmap::DashMap;
 
+pub use catalog::{Damaged, Dropped};
 pub use dataset::{Dataset, TierBytes, Version};
 pub use durable::Durability;
 pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
@@ -197,6 +198,11 @@ pub enum StoreError {
     Persist(String),
     #[error("stored data is damaged: {0}; restore the file from a backup, or drop the dataset")]
     Corrupt(String),
+    #[error(
+        "dataset '{name}' is damaged and not served: {reason}; restore the file from a backup \
+         and restart the server, or drop or replace the dataset"
+    )]
+    Damaged { name: String, reason: String },
     #[error(transparent)]
     Backend(#[from] BackendError),
 }
@@ -263,6 +269,9 @@ struct Inner {
     backend: Arc<dyn Backend>,
     budget: Arc<MemoryBudget>,
     catalog: DashMap<String, Arc<Dataset>>,
+    /// Datasets of the data directory whose files were found damaged at start: not served,
+    /// kept on disk until dropped or replaced (see `catalog`).
+    damaged: DashMap<String, Damaged>,
     next_version: AtomicU64,
     leases: lease::Leases,
     tiers: tier::Tiers,

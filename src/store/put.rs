@@ -224,6 +224,7 @@ impl PendingPut {
             }
             return Ok(());
         }
+        self.store.check_damage(&self.name, self.mode)?;
         if self.mode == PutMode::Append
             && let Ok(existing) = self.store.get(&self.name)
         {
@@ -395,6 +396,7 @@ impl PendingPut {
                 (dataset, Some(previous), persisted)
             }
             Entry::Vacant(entry) => {
+                store.check_damage(&self.name, self.mode)?;
                 let dataset = Arc::new(Dataset::new(
                     self.name.clone(),
                     schema,
@@ -411,6 +413,7 @@ impl PendingPut {
             store.undo(&self.name, version.number, previous);
             return Err(error);
         }
+        store.replaced_on_disk(&self.name);
         if self.mode == PutMode::Append {
             store.schedule_merge(&self.name);
         }

@@ -17,7 +17,7 @@ use super::dataset::StoredPartition;
 use super::durable::{self, Job};
 use super::memory::Reservation;
 use super::tier::{Resident, Tier};
-use super::{Dataset, Store, StoreError};
+use super::{Dataset, PutMode, Store, StoreError};
 use crate::backend::BackendError;
 use crate::batch_size::schema_bytes;
 
@@ -121,6 +121,7 @@ impl Store {
                 name: copy.to_owned(),
             });
         }
+        self.check_damage(copy, PutMode::Create)?;
         let base = self.get(name)?;
         let schema = base.schema();
         let schema_charge = self.reserve_on(device, schema_bytes(&schema)).await?;
@@ -128,6 +129,7 @@ impl Store {
         let version = self.next_version();
         let persisted = match inner.catalog.entry(copy.to_owned()) {
             Entry::Vacant(entry) => {
+                self.check_damage(copy, PutMode::Create)?;
                 let dataset = Arc::new(Dataset::new(
                     copy.to_owned(),
                     schema,

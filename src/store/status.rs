@@ -51,6 +51,16 @@ pub struct PersistenceStatus {
     pub written_bytes: u64,
     /// Changes the disk refused (each logged).
     pub failures: u64,
+    /// Datasets found damaged at start, not served until restored, dropped or replaced.
+    pub damaged: Vec<DamagedStatus>,
+}
+
+/// A dataset the data directory holds damaged, for `status`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DamagedStatus {
+    pub name: String,
+    #[serde(flatten)]
+    pub damage: super::Damaged,
 }
 
 /// The memory tiers, for `status` and the metrics.
@@ -233,6 +243,11 @@ impl Store {
                     segments: counters.segments.load(Ordering::Relaxed),
                     written_bytes: counters.written_bytes.load(Ordering::Relaxed),
                     failures: counters.failures.load(Ordering::Relaxed),
+                    damaged: self
+                        .damaged()
+                        .into_iter()
+                        .map(|(name, damage)| DamagedStatus { name, damage })
+                        .collect(),
                 }
             }),
         }

@@ -2,6 +2,7 @@
 //! record batch makers shared by the suites.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod datadir;
 pub mod devices;
 pub mod raw;
 pub mod wire;

@@ -23,7 +23,7 @@
 mod segment;
 mod steps;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -195,14 +195,92 @@ pub(crate) struct DataDir {
     /// committed, plus those of a commit that failed at or after its rename (on disk it may
     /// have won). Only the next successful commit may delete files from this set.
     live: BTreeMap<String, Segment>,
+    /// Datasets found damaged at open, as the manifest recorded them: while an entry stays so,
+    /// its files are kept for an operator to restore and not checked again (they failed once).
+    quarantined: BTreeMap<String, DatasetEntry>,
+    damaged: BTreeMap<String, Damage>,
     files: Arc<SegmentFiles>,
     fs: Fs,
+}
+
+/// Why a dataset's files cannot be served, naming the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Damage {
+    pub(crate) reason: String,
+    /// The dataset's segment files that are safe to name (in the segments folder).
+    pub(crate) files: Vec<String>,
+}
+
+/// Checks every segment the manifest names: a name of ours (never a path elsewhere), present,
+/// of the recorded size, and named by one dataset only. Returns the files to keep and the
+/// datasets whose files failed.
+fn check_segments(
+    root: &Path,
+    segments: &Path,
+    manifest: &Manifest,
+) -> (BTreeMap<String, Segment>, BTreeMap<String, Damage>) {
+    let mut live = BTreeMap::new();
+    let mut damaged: BTreeMap<String, Damage> = BTreeMap::new();
+    let mut owners: HashMap<&str, &str> = HashMap::new();
+    for (name, entry) in &manifest.datasets {
+        let mut reason = None;
+        let mut files = Vec::new();
+        for segment in &entry.segments {
+            let path = match segment_path(segments, &segment.file) {
+                Ok(path) => path,
+                Err(why) => {
+                    reason.get_or_insert_with(|| corrupt(&root.join(MANIFEST), why).to_string());
+                    continue;
+                }
+            };
+            files.push(segment.file.clone());
+            if let Err(error) = check_size(&path, segment) {
+                reason.get_or_insert_with(|| error.to_string());
+            }
+            match owners.insert(&segment.file, name) {
+                Some(other) if other != name => {
+                    let why = format!(
+                        "segment {:?} is named by datasets {other:?} and {name:?}",
+                        segment.file
+                    );
+                    let shared = corrupt(&root.join(MANIFEST), why).to_string();
+                    if let Some(other) = damaged.get_mut(other) {
+                        other.reason.clone_from(&shared);
+                    } else {
+                        let other_files = manifest.datasets[other]
+                            .segments
+                            .iter()
+                            .filter(|s| segment_path(segments, &s.file).is_ok())
+                            .map(|s| s.file.clone())
+                            .collect();
+                        damaged.insert(
+                            other.to_owned(),
+                            Damage {
+                                reason: shared.clone(),
+                                files: other_files,
+                            },
+                        );
+                    }
+                    reason = Some(shared);
+                }
+                _ => {}
+            }
+            live.entry(segment.file.clone())
+                .or_insert_with(|| segment.clone());
+        }
+        if let Some(reason) = reason {
+            damaged.insert(name.clone(), Damage { reason, files });
+        }
+    }
+    (live, damaged)
 }
 
 impl DataDir {
     /// Opens (creating if absent) the data directory at `root`: locks it, reads the manifest
     /// (none yet is an empty catalog), checks every segment it names is present and whole in
-    /// size, then removes what an interrupted write left behind.
+    /// size, then removes what an interrupted write left behind. A directory that cannot be
+    /// locked or whose manifest cannot be read is an error; a dataset whose segments fail the
+    /// checks is only listed in [`DataDir::damaged`], and its files are kept.
     pub(crate) fn open(root: &Path) -> Result<(DataDir, Manifest), FilesError> {
         let segments = root.join(SEGMENTS);
         let existed = root.is_dir();
@@ -236,13 +314,7 @@ impl DataDir {
         }
 
         let manifest = read_manifest(&root.join(MANIFEST))?;
-        let mut live = BTreeMap::new();
-        for segment in manifest.datasets.values().flat_map(|d| &d.segments) {
-            let path = segment_path(&segments, &segment.file)
-                .map_err(|reason| corrupt(&root.join(MANIFEST), reason))?;
-            check_size(&path, segment)?;
-            live.insert(segment.file.clone(), segment.clone());
-        }
+        let (live, damaged) = check_segments(root, &segments, &manifest);
 
         // Only now, with the manifest known good, is anything deleted.
         remove_if_present(&root.join(MANIFEST_TMP))?;
@@ -269,9 +341,20 @@ impl DataDir {
             _lock: lock,
             next_id,
             live,
+            quarantined: damaged
+                .keys()
+                .map(|name| (name.clone(), manifest.datasets[name].clone()))
+                .collect(),
+            damaged,
             fs: Fs::default(),
         };
         Ok((dir, manifest))
+    }
+
+    /// Datasets of the manifest whose files failed the checks at open, by name. They stay in
+    /// the manifest (and their files on disk) until they are dropped or replaced.
+    pub(crate) fn damaged(&self) -> &BTreeMap<String, Damage> {
+        &self.damaged
     }
 
     /// The data directory, for messages and status.
@@ -376,27 +459,16 @@ impl DataDir {
     /// force; an error after it leaves either (the next open says which).
     pub(crate) fn commit(&mut self, manifest: &Manifest) -> Result<(), FilesError> {
         let mut files = BTreeMap::new();
-        for segment in manifest.datasets.values().flat_map(|d| &d.segments) {
-            match self.live.get(&segment.file) {
-                Some(known) if known == segment => {}
-                Some(known) => {
-                    return Err(FilesError::UnknownSegment {
-                        file: segment.file.clone(),
-                        reason: format!("a manifest in force records it as {known:?}"),
-                    });
+        for (name, entry) in &manifest.datasets {
+            if self.quarantined.get(name) == Some(entry) {
+                for segment in &entry.segments {
+                    if let Some(known) = self.live.get(&segment.file) {
+                        files.insert(segment.file.clone(), known.clone());
+                    }
                 }
-                // A manifest must only name complete segments; the checksum was taken as
-                // the file was written, so a stat is check enough.
-                None => {
-                    let unknown = |reason| FilesError::UnknownSegment {
-                        file: segment.file.clone(),
-                        reason,
-                    };
-                    let path = segment_path(&self.segments, &segment.file).map_err(unknown)?;
-                    check_size(&path, segment).map_err(|e| unknown(e.to_string()))?;
-                }
+                continue;
             }
-            files.insert(segment.file.clone(), segment.clone());
+            self.check_named(entry, &mut files)?;
         }
         let tmp = self.root.join(MANIFEST_TMP);
         let path = self.root.join(MANIFEST);
@@ -429,6 +501,38 @@ impl DataDir {
                 // Kept live so that the next commit tries again.
                 self.live.insert(file, segment);
             }
+        }
+        Ok(())
+    }
+
+    /// Checks that `entry` names only complete segments of this directory, each as a manifest
+    /// in force records it, and adds them to `files`.
+    fn check_named(
+        &self,
+        entry: &DatasetEntry,
+        files: &mut BTreeMap<String, Segment>,
+    ) -> Result<(), FilesError> {
+        for segment in &entry.segments {
+            match self.live.get(&segment.file) {
+                Some(known) if known == segment => {}
+                Some(known) => {
+                    return Err(FilesError::UnknownSegment {
+                        file: segment.file.clone(),
+                        reason: format!("a manifest in force records it as {known:?}"),
+                    });
+                }
+                // A manifest must only name complete segments; the checksum was taken as
+                // the file was written, so a stat is check enough.
+                None => {
+                    let unknown = |reason| FilesError::UnknownSegment {
+                        file: segment.file.clone(),
+                        reason,
+                    };
+                    let path = segment_path(&self.segments, &segment.file).map_err(unknown)?;
+                    check_size(&path, segment).map_err(|e| unknown(e.to_string()))?;
+                }
+            }
+            files.insert(segment.file.clone(), segment.clone());
         }
         Ok(())
     }
@@ -1039,29 +1143,41 @@ mod tests {
         drop(dir);
         assert_eq!(DataDir::open(tmp.path()).expect("open").1, old);
 
-        // Written by hand, as a forger or a bug elsewhere would.
+        // Damaged files: the open quarantines the dataset, names the file and keeps it.
         let path = tmp.path().join(MANIFEST);
-        let mut bad = old.clone();
-        bad.datasets.get_mut("d").expect("d").segments[0].file = "../LOCK".to_owned();
-        fs::write(&path, encode_manifest(&bad).expect("encode")).expect("write");
-        let error = DataDir::open(tmp.path()).expect_err("foreign name");
-        assert!(
-            error
-                .to_string()
-                .contains("\"../LOCK\" is not a segment file name"),
-            "{error}"
-        );
-
-        fs::write(&path, encode_manifest(&old).expect("encode")).expect("write");
         let segment = tmp.path().join(SEGMENTS).join(&real.file);
         let data = fs::read(&segment).expect("read");
         fs::remove_file(&segment).expect("remove");
-        let error = DataDir::open(tmp.path()).expect_err("missing segment");
-        assert!(error.to_string().contains("missing"), "{error}");
-        assert!(error.to_string().contains(&real.file), "{error}");
+        let (dir, _) = DataDir::open(tmp.path()).expect("only d is damaged");
+        let reason = &dir.damaged()["d"].reason;
+        assert!(reason.contains("missing"), "{reason}");
+        assert!(reason.contains(&real.file), "{reason}");
+        drop(dir);
         fs::write(&segment, &data[..10]).expect("write");
-        let error = DataDir::open(tmp.path()).expect_err("short segment");
-        assert!(error.to_string().contains(&real.file), "{error}");
+        let (dir, _) = DataDir::open(tmp.path()).expect("only d is damaged");
+        assert!(dir.damaged()["d"].reason.contains(&real.file));
+        drop(dir);
+        assert!(segment.exists(), "a damaged dataset's files are kept");
+
+        // Written by hand, as a forger or a bug elsewhere would: commits go on with d as it
+        // was found, and dropping d deletes only files of ours, never what a name points at.
+        let mut bad = old.clone();
+        bad.datasets.get_mut("d").expect("d").segments[0].file = "../LOCK".to_owned();
+        fs::write(&path, encode_manifest(&bad).expect("encode")).expect("write");
+        let (mut dir, manifest) = DataDir::open(tmp.path()).expect("only d is damaged");
+        let damage = &dir.damaged()["d"];
+        assert!(
+            damage
+                .reason
+                .contains("\"../LOCK\" is not a segment file name"),
+            "{damage:?}"
+        );
+        assert_eq!(dir.damaged().len(), 1, "{:?}", dir.damaged());
+        dir.commit(&manifest).expect("a commit keeping d as found");
+        let mut without = manifest.clone();
+        without.datasets.remove("d");
+        dir.commit(&without).expect("a commit dropping d");
+        assert!(tmp.path().join(LOCK).exists());
     }
 
     #[test]
