@@ -1,9 +1,19 @@
 //! Configuration mistakes, as an operator meets them: the real binary started with them must
 //! refuse to start (exit code 2) with a message naming the flag and what is wrong, or start with
-//! a warning.
+//! a warning; and the messages a client acts on name what is needed.
+
+mod common;
 
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
+
+use arrow_flight::error::FlightError;
+use common::{TestServer, action, int64_batch, path, put};
+use gpu_flight::backend::HostBackend;
+use gpu_flight::server::ServeOptions;
+use gpu_flight::store::StoreOptions;
+use serde_json::json;
+use tonic::Code;
 
 /// The binary under test (`GPU_FLIGHT_BIN` where the tests run away from their build).
 fn binary() -> String {
@@ -317,4 +327,44 @@ fn a_host_start_says_plainly_that_it_uses_host_memory() {
     );
     let log = started_log(&["--backend", "host"], &[], &[]);
     assert!(log.contains("host memory"), "{log}");
+}
+
+#[tokio::test]
+async fn copy_without_a_device_uses_the_only_one_and_says_what_it_needs_where_there_are_more() {
+    let server = TestServer::start(std::sync::Arc::new(HostBackend::new())).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(10, 1, 0)])
+        .await
+        .expect("put");
+    let copied = action(&mut client, "copy", json!({"name": "t", "as": "u"}))
+        .await
+        .expect("copy onto the only device");
+    assert_eq!(copied["device"], 0, "{copied}");
+    server.shutdown_and_wait().await;
+
+    let server = TestServer::start_with(
+        std::sync::Arc::new(HostBackend::new().with_devices(2)),
+        StoreOptions::default(),
+        ServeOptions::default(),
+    )
+    .await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(10, 1, 0)])
+        .await
+        .expect("put");
+    let error = action(&mut client, "copy", json!({"name": "t", "as": "u"}))
+        .await
+        .expect_err("which device?");
+    let FlightError::Tonic(status) = &error else {
+        panic!("{error:?}");
+    };
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let message = status.message();
+    assert!(
+        message.contains("\"device\"")
+            && message.contains("0..1")
+            && !message.contains("missing field"),
+        "{message}"
+    );
+    server.shutdown_and_wait().await;
 }
