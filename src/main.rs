@@ -8,9 +8,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use gpu_flight::auth::{self, Auth, Authenticator};
-use gpu_flight::config::{Cli, Command, LogFormat, ServeArgs};
+use gpu_flight::config::{self, Cli, Command, ConfigError, LogFormat, ServeArgs};
 use gpu_flight::metrics::{self, Metrics};
 use gpu_flight::server::{self, ListenAddr, Listener, ServeOptions, TlsFiles};
 use gpu_flight::store::Store;
@@ -109,6 +109,7 @@ enum Failure {
 
 async fn serve(args: ServeArgs) -> Result<(), Failure> {
     // Everything that can be wrong with the configuration is found before anything listens.
+    args.validate().map_err(start)?;
     let auth = match &args.auth_tokens {
         Some(path) => {
             let ttl = Duration::from_secs(args.session_hours * 3600);
@@ -121,6 +122,11 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
                 users = loaded.users,
                 "authentication on"
             );
+            if let Some(warning) =
+                config::check_token_file(loaded, path, args.allow_unauthenticated).map_err(start)?
+            {
+                tracing::warn!("{warning}");
+            }
             Auth::Tokens(Arc::new(authenticator))
         }
         None => Auth::Off,
@@ -139,16 +145,29 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
 
     let backend = gpu_flight::backend::select(args.backend, &args.gpus(), args.host_devices)
         .map_err(|error| {
+            let choice = args
+                .backend
+                .to_possible_value()
+                .map_or_else(String::new, |value| value.get_name().to_owned());
             Failure::Start(format!(
-                "cannot start the {:?} backend: {error}",
-                args.backend
+                "cannot start the backend (--backend {choice}): {error}"
             ))
         })?;
+    let capacity = args
+        .check_capacity(
+            &backend.devices(),
+            gpu_flight::backend::host_memory_bytes(),
+            backend.holds_host_memory(),
+        )
+        .map_err(start)?;
+    for warning in capacity {
+        tracing::warn!("{warning}");
+    }
     let mut listeners: Vec<Listener> = Vec::new();
     for address in &addresses {
-        let listener = TcpListener::bind(address)
+        let listener = Listener::bind_tcp(*address, "--listen")
             .await
-            .map_err(|error| Failure::Start(format!("cannot listen on {address}: {error}")))?;
+            .map_err(Failure::Start)?;
         listeners.push(listener.into());
     }
     for path in &sockets {
@@ -176,6 +195,8 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         .await
         .map_err(|error| Failure::Start(error.to_string()))?;
     let metrics = Metrics::new(store.clone());
+    let serve_options = connection_budget(args.serve_options());
+    log_budgets(&args, &store, &serve_options);
     for listener in &listeners {
         let tls = tls.is_some() && !listener.is_unix();
         let location = listener
@@ -201,7 +222,7 @@ async fn serve(args: ServeArgs) -> Result<(), Failure> {
         tls,
         auth,
         metrics: Some(metrics),
-        ..connection_budget(args.serve_options())
+        ..serve_options
     };
     let listeners = server::Listeners {
         flight: listeners,
@@ -286,10 +307,50 @@ async fn bind_one(spec: Option<&str>, flag: &str) -> Result<Option<TcpListener>,
         .map_err(|error| Failure::Start(format!("{flag}: {error}")))?
         .first()
         .ok_or_else(|| Failure::Start(format!("{flag} {spec} resolves to no address")))?;
-    let listener = TcpListener::bind(address)
+    let listener = Listener::bind_tcp(address, flag)
         .await
-        .map_err(|error| Failure::Start(format!("cannot listen on {address} ({flag}): {error}")))?;
+        .map_err(Failure::Start)?;
+    if let Some(warning) = config::exposed_listener_warning(flag, address) {
+        tracing::warn!("{warning}");
+    }
     Ok(Some(listener))
+}
+
+/// A configuration error, as the start fails with it.
+fn start(error: ConfigError) -> Failure {
+    Failure::Start(error.to_string())
+}
+
+/// One line with every budget the server runs with, as chosen from the flags and the machine:
+/// what an operator checks first when memory or connections run out.
+fn log_budgets(args: &ServeArgs, store: &Store, options: &ServeOptions) {
+    let status = store.status();
+    let memory_limits: Vec<String> = status
+        .devices
+        .iter()
+        .map(|device| {
+            device
+                .limit_bytes
+                .map_or("unlimited".to_owned(), |b| b.to_string())
+        })
+        .collect();
+    tracing::info!(
+        // Device by device, in the order puts and endpoints number them.
+        memory_limit_bytes = %memory_limits.join(","),
+        host_memory_limit_bytes = status.tiers.host_limit_bytes,
+        max_message_bytes = options.flight.max_message_bytes,
+        max_put_message_bytes = options.flight.max_put_message_bytes,
+        max_request_bytes = options.flight.max_request_bytes,
+        max_connections = options.connections.max_connections,
+        max_streams_per_connection = options.max_streams_per_connection,
+        data_dir = %args.data_dir.as_ref().map_or("none".into(), |dir| dir.display().to_string()),
+        durability = if args.data_dir.is_some() {
+            format!("{:?}", args.durability).to_lowercase()
+        } else {
+            "none (nothing is written to disk)".to_owned()
+        },
+        "budgets"
+    );
 }
 
 /// The TCP addresses and Unix socket paths the `--listen` values name, in order, without

@@ -23,7 +23,11 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-# `cargo test` built target/debug/gpu-flight already (a separate `cargo build` would rebuild
-# dependencies without the dev-dependencies' features).
-test -x target/debug/gpu-flight || { echo "target/debug/gpu-flight is missing" >&2; exit 1; }
-.venv/bin/python -m pytest -q tests/python
+# `cargo test` built the binary already (a separate `cargo build` would rebuild dependencies
+# without the dev-dependencies' features), in cargo's target directory: target/ unless
+# CARGO_TARGET_DIR (or a cargo config) puts it elsewhere, which cargo itself reports.
+target_dir="$(cargo metadata --format-version 1 --no-deps --locked |
+  "$python" -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
+binary="${GPU_FLIGHT_BIN:-$target_dir/debug/gpu-flight}"
+test -x "$binary" || { echo "$binary is missing" >&2; exit 1; }
+GPU_FLIGHT_BIN="$binary" .venv/bin/python -m pytest -q tests/python

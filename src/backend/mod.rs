@@ -323,7 +323,13 @@ pub fn select(
         GpuSelection::Ordinals(ordinals) => Ok(ordinals.clone()),
     };
     match choice {
-        BackendChoice::Host => Ok(host()),
+        BackendChoice::Host => {
+            tracing::info!(
+                backend = "host",
+                "datasets are kept in host memory (--backend host)"
+            );
+            Ok(host())
+        }
         BackendChoice::Cuda => ordinals()
             .and_then(|ordinals| CudaBackend::open_all(&ordinals))
             .map(|backend| Arc::new(backend) as Arc<dyn Backend>)
@@ -332,7 +338,12 @@ pub fn select(
             let ordinals = match ordinals() {
                 Ok(ordinals) => ordinals,
                 Err(reason) => {
-                    tracing::info!(backend = "host", %reason, "backend selected");
+                    // The ordinary start of a machine without a GPU: nothing failed.
+                    tracing::info!(
+                        backend = "host",
+                        reason = %plain(&reason),
+                        "no GPU to use: datasets are kept in host memory"
+                    );
                     return Ok(host());
                 }
             };
@@ -345,12 +356,30 @@ pub fn select(
                     );
                     Ok(Arc::new(backend))
                 }
+                // GPUs the operator named are wanted, not whatever memory there is.
+                Err(error) if matches!(gpus, GpuSelection::Ordinals(_)) => {
+                    Err(SelectError(format!(
+                        "GPUs {ordinals:?} were named (--devices/--device), but {}; with GPUs \
+                         named the server does not fall back to host memory: name GPUs that \
+                         exist, or leave the flag out",
+                        plain(&error)
+                    )))
+                }
                 Err(error) => {
-                    tracing::warn!(backend = "host", %error, "backend selected: a CUDA device failed to open");
+                    tracing::warn!(backend = "host", error = %plain(&error), "a CUDA device failed to open: datasets are kept in host memory");
                     Ok(host())
                 }
             }
         }
+    }
+}
+
+/// A backend error as a sentence for the start log, without the "device failure" a failure
+/// at run time is prefixed with.
+fn plain(error: &BackendError) -> String {
+    match error {
+        BackendError::Device(reason) => reason.clone(),
+        other => other.to_string(),
     }
 }
 

@@ -46,8 +46,9 @@ pub const ACTIONS: &[(&str, &str)] = &[
     (
         "copy",
         "Copy a dataset to a new name on a device (see Placement in the README). Body: JSON \
-         {\"name\", \"as\" (the new name), \"device\": number or GPU UUID}. Result: JSON \
-         {\"name\", \"as\", \"device\", \"copied_bytes\", \"version\"}.",
+         {\"name\", \"as\" (the new name), \"device\": number or GPU UUID (optional on a \
+         server with one device)}. Result: JSON {\"name\", \"as\", \"device\", \
+         \"copied_bytes\", \"version\"}.",
     ),
     (
         "ipc-release",
@@ -89,7 +90,8 @@ pub enum ActionRequest {
     Copy {
         name: String,
         copy: String,
-        device: DeviceRef,
+        /// `None`: the server's only device ([`copy_device`]).
+        device: Option<DeviceRef>,
     },
 }
 
@@ -209,12 +211,12 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                 name: String,
                 #[serde(rename = "as")]
                 copy: String,
-                device: DeviceRef,
+                device: Option<DeviceRef>,
             }
             let body: CopyBody = parse_json_object(
                 &action.body,
                 "copy takes a JSON object {\"name\": \"...\", \"as\": \"...\", \"device\": \
-                 number or GPU UUID}",
+                 number or GPU UUID (optional on a server with one device)}",
             )?;
             Ok(ActionRequest::Copy {
                 name: parse_name(body.name.as_bytes())?,
@@ -223,6 +225,20 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
             })
         }
         other => Err(Error::UnknownAction(other.to_owned())),
+    }
+}
+
+/// The device a `copy` goes to: the one it names, else the server's only device. A server
+/// with several cannot guess which one the copy is meant to be near, so it asks.
+pub fn copy_device(device: Option<DeviceRef>, devices: usize) -> Result<DeviceRef, Error> {
+    match device {
+        Some(device) => Ok(device),
+        None if devices == 1 => Ok(DeviceRef::Number(0)),
+        None => Err(Error::InvalidCommand(format!(
+            "copy needs \"device\": the device to put the copy on, a number from 0..{} (as \
+             status lists them) or a GPU's UUID; this server has {devices} devices",
+            devices.saturating_sub(1)
+        ))),
     }
 }
 
@@ -497,13 +513,35 @@ mod tests {
             ActionRequest::Copy {
                 name: "t".to_owned(),
                 copy: "u".to_owned(),
-                device: DeviceRef::Number(1),
+                device: Some(DeviceRef::Number(1)),
             }
+        );
+        assert_eq!(
+            parse(&Action::new("copy", r#"{"name": "t", "as": "u"}"#)).expect("valid"),
+            ActionRequest::Copy {
+                name: "t".to_owned(),
+                copy: "u".to_owned(),
+                device: None,
+            }
+        );
+        assert_eq!(
+            copy_device(None, 1).expect("the only one"),
+            DeviceRef::Number(0)
+        );
+        assert_eq!(
+            copy_device(Some(DeviceRef::Number(1)), 2).expect("named"),
+            DeviceRef::Number(1)
+        );
+        let Err(Error::InvalidCommand(message)) = copy_device(None, 3) else {
+            panic!("three devices: which?");
+        };
+        assert!(
+            message.contains("\"device\"") && message.contains("0..2"),
+            "{message}"
         );
         for bad in [
             r#"{"name": "t", "device": 1}"#,
             r#"{"name": "t", "as": "", "device": 1}"#,
-            r#"{"name": "t", "as": "u"}"#,
             r#"{"name": "t", "as": "u", "device": 1, "mode": "replace"}"#,
         ] {
             assert!(

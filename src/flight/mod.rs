@@ -243,7 +243,9 @@ impl Service {
             }
             ActionRequest::Copy { name, copy, device } => {
                 caller.require(Role::Write, "the copy action")?;
-                let device = put::resolve_device(&self.store, device)?;
+                let devices = self.store.backend().devices().len();
+                let device =
+                    put::resolve_device(&self.store, action::copy_device(device, devices)?)?;
                 let summary = self.store.copy_dataset(&name, &copy, device).await?;
                 action::to_value(&summary)
             }

@@ -9,6 +9,7 @@
 
 use std::fmt;
 use std::io;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -20,6 +21,15 @@ use crate::flight::Peer;
 
 /// The prefix of a Unix socket in `--listen`.
 const UNIX_SCHEME: &str = "unix://";
+/// The same as a Flight location, as the server prints it.
+const GRPC_UNIX_SCHEME: &str = "grpc+unix://";
+/// Flight locations of TCP listeners, as the server prints them and clients write them; the
+/// second says whether the scheme is TLS.
+const TCP_SCHEMES: [(&str, bool); 3] = [
+    ("grpc://", false),
+    ("grpc+tcp://", false),
+    ("grpc+tls://", true),
+];
 
 /// One `--listen` value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,17 +41,46 @@ pub enum ListenAddr {
 }
 
 impl ListenAddr {
+    /// `HOST:PORT`, `unix:///path`, or a Flight location (`grpc://`, `grpc+tcp://`,
+    /// `grpc+tls://`, `grpc+unix://`): a location the server printed can be given back to it.
     pub fn parse(spec: &str) -> Result<Self, String> {
-        match spec.strip_prefix(UNIX_SCHEME) {
-            Some("") => Err(format!(
-                "{spec:?} names no socket file; write unix:///path/to/gpu-flight.sock"
-            )),
-            Some(path) => Ok(Self::Unix(PathBuf::from(path))),
-            None if spec.starts_with("unix:") => Err(format!(
-                "{spec:?}: a Unix socket is written unix:///path/to/gpu-flight.sock"
-            )),
-            None => Ok(Self::Tcp(spec.to_owned())),
+        if let Some(path) = spec
+            .strip_prefix(UNIX_SCHEME)
+            .or_else(|| spec.strip_prefix(GRPC_UNIX_SCHEME))
+        {
+            if path.is_empty() {
+                return Err(format!(
+                    "{spec:?} names no socket file; write unix:///path/to/gpu-flight.sock"
+                ));
+            }
+            return Ok(Self::Unix(PathBuf::from(path)));
         }
+        if spec.starts_with("unix:") || spec.starts_with("grpc+unix:") {
+            return Err(format!(
+                "{spec:?}: a Unix socket is written unix:///path/to/gpu-flight.sock"
+            ));
+        }
+        for (scheme, _) in TCP_SCHEMES {
+            if let Some(address) = spec.strip_prefix(scheme) {
+                return Ok(Self::Tcp(address.trim_end_matches('/').to_owned()));
+            }
+        }
+        if let Some((scheme, _)) = spec.split_once("://") {
+            return Err(format!(
+                "{spec:?}: {scheme}:// is not a scheme gpu-flight listens with; write HOST:PORT, \
+                 grpc://HOST:PORT, grpc+tls://HOST:PORT or unix:///path/to.sock"
+            ));
+        }
+        Ok(Self::Tcp(spec.to_owned()))
+    }
+
+    /// Whether a `--listen` value's scheme asks for TLS (`grpc+tls://`) or plain text
+    /// (`grpc://`, `grpc+tcp://`); `None` for one that says neither.
+    pub fn tls_scheme(spec: &str) -> Option<bool> {
+        TCP_SCHEMES
+            .iter()
+            .find(|(scheme, _)| spec.starts_with(scheme))
+            .map(|&(_, tls)| tls)
     }
 }
 
@@ -59,6 +98,25 @@ impl From<TcpListener> for Listener {
 }
 
 impl Listener {
+    /// Binds a TCP listener (for `Listener::from`, or a side listener), with an error that names the address (and `flag`, for a listener
+    /// other than `--listen`) and says what the usual causes mean.
+    pub async fn bind_tcp(address: SocketAddr, flag: &str) -> Result<TcpListener, String> {
+        TcpListener::bind(address).await.map_err(|error| {
+            let hint = match error.kind() {
+                io::ErrorKind::AddrInUse => {
+                    ": another process holds this address (EADDRINUSE): stop it, or choose another \
+                     port (port 0 picks a free one)"
+                }
+                io::ErrorKind::PermissionDenied => {
+                    ": ports below 1024 need root or the CAP_NET_BIND_SERVICE capability"
+                }
+                io::ErrorKind::AddrNotAvailable => ": no network interface of this machine has it",
+                _ => "",
+            };
+            format!("cannot listen on {address} ({flag}): {error}{hint}")
+        })
+    }
+
     /// Binds a Unix socket at `path`, replacing a stale socket file but never a live one or
     /// a file of another kind.
     pub async fn bind_unix(path: &Path) -> io::Result<Self> {
@@ -256,6 +314,42 @@ mod tests {
         );
         assert!(ListenAddr::parse("unix://").is_err());
         assert!(ListenAddr::parse("unix:/run/gf.sock").is_err());
+        // Flight locations, as the server prints them.
+        for (spec, tls) in [
+            ("grpc://127.0.0.1:0", Some(false)),
+            ("grpc+tcp://127.0.0.1:0/", Some(false)),
+            ("grpc+tls://127.0.0.1:0", Some(true)),
+            ("127.0.0.1:0", None),
+        ] {
+            assert_eq!(
+                ListenAddr::parse(spec),
+                Ok(ListenAddr::Tcp("127.0.0.1:0".into())),
+                "{spec}"
+            );
+            assert_eq!(ListenAddr::tls_scheme(spec), tls, "{spec}");
+        }
+        assert_eq!(
+            ListenAddr::parse("grpc+unix:///run/gf.sock"),
+            Ok(ListenAddr::Unix("/run/gf.sock".into()))
+        );
+        assert!(ListenAddr::parse("grpc+unix://").is_err());
+        assert!(ListenAddr::parse("http://127.0.0.1:0").is_err());
+    }
+
+    #[tokio::test]
+    async fn an_address_in_use_is_named_with_its_cause() {
+        let taken = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = taken.local_addr().expect("address");
+        let error = Listener::bind_tcp(address, "--metrics-listen")
+            .await
+            .expect_err("in use");
+        assert!(
+            error.contains(&address.to_string())
+                && error.contains("--metrics-listen")
+                && error.contains("another process")
+                && error.contains("EADDRINUSE"),
+            "{error}"
+        );
     }
 
     #[tokio::test]
