@@ -399,11 +399,13 @@ async fn basic_credentials_buy_a_session_token() {
 }
 
 #[tokio::test]
-async fn puts_in_flight_are_listed_with_their_principal() {
+async fn puts_in_flight_are_listed_with_their_principal_to_it_and_admins() {
     let scratch = Scratch::new("progress");
     let (file, tokens) = token_file(&scratch);
     let server = start_with_auth(&file).await;
     let mut writer = client_with(&server, bearer(&tokens.write)).await;
+    let mut same_writer = client_with(&server, bearer(&tokens.write)).await;
+    let mut admin = client_with(&server, bearer(&tokens.admin)).await;
     let mut reader = client_with(&server, bearer(&tokens.read)).await;
 
     // A put whose stream stays open: its batches are received, its end is not.
@@ -420,7 +422,7 @@ async fn puts_in_flight_are_listed_with_their_principal() {
         .expect("send");
     let mut listed = serde_json::Value::Null;
     for _ in 0..200 {
-        let status = common::status(&mut reader).await;
+        let status = common::status(&mut admin).await;
         if let Some(put) = status["puts"]
             .as_array()
             .and_then(|puts| puts.iter().find(|p| p["rows"] == 1000))
@@ -433,6 +435,12 @@ async fn puts_in_flight_are_listed_with_their_principal() {
     assert_eq!(listed["name"], "slow");
     assert_eq!(listed["principal"], "writer");
     assert_eq!(listed["mode"], "create");
+    // Its owner sees it too; another principal sees no name it has not been shown.
+    let own = common::status(&mut same_writer).await;
+    assert_eq!(own["puts"].as_array().map(Vec::len), Some(1), "{own}");
+    assert_eq!(own["puts"][0]["name"], "slow");
+    let other = common::status(&mut reader).await;
+    assert_eq!(other["puts"], serde_json::json!([]), "{other}");
     drop(sender);
     let results = running.await.expect("joined").expect("committed");
     let summary: serde_json::Value =
