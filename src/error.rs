@@ -103,7 +103,9 @@ impl Error {
 
 fn auth_code(error: &AuthError) -> Code {
     match error {
-        AuthError::Missing | AuthError::Rejected(_) => Code::Unauthenticated,
+        AuthError::Missing | AuthError::Rejected(_) | AuthError::Throttled { .. } => {
+            Code::Unauthenticated
+        }
         AuthError::Denied { .. } => Code::PermissionDenied,
     }
 }

@@ -399,11 +399,13 @@ async fn basic_credentials_buy_a_session_token() {
 }
 
 #[tokio::test]
-async fn puts_in_flight_are_listed_with_their_principal() {
+async fn puts_in_flight_are_listed_with_their_principal_to_it_and_admins() {
     let scratch = Scratch::new("progress");
     let (file, tokens) = token_file(&scratch);
     let server = start_with_auth(&file).await;
     let mut writer = client_with(&server, bearer(&tokens.write)).await;
+    let mut same_writer = client_with(&server, bearer(&tokens.write)).await;
+    let mut admin = client_with(&server, bearer(&tokens.admin)).await;
     let mut reader = client_with(&server, bearer(&tokens.read)).await;
 
     // A put whose stream stays open: its batches are received, its end is not.
@@ -420,7 +422,7 @@ async fn puts_in_flight_are_listed_with_their_principal() {
         .expect("send");
     let mut listed = serde_json::Value::Null;
     for _ in 0..200 {
-        let status = common::status(&mut reader).await;
+        let status = common::status(&mut admin).await;
         if let Some(put) = status["puts"]
             .as_array()
             .and_then(|puts| puts.iter().find(|p| p["rows"] == 1000))
@@ -433,6 +435,12 @@ async fn puts_in_flight_are_listed_with_their_principal() {
     assert_eq!(listed["name"], "slow");
     assert_eq!(listed["principal"], "writer");
     assert_eq!(listed["mode"], "create");
+    // Its owner sees it too; another principal sees no name it has not been shown.
+    let own = common::status(&mut same_writer).await;
+    assert_eq!(own["puts"].as_array().map(Vec::len), Some(1), "{own}");
+    assert_eq!(own["puts"][0]["name"], "slow");
+    let other = common::status(&mut reader).await;
+    assert_eq!(other["puts"], serde_json::json!([]), "{other}");
     drop(sender);
     let results = running.await.expect("joined").expect("committed");
     let summary: serde_json::Value =
@@ -451,6 +459,9 @@ struct Pki {
     ca_pem: String,
     client: (String, String),
     stranger: (String, String),
+    /// Signed by the CA: DNS name `scanner`, and a CN `nobody` only.
+    scanner: (String, String),
+    nobody: (String, String),
 }
 
 fn pki() -> Pki {
@@ -469,10 +480,21 @@ fn pki() -> Pki {
     scratch.write("server.pem", &server_cert);
     scratch.write("server.key", &server_key);
     scratch.write("ca.pem", &ca.pem());
+    let nobody = {
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "nobody");
+        let cert = params.signed_by(&key, &ca).expect("sign");
+        (cert.pem(), key.serialize_pem())
+    };
     Pki {
         ca_pem: ca.pem(),
         client: leaf(&ca, vec!["client".into()]),
         stranger: leaf(&stranger_ca, vec!["client".into()]),
+        scanner: leaf(&ca, vec!["scanner".into()]),
+        nobody,
         scratch,
     }
 }
@@ -487,6 +509,10 @@ fn authority(name: &str) -> CertifiedIssuer<'static, KeyPair> {
 }
 
 async fn start_with_tls(pki: &Pki, mutual: bool) -> TestServer {
+    start_with_tls_and(pki, mutual, Auth::Off).await
+}
+
+async fn start_with_tls_and(pki: &Pki, mutual: bool, auth: Auth) -> TestServer {
     let dir = &pki.scratch.0;
     let ca = dir.join("ca.pem");
     let files = TlsFiles::load(
@@ -500,6 +526,7 @@ async fn start_with_tls(pki: &Pki, mutual: bool) -> TestServer {
         StoreOptions::default(),
         ServeOptions {
             tls: Some(files),
+            auth,
             ..ServeOptions::default()
         },
     )
@@ -576,6 +603,92 @@ async fn mutual_tls_refuses_clients_without_a_valid_certificate() {
         !can_call(tls_client(&server, &pki.ca_pem, Some(&pki.stranger)).await).await,
         "a client with a certificate from another CA is refused"
     );
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn client_certificates_map_to_principals() {
+    let pki = pki();
+    let (file, tokens) = token_file(&pki.scratch);
+    let mut text = std::fs::read_to_string(&file).expect("token file");
+    text.push_str(
+        "[[certificates]]\nprincipal = \"loader\"\nrole = \"write\"\ndns_name = \"client\"\n\
+         [[certificates]]\nprincipal = \"scanner\"\nrole = \"read\"\ndns_name = \"scanner\"\n\
+         [[certificates]]\nprincipal = \"nobody\"\nrole = \"admin\"\ncommon_name = \"somebody\"\n",
+    );
+    std::fs::write(&file, text).expect("write token file");
+    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("token file");
+    let server = start_with_tls_and(&pki, true, Auth::Tokens(Arc::new(authenticator))).await;
+
+    // The certificate alone authenticates, as the principal its name maps to.
+    let mut loader = tls_client(&server, &pki.ca_pem, Some(&pki.client))
+        .await
+        .expect("connect");
+    put(&mut loader, path("loaded"), vec![int64_batch(10, 1, 1)])
+        .await
+        .expect("loader may write");
+    let mut scanner = tls_client(&server, &pki.ca_pem, Some(&pki.scanner))
+        .await
+        .expect("connect");
+    assert_eq!(common::list_all(&mut scanner).await.len(), 1);
+    let refused = put(&mut scanner, path("scanned"), vec![int64_batch(10, 1, 1)])
+        .await
+        .expect_err("scanner only reads");
+    assert_eq!(code_of(&refused), Code::PermissionDenied);
+    let message = refused.to_string();
+    assert!(
+        message.contains("scanner") && message.contains("has the read role"),
+        "{message}"
+    );
+
+    // A certificate the file does not name authenticates nobody; a token still does.
+    let mut nobody = tls_client(&server, &pki.ca_pem, Some(&pki.nobody))
+        .await
+        .expect("connect");
+    let refused = nobody
+        .list_flights("")
+        .await
+        .map(drop)
+        .expect_err("refused");
+    assert_eq!(code_of(&refused), Code::Unauthenticated);
+    nobody
+        .add_header("authorization", &format!("Bearer {}", tokens.read))
+        .expect("header");
+    assert_eq!(common::list_all(&mut nobody).await.len(), 1);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn an_address_that_keeps_failing_to_authenticate_is_refused_for_a_while() {
+    let scratch = Scratch::new("limit");
+    let (file, tokens) = token_file(&scratch);
+    let server = start_with_auth(&file).await;
+    let mut guesser = client_with(&server, bearer("guess")).await;
+    for _ in 0..6 {
+        let refused = guesser
+            .list_flights("")
+            .await
+            .map(drop)
+            .expect_err("refused");
+        assert_eq!(code_of(&refused), Code::Unauthenticated);
+    }
+    // The same address's password logins are now refused without being checked.
+    let basic = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode("carol:pa55")
+    );
+    let mut carol = client_with(&server, Some(basic)).await;
+    let refused = carol.handshake(Vec::new()).await.expect_err("refused");
+    assert_eq!(code_of(&refused), Code::Unauthenticated);
+    assert!(
+        refused
+            .to_string()
+            .contains("too many failed authentication attempts"),
+        "{refused}"
+    );
+    // Valid tokens are not slowed.
+    let mut reader = client_with(&server, bearer(&tokens.read)).await;
+    assert!(common::list_all(&mut reader).await.is_empty());
     server.shutdown_and_wait().await;
 }
 

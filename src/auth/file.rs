@@ -13,6 +13,14 @@
 //! name = "alice"
 //! role = "read"
 //! password = "$argon2id$v=19$..."             # `gpu-flight hash-password` prints one
+//!
+//! # A client certificate (mutual TLS, `--tls-client-ca`) whose subject CN, or one of whose
+//! # subject alternative names, is the one given: exactly one of `common_name`, `dns_name`,
+//! # `uri`, `email`.
+//! [[certificates]]
+//! principal = "loader"
+//! role = "write"
+//! uri = "spiffe://example.com/loader"
 //! ```
 //!
 //! Only hashes are stored, so the file is no use to whoever reads it. Tokens are long random
@@ -29,6 +37,7 @@ use argon2::{Argon2, PasswordVerifier};
 use sha2::{Digest, Sha256};
 
 use super::Role;
+use super::certificate::{CertificateRule, NameKind};
 
 /// Why a token file cannot be used. Loading fails as a whole: a server never runs on half of a
 /// file.
@@ -50,6 +59,8 @@ struct Document {
     tokens: Vec<TokenEntry>,
     #[serde(default)]
     users: Vec<UserEntry>,
+    #[serde(default)]
+    certificates: Vec<CertificateEntry>,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -68,6 +79,37 @@ struct UserEntry {
     password: String,
 }
 
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CertificateEntry {
+    principal: String,
+    role: Role,
+    common_name: Option<String>,
+    dns_name: Option<String>,
+    uri: Option<String>,
+    email: Option<String>,
+}
+
+impl CertificateEntry {
+    /// The one name the entry matches.
+    fn name(&self) -> Result<(NameKind, &str), String> {
+        let given: Vec<(NameKind, &str)> = [
+            (NameKind::CommonName, &self.common_name),
+            (NameKind::DnsName, &self.dns_name),
+            (NameKind::Uri, &self.uri),
+            (NameKind::Email, &self.email),
+        ]
+        .into_iter()
+        .filter_map(|(kind, value)| value.as_deref().map(|value| (kind, value)))
+        .collect();
+        match given[..] {
+            [(_, "")] => Err("the name to match is empty".to_owned()),
+            [one] => Ok(one),
+            _ => Err("give exactly one of common_name, dns_name, uri, email".to_owned()),
+        }
+    }
+}
+
 /// A user who may log in with a password.
 #[derive(Debug, Clone)]
 pub(super) struct User {
@@ -82,6 +124,8 @@ pub(super) struct Credentials {
     /// SHA-256 of each bearer token → its principal and role.
     pub(super) tokens: HashMap<[u8; 32], (String, Role)>,
     pub(super) users: HashMap<String, User>,
+    /// Client certificates' names → principals, in file order (the first match wins).
+    pub(super) certificates: Vec<CertificateRule>,
 }
 
 impl Credentials {
@@ -144,6 +188,37 @@ impl Credentials {
             if credentials.users.insert(entry.name, user).is_some() {
                 return Err(format!("{where_}: this user appears twice"));
             }
+        }
+        for (index, entry) in document.certificates.into_iter().enumerate() {
+            let where_ = format!("certificates[{index}] (principal {:?})", entry.principal);
+            check_name(&entry.principal).map_err(|e| format!("{where_}: {e}"))?;
+            let (kind, value) = entry.name().map_err(|e| format!("{where_}: {e}"))?;
+            let role_elsewhere = principals.get(&entry.principal).copied().or_else(|| {
+                credentials
+                    .users
+                    .get(&entry.principal)
+                    .map(|user| user.role)
+            });
+            if role_elsewhere.is_some_and(|role| role != entry.role) {
+                return Err(format!(
+                    "{where_}: another entry gives this principal another role"
+                ));
+            }
+            principals.insert(entry.principal.clone(), entry.role);
+            let rule = CertificateRule {
+                kind,
+                value: value.to_owned(),
+                principal: entry.principal,
+                role: entry.role,
+            };
+            if credentials
+                .certificates
+                .iter()
+                .any(|r| r.kind == rule.kind && r.value == rule.value)
+            {
+                return Err(format!("{where_}: the same name appears twice"));
+            }
+            credentials.certificates.push(rule);
         }
         Ok(credentials)
     }
@@ -257,6 +332,51 @@ mod tests {
                 "1".repeat(64)
             ),
             "[[token]]\nprincipal = \"a\"".to_owned(),
+        ];
+        for text in cases {
+            assert!(Credentials::parse(&text).is_err(), "accepted:\n{text}");
+        }
+    }
+
+    #[test]
+    fn certificate_entries_name_exactly_one_name() {
+        let credentials = Credentials::parse(
+            "[[certificates]]\nprincipal = \"loader\"\nrole = \"write\"\n\
+             uri = \"spiffe://example.com/loader\"\n\
+             [[certificates]]\nprincipal = \"ops\"\nrole = \"admin\"\ncommon_name = \"ops\"\n",
+        )
+        .expect("parses");
+        assert_eq!(
+            credentials.certificates,
+            [
+                CertificateRule {
+                    kind: NameKind::Uri,
+                    value: "spiffe://example.com/loader".to_owned(),
+                    principal: "loader".to_owned(),
+                    role: Role::Write,
+                },
+                CertificateRule {
+                    kind: NameKind::CommonName,
+                    value: "ops".to_owned(),
+                    principal: "ops".to_owned(),
+                    role: Role::Admin,
+                },
+            ]
+        );
+        let cases = [
+            "[[certificates]]\nprincipal = \"a\"\nrole = \"read\"".to_owned(),
+            "[[certificates]]\nprincipal = \"a\"\nrole = \"read\"\ncommon_name = \"\"".to_owned(),
+            "[[certificates]]\nprincipal = \"a\"\nrole = \"read\"\ncommon_name = \"a\"\n\
+             dns_name = \"a\""
+                .to_owned(),
+            "[[certificates]]\nprincipal = \"a\"\nrole = \"read\"\nsubject = \"a\"".to_owned(),
+            "[[certificates]]\nprincipal = \"a\"\nrole = \"read\"\ncommon_name = \"a\"\n\
+             [[certificates]]\nprincipal = \"b\"\nrole = \"read\"\ncommon_name = \"a\""
+                .to_owned(),
+            format!(
+                "[[tokens]]\nprincipal = \"a\"\nrole = \"read\"\nsha256 = \"{ZEROS}\"\n\
+                 [[certificates]]\nprincipal = \"a\"\nrole = \"admin\"\ncommon_name = \"a\""
+            ),
         ];
         for text in cases {
             assert!(Credentials::parse(&text).is_err(), "accepted:\n{text}");

@@ -2,7 +2,9 @@
 //!
 //! With `--auth-tokens FILE` every Flight call must carry `authorization: Bearer <token>`: a
 //! token listed in the file (by its hash), or a session token that Flight's `Handshake` hands
-//! out for Basic credentials of a user in the file. Each principal has one [`Role`]; the
+//! out for Basic credentials of a user in the file. Over mutual TLS, a call without that header
+//! may instead come from a client certificate the file names (`[[certificates]]`, matched by
+//! its subject CN or a subject alternative name). Each principal has one [`Role`]; the
 //! router checks it before a request's body is read, so a refused call costs nothing. Without
 //! a token file every caller is [`Principal::anonymous`], with every role.
 //!
@@ -12,9 +14,13 @@
 //! force.
 //!
 //! Password checks (argon2) are slow on purpose; they run on blocking threads, a few at a time,
-//! so a flood of logins cannot take the runtime's threads from data calls.
+//! so a flood of logins cannot take the runtime's threads from data calls. Failed logins and
+//! unknown tokens are counted per client address, and an address that keeps failing has its
+//! logins refused for a while ([`limiter`]).
 
+mod certificate;
 mod file;
+mod limiter;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -26,8 +32,11 @@ use base64::Engine;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use tokio::sync::Semaphore;
 
+pub use certificate::ClientCertificate;
 use file::Credentials;
 pub use file::{TokenFileError, hash_password, new_token};
+use limiter::FailureLimiter;
+pub use limiter::Origin;
 
 /// What a principal may do. Each role includes the ones before it.
 #[derive(
@@ -95,6 +104,8 @@ pub enum AuthError {
     Missing,
     #[error("{0}")]
     Rejected(&'static str),
+    #[error("too many failed authentication attempts from this address; try again in {seconds} s")]
+    Throttled { seconds: u64 },
     #[error("{what} needs the {needed} role; principal {principal:?} has the {role} role")]
     Denied {
         what: String,
@@ -118,13 +129,24 @@ impl Auth {
         matches!(self, Self::Tokens(_))
     }
 
-    /// The caller of a request with this `authorization` header.
-    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Principal, AuthError> {
+    /// The caller of a request that presents `presented`.
+    pub fn authenticate(&self, presented: &Presented<'_>) -> Result<Principal, AuthError> {
         match self {
             Self::Off => Ok(Principal::anonymous()),
-            Self::Tokens(authenticator) => authenticator.authenticate(authorization),
+            Self::Tokens(authenticator) => authenticator.authenticate(presented),
         }
     }
+}
+
+/// What a request offers to say who sent it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Presented<'a> {
+    /// The `authorization` header.
+    pub authorization: Option<&'a [u8]>,
+    /// The connection's verified client certificate (mutual TLS).
+    pub certificate: Option<&'a ClientCertificate>,
+    /// Where it came from, for counting failures; `None` where unknown (not counted).
+    pub origin: Option<Origin>,
 }
 
 /// How long a session token from Handshake stays valid, unless `--session-hours` says otherwise.
@@ -143,6 +165,7 @@ pub struct Authenticator {
     session_ttl: Duration,
     /// Password checks running at once.
     logins: Arc<Semaphore>,
+    failures: FailureLimiter,
 }
 
 #[derive(Debug)]
@@ -170,6 +193,7 @@ impl Authenticator {
             sessions: Mutex::new(HashMap::new()),
             session_ttl,
             logins: Arc::new(Semaphore::new(concurrent)),
+            failures: FailureLimiter::default(),
         })
     }
 
@@ -205,8 +229,42 @@ impl Authenticator {
         )
     }
 
-    /// The principal a bearer token stands for.
-    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Principal, AuthError> {
+    /// The principal a request's bearer token stands for or, without an `authorization`
+    /// header, its client certificate. A header decides alone: a bad token is not rescued by a
+    /// certificate, so that what a client sends means one thing.
+    pub fn authenticate(&self, presented: &Presented<'_>) -> Result<Principal, AuthError> {
+        if presented.authorization.is_none()
+            && let Some(certificate) = presented.certificate
+        {
+            let credentials = self.credentials();
+            if let Some(rule) = certificate::find(&credentials.certificates, certificate) {
+                return Ok(Principal {
+                    name: Arc::from(rule.principal.as_str()),
+                    role: rule.role,
+                });
+            }
+        }
+        self.authenticate_header(presented.authorization)
+            .map_err(|error| self.count_failure(error, presented.origin))
+    }
+
+    /// `error` as the caller gets it: an unknown token counts as a failure of its address,
+    /// and an address that is blocked is told so instead.
+    fn count_failure(&self, error: AuthError, origin: Option<Origin>) -> AuthError {
+        let (AuthError::Rejected(UNKNOWN_TOKEN), Some(origin)) = (&error, origin) else {
+            return error;
+        };
+        let now = Instant::now();
+        if let Some(wait) = self.failures.blocked(origin, now) {
+            return throttled(wait);
+        }
+        if let Some(block) = self.failures.failed(origin, now) {
+            log_block(origin, block);
+        }
+        error
+    }
+
+    fn authenticate_header(&self, authorization: Option<&[u8]>) -> Result<Principal, AuthError> {
         let token = match parse_authorization(authorization)? {
             Credential::Bearer(token) => token,
             Credential::Basic(..) => {
@@ -227,7 +285,7 @@ impl Authenticator {
         let user = {
             let mut sessions = self.lock_sessions();
             match sessions.get(&digest) {
-                None => return Err(AuthError::Rejected("unknown or revoked bearer token")),
+                None => return Err(AuthError::Rejected(UNKNOWN_TOKEN)),
                 Some(session) if session.expires <= Instant::now() => {
                     sessions.remove(&digest);
                     return Err(AuthError::Rejected(
@@ -249,17 +307,28 @@ impl Authenticator {
     }
 
     /// Flight's Handshake: Basic credentials open a session (the principal and its bearer
-    /// token); a valid bearer token is handed back as it is.
+    /// token); a valid bearer token is handed back as it is. From an address blocked for its
+    /// failures, Basic credentials are refused unchecked.
     pub async fn handshake(
         &self,
         authorization: Option<&[u8]>,
+        origin: Option<Origin>,
     ) -> Result<(Principal, String), AuthError> {
         let (user, password) = match parse_authorization(authorization)? {
             Credential::Basic(user, password) => (user, password),
             Credential::Bearer(token) => {
-                return Ok((self.authenticate(authorization)?, token.to_owned()));
+                let presented = Presented {
+                    authorization,
+                    certificate: None,
+                    origin,
+                };
+                return Ok((self.authenticate(&presented)?, token.to_owned()));
             }
         };
+        if let Some(wait) = origin.and_then(|origin| self.failures.blocked(origin, Instant::now()))
+        {
+            return Err(throttled(wait));
+        }
         let found = self.credentials().users.get(&user).cloned();
         let permit = Arc::clone(&self.logins)
             .acquire_owned()
@@ -277,6 +346,11 @@ impl Authenticator {
         .await
         .unwrap_or(false);
         let Some(found) = found.filter(|_| matches) else {
+            if let Some(origin) = origin
+                && let Some(block) = self.failures.failed(origin, Instant::now())
+            {
+                log_block(origin, block);
+            }
             return Err(AuthError::Rejected("unknown user or wrong password"));
         };
         let token = random_token().map_err(|_| AuthError::Rejected("no randomness available"))?;
@@ -320,6 +394,22 @@ impl Authenticator {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+const UNKNOWN_TOKEN: &str = "unknown or revoked bearer token";
+
+fn throttled(wait: Duration) -> AuthError {
+    AuthError::Throttled {
+        seconds: wait.as_secs_f64().ceil() as u64,
+    }
+}
+
+fn log_block(origin: Origin, block: Duration) {
+    tracing::warn!(
+        %origin,
+        seconds = block.as_secs(),
+        "repeated failed authentication: refusing this address's logins for a while"
+    );
 }
 
 enum Credential<'a> {
@@ -415,6 +505,13 @@ mod tests {
         )
     }
 
+    fn check(auth: &Authenticator, authorization: Option<&[u8]>) -> Result<Principal, AuthError> {
+        auth.authenticate(&Presented {
+            authorization,
+            ..Presented::default()
+        })
+    }
+
     fn bearer(token: &str) -> Vec<u8> {
         format!("Bearer {token}").into_bytes()
     }
@@ -441,10 +538,10 @@ mod tests {
     #[test]
     fn bearer_tokens_from_the_file() {
         let (_file, auth) = authenticator(&file_with("t0ken", "write", "alice", "pw"));
-        let principal = auth.authenticate(Some(&bearer("t0ken"))).expect("valid");
+        let principal = check(&auth, Some(&bearer("t0ken"))).expect("valid");
         assert_eq!(&*principal.name, "svc");
         assert_eq!(principal.role, Role::Write);
-        assert!(matches!(auth.authenticate(None), Err(AuthError::Missing)));
+        assert!(matches!(check(&auth, None), Err(AuthError::Missing)));
         for bad in [
             bearer("t0ken2"),
             b"t0ken".to_vec(),
@@ -453,7 +550,7 @@ mod tests {
             vec![0xff, 0xfe],
         ] {
             assert!(
-                matches!(auth.authenticate(Some(&bad)), Err(AuthError::Rejected(_))),
+                matches!(check(&auth, Some(&bad)), Err(AuthError::Rejected(_))),
                 "accepted {bad:?}"
             );
         }
@@ -463,18 +560,22 @@ mod tests {
     async fn logins_open_sessions_that_follow_the_file() {
         let (file, auth) = authenticator(&file_with("t0ken", "write", "alice", "pw"));
         assert!(
-            auth.handshake(Some(&basic("alice", "wrong")))
+            auth.handshake(Some(&basic("alice", "wrong")), None)
                 .await
                 .is_err()
         );
-        assert!(auth.handshake(Some(&basic("mallory", "pw"))).await.is_err());
+        assert!(
+            auth.handshake(Some(&basic("mallory", "pw")), None)
+                .await
+                .is_err()
+        );
         let (principal, session) = auth
-            .handshake(Some(&basic("alice", "pw")))
+            .handshake(Some(&basic("alice", "pw")), None)
             .await
             .expect("ok");
         assert_eq!(principal.role, Role::Read);
         assert_eq!(
-            auth.authenticate(Some(&bearer(&session))).expect("session"),
+            check(&auth, Some(&bearer(&session))).expect("session"),
             principal
         );
 
@@ -487,17 +588,106 @@ mod tests {
                 users: 1
             }
         );
-        assert!(auth.authenticate(Some(&bearer(&session))).is_err());
-        assert!(auth.authenticate(Some(&bearer("t0ken"))).is_err());
+        assert!(check(&auth, Some(&bearer(&session))).is_err());
+        assert!(check(&auth, Some(&bearer("t0ken"))).is_err());
         assert_eq!(
-            auth.authenticate(Some(&bearer("n3w"))).expect("new").role,
+            check(&auth, Some(&bearer("n3w"))).expect("new").role,
             Role::Admin
         );
 
         // A broken file leaves the last good one in force.
         std::fs::write(&file.0, "[[tokens]]\nprincipal = 1").expect("rewrite");
         assert!(auth.reload().is_err());
-        assert!(auth.authenticate(Some(&bearer("n3w"))).is_ok());
+        assert!(check(&auth, Some(&bearer("n3w"))).is_ok());
+    }
+
+    #[test]
+    fn a_mapped_client_certificate_is_a_principal_unless_a_header_is_sent() {
+        let (_file, auth) = authenticator(&format!(
+            "{}[[certificates]]\nprincipal = \"loader\"\nrole = \"write\"\n\
+             dns_name = \"loader.example.com\"\n",
+            file_with("t0ken", "admin", "alice", "pw")
+        ));
+        let mapped = ClientCertificate {
+            dns_names: vec!["loader.example.com".to_owned()],
+            ..ClientCertificate::default()
+        };
+        let unmapped = ClientCertificate {
+            common_names: vec!["loader.example.com".to_owned()],
+            ..ClientCertificate::default()
+        };
+        let with = |authorization: Option<&[u8]>, certificate| {
+            auth.authenticate(&Presented {
+                authorization,
+                certificate,
+                origin: None,
+            })
+        };
+        let principal = with(None, Some(&mapped)).expect("mapped");
+        assert_eq!((&*principal.name, principal.role), ("loader", Role::Write));
+        assert!(matches!(
+            with(None, Some(&unmapped)),
+            Err(AuthError::Missing)
+        ));
+        // A token still works beside a certificate, and decides alone.
+        let token = bearer("t0ken");
+        assert_eq!(
+            with(Some(&token), Some(&unmapped)).expect("token").role,
+            Role::Admin
+        );
+        let bad = bearer("wrong");
+        assert!(with(Some(&bad), Some(&mapped)).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_address_that_keeps_failing_is_refused_and_others_are_not() {
+        let (_file, auth) = authenticator(&file_with("t0ken", "read", "alice", "pw"));
+        let attacker = Some(Origin::Ip([192, 0, 2, 1].into()));
+        let neighbour = Some(Origin::Ip([192, 0, 2, 2].into()));
+        let call = |header: &[u8], origin| {
+            auth.authenticate(&Presented {
+                authorization: Some(header),
+                certificate: None,
+                origin,
+            })
+        };
+        let wrong = bearer("guess");
+        for _ in 0..limiter::FREE_FAILURES {
+            assert!(matches!(
+                call(&wrong, attacker),
+                Err(AuthError::Rejected(_))
+            ));
+        }
+        // The failure past the free ones starts a block: logins are refused unchecked.
+        let (_, session) = auth
+            .handshake(Some(&basic("alice", "pw")), attacker)
+            .await
+            .expect("not blocked yet");
+        assert!(matches!(
+            call(&wrong, attacker),
+            Err(AuthError::Rejected(_))
+        ));
+        let refused = auth
+            .handshake(Some(&basic("alice", "pw")), attacker)
+            .await
+            .expect_err("blocked");
+        assert!(matches!(refused, AuthError::Throttled { .. }), "{refused}");
+        assert!(matches!(
+            call(&wrong, attacker),
+            Err(AuthError::Throttled { .. })
+        ));
+        // Valid tokens are not slowed, nor is anyone at another address.
+        assert!(call(&bearer("t0ken"), attacker).is_ok());
+        assert!(call(&bearer(&session), attacker).is_ok());
+        assert!(
+            auth.handshake(Some(&basic("alice", "pw")), neighbour)
+                .await
+                .is_ok()
+        );
+        assert!(matches!(
+            call(&wrong, neighbour),
+            Err(AuthError::Rejected(_))
+        ));
     }
 
     #[tokio::test]
@@ -505,10 +695,10 @@ mod tests {
         let (file, _) = authenticator(&file_with("t", "read", "alice", "pw"));
         let auth = Authenticator::load(&file.0, Duration::ZERO).expect("loads");
         let (_, session) = auth
-            .handshake(Some(&basic("alice", "pw")))
+            .handshake(Some(&basic("alice", "pw")), None)
             .await
             .expect("ok");
-        let refused = auth.authenticate(Some(&bearer(&session)));
+        let refused = check(&auth, Some(&bearer(&session)));
         assert!(matches!(refused, Err(AuthError::Rejected(m)) if m.contains("expired")));
     }
 
@@ -535,14 +725,17 @@ mod tests {
             } else {
                 header.extend(tail);
             }
-            assert!(auth.authenticate(Some(&header)).is_err(), "{header:?}");
+            assert!(check(&auth, Some(&header)).is_err(), "{header:?}");
         }
         // Basic logins are slow on purpose: fewer of them.
         for _ in 0..20 {
             let tail: Vec<u8> = (0..rng.random_range(0..24)).map(|_| rng.random()).collect();
             let mut header = b"Basic ".to_vec();
             header.extend(STANDARD.encode(&tail).into_bytes());
-            assert!(auth.handshake(Some(&header)).await.is_err(), "{header:?}");
+            assert!(
+                auth.handshake(Some(&header), None).await.is_err(),
+                "{header:?}"
+            );
         }
     }
 }

@@ -23,7 +23,7 @@ pub const ACTIONS: &[(&str, &str)] = &[
          \"uuid\", \"pci_bus_id\", \"numa_node\" (GPUs), \"total_bytes\", \"limit_bytes\", \
          \"used_bytes\"}], \"topology\": {\"peer_access\"}, \"datasets\", \
          \"bytes\" (memory held), \"data_bytes\" (Arrow bytes), \"leases\" (ids only to their \
-         owner and admins), \"leased_only_bytes\", \"puts\" (in flight: rows and bytes so far), \
+         owner and admins), \"leased_only_bytes\", \"puts\" (in flight: rows and bytes so far; the caller's own unless admin), \
          \"counters\"}.",
     ),
     (
@@ -419,9 +419,12 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
             })
             .collect(),
         leased_only_bytes: status.leased_only_bytes,
+        // A put's dataset name can tell what a principal is about to publish, which a reader
+        // may not be meant to know yet.
         puts: status
             .puts
             .iter()
+            .filter(|put| viewer.role >= Role::Admin || *viewer.name == *put.owner)
             .map(|put| PutDocument {
                 name: put.name.clone(),
                 mode: put.mode,

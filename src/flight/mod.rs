@@ -359,9 +359,13 @@ impl FlightService for Service {
             .metadata()
             .get("authorization")
             .map(|value| value.as_bytes());
+        let origin = request
+            .extensions()
+            .get::<ConnectionInfo>()
+            .map(ConnectionInfo::origin);
         let (principal, token) = match &self.auth {
             Auth::Tokens(authenticator) => authenticator
-                .handshake(authorization)
+                .handshake(authorization, origin)
                 .await
                 .map_err(Error::from)?,
             Auth::Off => (Principal::anonymous(), UNCHECKED_TOKEN.to_owned()),

@@ -54,7 +54,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 
 use super::Service;
 use super::call::Call;
-use crate::auth::{Principal, Role};
+use crate::auth::{ClientCertificate, Origin, Presented, Principal, Role};
 use crate::error::{Error, panic_message};
 use crate::store::Store;
 use crate::store::memory::Reservation;
@@ -116,6 +116,18 @@ impl ConnectionStreams {
 pub struct ConnectionInfo {
     pub streams: Arc<ConnectionStreams>,
     pub peer: Peer,
+    /// The client's certificate, verified by mutual TLS.
+    pub certificate: Option<Arc<ClientCertificate>>,
+}
+
+impl ConnectionInfo {
+    /// Where failed authentication from this connection is counted.
+    pub fn origin(&self) -> Origin {
+        match self.peer {
+            Peer::Tcp(address) => Origin::Ip(address.ip()),
+            Peer::Unix { uid, .. } => Origin::UnixUser(uid),
+        }
+    }
 }
 
 /// Who is at the other end of a connection, as logs name it.
@@ -174,12 +186,12 @@ impl tower_service::Service<http::Request<Body>> for FlightRouter {
         let method = Method::of(request.uri().path());
         let call = Call::new(
             method.name(),
-            connection.map(|c| c.peer),
+            connection.as_ref().map(|c| c.peer),
             service.options.progress_interval,
             service.metrics.clone(),
         );
         Box::pin(async move {
-            let response = match authorize(&service, method, &request) {
+            let response = match authorize(&service, method, &request, connection.as_ref()) {
                 Ok(principal) => {
                     if let Some(principal) = principal {
                         call.set_principal(Arc::clone(&principal.name));
@@ -278,15 +290,20 @@ fn authorize(
     service: &Service,
     method: Method,
     request: &http::Request<Body>,
+    connection: Option<&ConnectionInfo>,
 ) -> Result<Option<Principal>, Error> {
     let Some(needed) = method.role() else {
         return Ok(None);
     };
-    let authorization = request
-        .headers()
-        .get(http::header::AUTHORIZATION)
-        .map(http::HeaderValue::as_bytes);
-    let principal = service.auth.authenticate(authorization)?;
+    let presented = Presented {
+        authorization: request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .map(http::HeaderValue::as_bytes),
+        certificate: connection.and_then(|c| c.certificate.as_deref()),
+        origin: connection.map(ConnectionInfo::origin),
+    };
+    let principal = service.auth.authenticate(&presented)?;
     principal.require(needed, method.name())?;
     Ok(Some(principal))
 }

@@ -344,6 +344,10 @@ impl Connection {
         }
     }
 
+    pub(crate) fn peer(&self) -> Peer {
+        self.shared.peer
+    }
+
     /// After a write could not proceed: an error once the connection was evicted or writes have
     /// been blocked past the stall timeout; otherwise arms the timer for that moment.
     fn poll_write_blocked(&mut self, cx: &mut Context<'_>) -> Result<(), io::Error> {
@@ -444,6 +448,7 @@ impl Connected for Connection {
         ConnectionInfo {
             streams: Arc::clone(&self.shared.streams),
             peer: self.shared.peer,
+            certificate: None,
         }
     }
 }

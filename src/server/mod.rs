@@ -158,28 +158,33 @@ pub async fn run(
             options.metrics.clone(),
             Arc::clone(&budget),
         );
-        let mut builder = Server::builder();
-        if let Some(tls) = tls {
-            builder = builder.tls_config(tls.config())?;
-        }
         let mut stop = stop_rx.clone();
-        servers.push(AbortOnDrop(tokio::spawn(
-            builder
-                .initial_stream_window_size(STREAM_WINDOW_BYTES)
-                .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-                .max_frame_size(MAX_FRAME_BYTES)
-                .max_concurrent_streams(options.max_streams_per_connection)
-                // Pings find clients that vanished or froze without closing their connection (a
-                // dead node, a stopped process), so their puts are abandoned and what their
-                // reads held is returned.
-                .http2_keepalive_interval(Some(options.keepalive_interval))
-                .http2_keepalive_timeout(Some(options.keepalive_timeout))
-                .add_service(health_service.clone())
-                .add_service(flight.clone())
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = stop.wait_for(|stop| *stop).await;
-                }),
-        )));
+        let stopped = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let router = Server::builder()
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+            .max_frame_size(MAX_FRAME_BYTES)
+            .max_concurrent_streams(options.max_streams_per_connection)
+            // Pings find clients that vanished or froze without closing their connection (a
+            // dead node, a stopped process), so their puts are abandoned and what their
+            // reads held is returned.
+            .http2_keepalive_interval(Some(options.keepalive_interval))
+            .http2_keepalive_timeout(Some(options.keepalive_timeout))
+            .add_service(health_service.clone())
+            .add_service(flight.clone());
+        servers.push(AbortOnDrop(match tls {
+            Some(tls) => {
+                let incoming = tls::accept(
+                    incoming,
+                    tls.config(),
+                    options.connections.handshake_timeout,
+                );
+                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+            }
+            None => tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped)),
+        }));
     }
     // Dropping this future (after the grace period) aborts the servers.
     let mut server = Box::pin(async move {

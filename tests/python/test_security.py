@@ -8,6 +8,7 @@ Certificates are made per run with trustme; tokens and password hashes with the 
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -158,6 +159,100 @@ def test_mutual_tls_refuses_clients_without_a_certificate(make_server, ca, serve
     ) as impostor:
         with pytest.raises(flight.FlightUnavailableError):
             list(impostor.list_flights(options=quick))
+
+
+def certificate_options(cert):
+    """connect() keywords for a trustme leaf certificate as the client's."""
+    return {
+        "cert_chain": b"".join(blob.bytes() for blob in cert.cert_chain_pems),
+        "private_key": cert.private_key_pem.bytes(),
+    }
+
+
+def test_client_certificates_are_principals(make_server, credentials, ca, server_cert, tmp_path):
+    """`[[certificates]]` entries make a verified client certificate a principal, by a subject
+    alternative name (here an email) or the subject's CN; a certificate the file does not name
+    authenticates nobody, and a token still works beside it."""
+    original, tokens = credentials
+    path = tmp_path / "tokens.toml"
+    path.write_text(original.read_text() + '\n[[certificates]]\nprincipal = "loader"\nrole = "write"\n'
+                    'email = "loader@example.com"\n[[certificates]]\nprincipal = "ops"\nrole = "read"\n'
+                    'common_name = "ops-client"\n')
+    path.chmod(0o600)
+    log = tmp_path / "server.log"
+    server = make_server(*tls_flags(server_cert, mutual=True), "--auth-tokens", str(path), log=log)
+    location = server.location.replace("127.0.0.1", "localhost")
+    root = ca.cert_pem.bytes()
+    loader = ca.issue_cert("loader@example.com")
+    with flight.connect(location, tls_root_certs=root, **certificate_options(loader)) as client:
+        assert put(client, "by-certificate", TABLE)["rows"] == 10_000
+        assert get(client, "by-certificate").equals(TABLE)
+    ops = ca.issue_cert("ops.example.com", common_name="ops-client")
+    with flight.connect(location, tls_root_certs=root, **certificate_options(ops)) as client:
+        assert get(client, "by-certificate").equals(TABLE)
+        with pytest.raises(flight.FlightUnauthorizedError, match='"ops" has the read role'):
+            put(client, "by-ops", TABLE)
+    stranger = ca.issue_cert("someone@example.com")
+    with flight.connect(location, tls_root_certs=root, **certificate_options(stranger)) as client:
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            list(client.list_flights())
+        assert len(list(client.list_flights(options=bearer(tokens["read"])))) == 1
+    server.stop()
+    assert re.search(r'method="DoPut" dataset="by-certificate" principal="loader"', log.read_text())
+
+
+def test_failed_tls_handshakes_are_logged_with_the_peer_and_the_reason(make_server, ca, server_cert, tmp_path):
+    log = tmp_path / "server.log"
+    server = make_server(*tls_flags(server_cert, mutual=True), log=log)
+    location = server.location.replace("127.0.0.1", "localhost")
+    root = ca.cert_pem.bytes()
+    quick = flight.FlightCallOptions(timeout=5)
+    impostor = trustme.CA().issue_cert("client@example.com")
+    with flight.connect(location, tls_root_certs=root, **certificate_options(impostor)) as client:
+        with pytest.raises(flight.FlightUnavailableError):
+            list(client.list_flights(options=quick))
+    server.wait_for(lambda: "TLS handshake failed" in log.read_text())
+    refused = [line for line in log.read_text().splitlines() if "TLS handshake failed" in line]
+    assert any("client certificate refused" in line and "peer=127.0.0.1:" in line and "UnknownIssuer" in line
+               for line in refused), refused
+
+    # An X.509 v1 certificate (what `openssl x509 -req` makes without extensions), signed by the
+    # right CA: refused, and the log says why.
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make an X.509 v1 certificate")
+    ca.private_key_pem.write_to_path(str(tmp_path / "ca.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    run = lambda *args: subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+    run("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", "v1.key", "-subj", "/CN=old-client", "-out", "v1.csr")
+    run("x509", "-req", "-in", "v1.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial", "7",
+        "-days", "1", "-out", "v1.pem")
+    assert b"Version: 1 (0x0)" in run("x509", "-in", "v1.pem", "-noout", "-text").stdout
+    with flight.connect(location, tls_root_certs=root, cert_chain=(tmp_path / "v1.pem").read_bytes(),
+                        private_key=(tmp_path / "v1.key").read_bytes()) as client:
+        with pytest.raises(flight.FlightUnavailableError):
+            list(client.list_flights(options=quick))
+    server.wait_for(lambda: "X.509 v3" in log.read_text())
+
+
+def test_repeated_failed_logins_are_refused_for_a_while(make_server, credentials, tmp_path):
+    """After a few failed logins from one address its logins are refused, unchecked, for a
+    delay that grows with each further failure; valid tokens, and other addresses (here the
+    Unix socket), are not slowed."""
+    path, tokens = credentials
+    socket_path = tmp_path / "gpu-flight.sock"
+    server = make_server("--auth-tokens", str(path), "--listen", f"unix://{socket_path}")
+    with server.client() as client:
+        for _ in range(6):
+            with pytest.raises(flight.FlightUnauthenticatedError, match="wrong password"):
+                client.authenticate_basic_token("carol", "guess")
+        with pytest.raises(flight.FlightUnauthenticatedError, match="too many failed authentication attempts"):
+            client.authenticate_basic_token("carol", "correct horse")
+        assert status(client, bearer(tokens["read"]))["datasets"] == 0
+    with flight.connect(f"grpc+unix://{socket_path}",
+                        generic_options=[("grpc.default_authority", "localhost")]) as local:
+        header = local.authenticate_basic_token("carol", "correct horse")
+        assert status(local, flight.FlightCallOptions(headers=[header]))["datasets"] == 0
 
 
 def test_probes_get_health_in_plain_text_beside_mutual_tls(make_server, credentials, ca, server_cert):
