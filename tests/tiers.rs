@@ -275,3 +275,32 @@ fn the_host_tier_defaults_to_none_for_the_host_backend() {
         "a device backend spills to half the host's memory"
     );
 }
+
+/// A put that cannot fit however much is spilled moves nothing: what was on the device stays
+/// there (a batch larger than the whole device spilled the others before it was refused).
+#[tokio::test]
+async fn a_put_that_cannot_fit_displaces_nothing() {
+    let store = host_store(64 << 20);
+    put(&store, "small", PutMode::Create, None, &[batch(0)])
+        .await
+        .expect("small");
+    let before = tiers_of(&store, "small");
+    assert_eq!(before.1, 0, "on the device");
+    // One batch of three device budgets: no spill can make room for it.
+    let column: arrow::array::ArrayRef = Arc::new(arrow::array::Int64Array::from_iter_values(
+        0..(3 * LIMIT as i64 / 8),
+    ));
+    let huge = arrow::record_batch::RecordBatch::try_from_iter([("x", column)]).expect("batch");
+    let error = put(&store, "huge", PutMode::Create, None, &[huge])
+        .await
+        .expect_err("larger than the device");
+    assert!(
+        matches!(
+            error,
+            StoreError::MemoryExhausted { .. } | StoreError::TiersExhausted { .. }
+        ),
+        "{error}"
+    );
+    assert_eq!(tiers_of(&store, "small"), before, "nothing was moved");
+    assert_eq!(store.status().tiers.spills, 0);
+}

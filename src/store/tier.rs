@@ -318,6 +318,9 @@ impl Store {
     pub(super) async fn make_room(&self, device: u32, bytes: u64) -> bool {
         let budget = &self.inner.budget;
         let to_disk_only = self.inner.tiers.host_limit() == 0;
+        if !self.room_is_possible(device, bytes, to_disk_only) {
+            return budget.free(device) >= bytes;
+        }
         loop {
             if budget.free(device) >= bytes {
                 return true;
@@ -343,6 +346,44 @@ impl Store {
                 return budget.free(device) >= bytes;
             }
         }
+    }
+
+    /// Whether moving what can move off `device` would free `bytes` there, the host tier
+    /// taking what it must: a request that cannot fit however much moves must not displace
+    /// anything (other threads change the tiers meanwhile, so this is an estimate; it errs
+    /// only where they free or take memory while it runs).
+    fn room_is_possible(&self, device: u32, bytes: u64, to_disk_only: bool) -> bool {
+        let budget = &self.inner.budget;
+        if budget.limit(device).is_some_and(|limit| bytes > limit) {
+            return false;
+        }
+        let tiers = &self.inner.tiers;
+        let mut free = budget.free(device);
+        let mut to_host = 0u64;
+        for slot in tiers.spill_candidates(Tier::Device(device), to_disk_only) {
+            if free >= bytes {
+                break;
+            }
+            let moved = slot.resident().reservation.bytes();
+            free = free.saturating_add(moved);
+            if slot.on_disk.is_none() {
+                to_host = to_host.saturating_add(moved);
+            }
+        }
+        if free < bytes {
+            return false;
+        }
+        if to_host == 0 {
+            return true;
+        }
+        let evictable = tiers
+            .spill_candidates(Tier::Host, true)
+            .iter()
+            .fold(0u64, |sum, slot| {
+                sum.saturating_add(slot.resident().reservation.bytes())
+            });
+        let host_free = tiers.host_limit().saturating_sub(tiers.host_used());
+        to_host <= host_free.saturating_add(evictable)
     }
 
     /// Moves `slot`'s partition from its device to the host tier, or back to the disk tier
