@@ -304,3 +304,38 @@ async fn a_put_that_cannot_fit_displaces_nothing() {
     assert_eq!(tiers_of(&store, "small"), before, "nothing was moved");
     assert_eq!(store.status().tiers.spills, 0);
 }
+
+/// A message that does not fit is reported whole, and on the host backend as host memory:
+/// "1048576 more bytes are needed on device 0" for an 8 MiB put misled.
+#[tokio::test]
+async fn a_message_that_does_not_fit_is_reported_whole_and_as_host_memory() {
+    let store = Store::new(
+        Arc::new(HostBackend::new()),
+        StoreOptions {
+            memory_limit: Some(10 << 20),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        },
+    );
+    let held = store.reserve_message(3 << 20).expect("3 MiB");
+    let mut message = store.reserve_message(0).expect("an empty message");
+    let mut refused = None;
+    for _ in 0..8 {
+        if let Err(error) = store.grow_message(&mut message, 1 << 20) {
+            refused = Some(error);
+            break;
+        }
+    }
+    let error = refused.expect("8 MiB beside 3 MiB exceeds 10 MiB");
+    let text = error.to_string();
+    assert!(text.contains("host memory"), "{text}");
+    assert!(
+        text.contains(&format!("{} more bytes", 8u64 << 20)),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("{} of {}", 3u64 << 20, 10u64 << 20)),
+        "{text}"
+    );
+    drop(held);
+}

@@ -54,6 +54,7 @@ impl MemoryBudget {
                     requested: bytes,
                     used,
                     limit,
+                    host_backend: false,
                 });
             }
             match budget.used.compare_exchange_weak(

@@ -85,14 +85,17 @@ pub enum StoreError {
     #[error("the put sent record batches before a schema")]
     MissingSchema,
     #[error(
-        "memory limit reached on device {device}: {requested} more bytes are needed, \
-         {used} of {limit} are in use; drop datasets or raise --memory-limit"
+        "memory limit reached on {}: {requested} more bytes are needed, \
+         {used} of {limit} are in use; drop datasets or raise --memory-limit",
+        memory_name(*device, *host_backend)
     )]
     MemoryExhausted {
         device: u32,
         requested: u64,
         used: u64,
         limit: u64,
+        /// The backend's devices are host memory (pretend devices).
+        host_backend: bool,
     },
     #[error(
         "no room on device {device}: {requested} more bytes are needed and {used} of \
@@ -205,6 +208,15 @@ pub enum StoreError {
     Damaged { name: String, reason: String },
     #[error(transparent)]
     Backend(#[from] BackendError),
+}
+
+/// What a device of the budget is, for messages: on the host backend, host memory.
+fn memory_name(device: u32, host_backend: bool) -> String {
+    match host_backend {
+        true if device == 0 => "host memory (the host backend's device 0)".to_owned(),
+        true => format!("host memory (the host backend's pretend device {device})"),
+        false => format!("device {device}"),
+    }
 }
 
 impl From<files::FilesError> for StoreError {

@@ -111,8 +111,23 @@ impl Store {
     /// where its device has no room, the whole message moves to the host tier.
     pub fn grow_message(&self, message: &mut Reservation, bytes: u64) -> Result<(), StoreError> {
         match message.try_grow(bytes) {
-            Err(error @ StoreError::MemoryExhausted { .. }) => {
+            Err(StoreError::MemoryExhausted {
+                device,
+                used,
+                limit,
+                host_backend,
+                ..
+            }) => {
                 let total = message.bytes().saturating_add(bytes);
+                // Said of the whole message, beside what else is in use: "1048576 more" of
+                // an 8 MiB message only confuses.
+                let error = StoreError::MemoryExhausted {
+                    device,
+                    requested: total,
+                    used: used.saturating_sub(message.bytes()),
+                    limit,
+                    host_backend,
+                };
                 *message = self
                     .inner
                     .tiers

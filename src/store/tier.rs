@@ -300,6 +300,20 @@ impl Store {
                 requested,
                 used,
                 limit,
+                ..
+            } if tiers.host_limit() == 0 => StoreError::MemoryExhausted {
+                device,
+                requested,
+                used,
+                limit,
+                host_backend: self.inner.backend.name() == "host",
+            },
+            StoreError::MemoryExhausted {
+                device,
+                requested,
+                used,
+                limit,
+                ..
             } if tiers.host_limit() > 0 => StoreError::TiersExhausted {
                 device,
                 requested,
@@ -637,6 +651,7 @@ impl Store {
                 requested: total,
                 used: self.inner.budget.used(device),
                 limit: self.inner.budget.limit(device).unwrap_or(u64::MAX),
+                host_backend: false,
             })),
         }
     }
