@@ -607,6 +607,7 @@ impl DataDir {
         }
         for segment in effect.added {
             self.uncertain.remove(&segment.file);
+            self.unnamed.remove(&segment.file);
             self.named.insert(segment.file.clone(), segment);
         }
         let mut fresh: Vec<String> = Vec::new();
@@ -755,7 +756,7 @@ impl DataDir {
         };
         for file in files {
             // Still to be loaded by a dataset version being read: deleted once it is done.
-            if self.files.is_pinned(&file) {
+            if self.files.is_pinned(&file) || self.named.contains_key(&file) {
                 continue;
             }
             let path = self.writer.segments.join(&file);
