@@ -573,6 +573,63 @@ async fn many_small_appends_keep_the_directory_small() {
 }
 
 #[tokio::test]
+async fn a_merge_on_disk_keeps_the_files_a_loaded_version_reads() {
+    let dir = data_dir("merge-pinned");
+    let store = open(&dir, Durability::Sync, 1).await;
+    // A large segment, then a small one: too far apart in size to be merged.
+    let parts = [
+        batch(0).slice(0, 1000),
+        batch(1).slice(0, 100),
+        batch(2).slice(0, 100),
+    ];
+    for (i, part) in parts[..2].iter().enumerate() {
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        put(&store, "d", mode, None, std::slice::from_ref(part))
+            .await
+            .expect("put");
+    }
+    store.close().await;
+    drop(store);
+    assert_eq!(on_disk(&dir).0, 2);
+
+    // Loaded from disk, this version reads the two files as they are.
+    let store = open(&dir, Durability::Sync, 1).await;
+    let old = store.get("d").expect("d");
+    // An append of the small one's size: the two small files are merged into one.
+    put(&store, "d", PutMode::Append, None, &parts[2..])
+        .await
+        .expect("append");
+    store.close().await;
+    assert_eq!(
+        on_disk(&dir).0,
+        3,
+        "the large file, the merged one, and the small one the old version still reads"
+    );
+    let read: Vec<_> = old
+        .read(0..old.num_rows(), 1 << 20, 2)
+        .expect("a stream")
+        .try_collect()
+        .await
+        .expect("the old version reads");
+    assert_eq!(rows(&read), rows(&parts[..2]));
+    drop((old, store));
+
+    let store = open(&dir, Durability::Sync, 1).await;
+    assert_eq!(
+        on_disk(&dir).0,
+        2,
+        "the merged-away file is gone once unread"
+    );
+    assert_eq!(read_all(&store, "d").await, rows(&parts));
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
 async fn a_failed_disk_write_fails_the_put_and_keeps_what_was_stored() {
     let dir = data_dir("failing");
     let store = open(&dir, Durability::Sync, 1).await;
