@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! cargo run --release --example tier_bench -- [--backend cuda] [--spill-gib 3] \
-//!     [--appends 1000] [--append-mib 1] [--persist-gib 10 --data-dir DIR]
+//!     [--appends 1000] [--append-mib 1] [--persist-gib 10 --data-dir DIR] \
+//!     [--durable-appends 10000 --data-dir DIR]
 //! ```
 //!
 //! - **Spill:** `--spill-gib` of int64 datasets (256 MiB each) put with the device's budget at
@@ -16,6 +17,10 @@
 //!   datasets, then the directory reopened (the page cache dropped first where the bench runs
 //!   as root): the time until a server would answer, then every dataset read twice, the
 //!   first read loading it from the files.
+//! - **Durable appends:** with `--data-dir`, `--durable-appends` one-row appends to one
+//!   dataset, each acknowledged once on disk (`sync`): the latency of the first and of the
+//!   last thousand, and what the directory holds afterwards (segment files, and the bytes of
+//!   `manifest.json` and the journal); then the directory is reopened and every row compared.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -43,6 +48,8 @@ struct Args {
     persist_gib: f64,
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    durable_appends: u64,
 }
 
 const MIB: u64 = 1 << 20;
@@ -306,6 +313,82 @@ async fn persistence(args: &Args, dir: &PathBuf) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Mean, median and 99th percentile of `latencies`, in milliseconds.
+fn latency(latencies: &[Duration]) -> String {
+    let mut sorted = latencies.to_vec();
+    sorted.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mean = sorted.iter().map(|&d| ms(d)).sum::<f64>() / sorted.len().max(1) as f64;
+    let at = |q: f64| ms(sorted[((sorted.len() - 1) as f64 * q) as usize]);
+    format!(
+        "mean {mean:.3} ms, p50 {:.3} ms, p99 {:.3} ms",
+        at(0.5),
+        at(0.99)
+    )
+}
+
+/// Files under `dir/segments`, and the bytes of everything else in `dir` (the catalog).
+fn directory(dir: &std::path::Path) -> (usize, u64) {
+    let segments = std::fs::read_dir(dir.join("segments"))
+        .map(|entries| entries.count())
+        .unwrap_or(0);
+    let catalog = ["manifest.json", "journal"]
+        .iter()
+        .filter_map(|name| std::fs::metadata(dir.join(name)).ok())
+        .map(|meta| meta.len())
+        .sum();
+    (segments, catalog)
+}
+
+async fn durable_appends(args: &Args, dir: &PathBuf) {
+    let _ = std::fs::remove_dir_all(dir);
+    let options = StoreOptions {
+        data_dir: Some(dir.clone()),
+        durability: Durability::Sync,
+        ..StoreOptions::default()
+    };
+    let store = Store::open(backend(args), options.clone())
+        .await
+        .expect("open");
+    let n = args.durable_appends;
+    let mut latencies = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        let started = Instant::now();
+        put(&store, "log", mode, &[batch(2, i..i + 1)]).await;
+        latencies.push(started.elapsed());
+    }
+    let window = latencies.len().min(1000);
+    let (segments, catalog) = directory(dir);
+    println!(
+        "durable appends: {n} one-row appends (sync); first {window}: {}; last {window}: {}; \
+         then {segments} segment files and {catalog} bytes of manifest.json and journal",
+        latency(&latencies[..window]),
+        latency(&latencies[latencies.len() - window..]),
+    );
+    let started = Instant::now();
+    store.close().await;
+    drop(store);
+    let (segments, catalog) = directory(dir);
+    println!(
+        "durable appends: closed in {:.3} s: {segments} segment files, {catalog} bytes of \
+         manifest.json and journal",
+        started.elapsed().as_secs_f64()
+    );
+    let started = Instant::now();
+    let store = Store::open(backend(args), options).await.expect("reopen");
+    let opened = started.elapsed().as_secs_f64();
+    let got = read(&store, "log").await;
+    assert!(same_rows(&got, &[batch(2, 0..n)]), "every row, in order");
+    println!("durable appends: reopened in {opened:.3} s, every row read back in order");
+    store.close().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
@@ -316,6 +399,11 @@ async fn main() {
         appends(&args).await;
     }
     if let Some(dir) = &args.data_dir {
-        persistence(&args, dir).await;
+        if args.durable_appends > 0 {
+            durable_appends(&args, dir).await;
+        }
+        if args.persist_gib > 0.0 {
+            persistence(&args, dir).await;
+        }
     }
 }

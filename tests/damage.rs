@@ -36,19 +36,20 @@ async fn stop(server: TestServer) {
     store.close().await;
 }
 
-/// `bad` and `good` of two segments each (an append), and `other` of one.
+/// `bad` and `good` of two segments each (an append), and `other` of one. Each segment is
+/// over 1 MiB, so that no merge on disk joins them.
 async fn write_datasets(dir: &Path) -> Vec<(&'static str, Vec<RecordBatch>)> {
     let server = serve(dir).await;
     let mut client = server.client().await;
     let mut stored = Vec::new();
     for (name, seed) in [("bad", 1), ("good", 2), ("other", 3)] {
-        let first = int64_batch(1000, 2, seed);
+        let first = int64_batch(70_000, 2, seed);
         put(&mut client, cmd(name, "create"), vec![first.clone()])
             .await
             .expect("create");
         let mut batches = vec![first];
         if name != "other" {
-            let second = int64_batch(500, 2, seed * 10);
+            let second = int64_batch(70_000, 2, seed * 10);
             put(&mut client, cmd(name, "append"), vec![second.clone()])
                 .await
                 .expect("append");
@@ -229,7 +230,7 @@ async fn a_damaged_dataset_can_be_dropped_then_created_again() {
         .await
         .expect("drop");
     assert_eq!(
-        dropped["rows"], 1500,
+        dropped["rows"], 140_000,
         "the rows its manifest entry recorded"
     );
     let error = get_all(&mut client, "bad").await.expect_err("dropped");

@@ -5,11 +5,13 @@
 //! A data directory is written through the store (every Arrow type, strings, dictionaries,
 //! appends making several segments per dataset, an empty dataset). Each case copies it and
 //! damages one file: a segment (bits flipped, words overwritten with edge values, truncated,
-//! extended) or the manifest (its JSON values replaced with edge values, segments dropped,
-//! duplicated or swapped between datasets, or raw bytes damaged). Half the cases then forge the
-//! checksums (the segment's size and CRC-32 in the manifest, the manifest's own header) so that
-//! the damage reaches the decoders instead of the checks. Then the directory is opened and
-//! every dataset read in full.
+//! extended), the manifest (its JSON values replaced with edge values, segments dropped,
+//! duplicated or swapped between datasets, or raw bytes damaged), or the journal of a copy
+//! whose catalog is held as journal records after an empty checkpoint (raw bytes damaged, or
+//! a record's values replaced). Half the cases then forge the checksums (the segment's size
+//! and CRC-32 in the manifest, the manifest's own header, the record's) so that the damage
+//! reaches the decoders instead of the checks. Then the directory is opened and every dataset
+//! read in full.
 //!
 //! After every case:
 //! - nothing panicked outside Arrow's IPC decoder (whose asserts on forged files the store
@@ -17,7 +19,9 @@
 //! - an open that fails names a file of the directory, and one that succeeds lists datasets;
 //! - without forged checksums, a damaged segment fails the start (its size changed) or the
 //!   reads of its own dataset with `Corrupt`, and every other dataset reads back exactly as
-//!   stored; a damaged manifest fails the start;
+//!   stored; a damaged manifest fails the start; a damaged journal fails the start, or (where
+//!   only its end is damaged, as a crash mid-append leaves it) opens as the catalog some
+//!   prefix of its records makes, every dataset reading back exactly so;
 //! - with forged checksums, a read either fails or returns valid Arrow data of the rows the
 //!   dataset lists.
 //!
@@ -143,6 +147,9 @@ fn copy_dir(from: &Path, to: &Path) {
     let _ = std::fs::remove_dir_all(to);
     std::fs::create_dir_all(to.join("segments")).expect("mkdir");
     std::fs::copy(from.join("manifest.json"), to.join("manifest.json")).expect("manifest");
+    if from.join("journal").exists() {
+        std::fs::copy(from.join("journal"), to.join("journal")).expect("journal");
+    }
     for entry in std::fs::read_dir(from.join("segments"))
         .expect("segments")
         .flatten()
@@ -161,6 +168,126 @@ fn read_manifest(dir: &Path) -> Value {
 fn write_manifest(dir: &Path, manifest: &Value) {
     let body = serde_json::to_vec(manifest).expect("json");
     write_manifest_body(dir, &body);
+}
+
+/// The rows of `batches`, if any.
+fn rows_of(batches: &[RecordBatch]) -> Option<RecordBatch> {
+    let schema = batches.first()?.schema();
+    arrow::compute::concat_batches(&schema, batches).ok()
+}
+
+/// What each dataset holds: its rows, in one batch (none for no rows).
+type Contents = BTreeMap<String, Option<RecordBatch>>;
+
+/// A journal record as the server writes it: length, CRC-32, then the JSON.
+fn record(payload: &Value) -> Vec<u8> {
+    let payload = serde_json::to_vec(payload).expect("json");
+    let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    bytes.extend_from_slice(&payload);
+    bytes
+}
+
+/// Rewrites the catalog of `dir` (a copy of the pristine directory, whose journal is empty) as
+/// journal records after an empty checkpoint: each dataset set with its first segment, then
+/// its further segments appended one a record. Returns the records' payloads, and the
+/// catalog as each prefix of them makes it (`stored` being what the datasets hold).
+fn journalize(
+    dir: &Path,
+    stored: &BTreeMap<String, Vec<RecordBatch>>,
+) -> (Vec<Value>, Vec<Contents>) {
+    let manifest = read_manifest(dir);
+    let mut payloads = Vec::new();
+    let mut states = vec![Contents::new()];
+    let mut held: BTreeMap<String, u64> = BTreeMap::new();
+    for (name, entry) in manifest["datasets"].as_object().expect("datasets") {
+        let all = rows_of(&stored[name]);
+        for (index, segment) in entry["segments"]
+            .as_array()
+            .expect("segments")
+            .iter()
+            .enumerate()
+        {
+            let mut one = entry.clone();
+            one["segments"] = Value::Array(vec![segment.clone()]);
+            let op = if index == 0 { "set" } else { "append" };
+            let seq = payloads.len() + 1;
+            payloads.push(
+                serde_json::json!({"seq": seq, "change": {op: {"name": name, "entry": one}}}),
+            );
+            let rows = held.entry(name.clone()).or_default();
+            *rows += segment["rows"].as_u64().expect("rows");
+            let mut state = states.last().expect("a state").clone();
+            state.insert(
+                name.clone(),
+                all.as_ref().map(|all| all.slice(0, *rows as usize)),
+            );
+            states.push(state);
+        }
+    }
+    write_manifest_body(dir, br#"{"datasets":{}}"#);
+    let journal: Vec<u8> = payloads.iter().flat_map(record).collect();
+    std::fs::write(dir.join("journal"), journal).expect("journal");
+    (payloads, states)
+}
+
+fn damage_journal(
+    rng: &mut StdRng,
+    dir: &Path,
+    forge: bool,
+    payloads: &[Value],
+    states: &[Contents],
+) -> Case {
+    if !forge {
+        let path = dir.join("journal");
+        let mut bytes = std::fs::read(&path).expect("journal");
+        let what = damage_bytes(rng, &mut bytes);
+        std::fs::write(&path, &bytes).expect("write");
+        return Case {
+            what: format!("journal bytes: {what}"),
+            damaged: None,
+            manifest: true,
+            forged: false,
+            states: Some(states.to_vec()),
+        };
+    }
+    let mut payloads = payloads.to_vec();
+    let index = rng.random_range(0..payloads.len());
+    let change = payloads[index]["change"]
+        .as_object_mut()
+        .and_then(|change| change.values_mut().next())
+        .expect("a change");
+    let value = EDGE_NUMBERS[rng.random_range(0..EDGE_NUMBERS.len())];
+    let what = match rng.random_range(0..4) {
+        0 => {
+            let field = ["rows", "bytes", "checksum", "data_bytes"][rng.random_range(0..4)];
+            change["entry"]["segments"][0][field] = value.into();
+            format!("record {index}: segment {field} = {value}")
+        }
+        1 => {
+            change["entry"]["version"] = value.into();
+            format!("record {index}: version = {value}")
+        }
+        2 => {
+            payloads[index]["seq"] = value.into();
+            format!("record {index}: seq = {value}")
+        }
+        _ => {
+            let file =
+                ["../manifest.json", "seg-1.arrow", "/etc/passwd", ""][rng.random_range(0..4)];
+            change["entry"]["segments"][0]["file"] = file.into();
+            format!("record {index}: file = {file:?}")
+        }
+    };
+    let journal: Vec<u8> = payloads.iter().flat_map(record).collect();
+    std::fs::write(dir.join("journal"), journal).expect("journal");
+    Case {
+        what: format!("journal (forged): {what}"),
+        damaged: None,
+        manifest: true,
+        forged: true,
+        states: None,
+    }
 }
 
 fn write_manifest_body(dir: &Path, body: &[u8]) {
@@ -252,6 +379,8 @@ struct Case {
     damaged: Option<String>,
     manifest: bool,
     forged: bool,
+    /// For a damaged journal: the catalogs an open may accept, one per prefix of its records.
+    states: Option<Vec<Contents>>,
 }
 
 fn damage_segment(rng: &mut StdRng, dir: &Path, forge: bool) -> Case {
@@ -273,6 +402,7 @@ fn damage_segment(rng: &mut StdRng, dir: &Path, forge: bool) -> Case {
         damaged: Some(name),
         manifest: false,
         forged: forge,
+        states: None,
     }
 }
 
@@ -287,6 +417,7 @@ fn damage_manifest(rng: &mut StdRng, dir: &Path, forge: bool) -> Case {
             damaged: None,
             manifest: true,
             forged: false,
+            states: None,
         };
     }
     let mut manifest = read_manifest(dir);
@@ -335,6 +466,7 @@ fn damage_manifest(rng: &mut StdRng, dir: &Path, forge: bool) -> Case {
         damaged: Some(name),
         manifest: true,
         forged: true,
+        states: None,
     }
 }
 
@@ -357,6 +489,28 @@ async fn run_case(
             return Ok(());
         }
     };
+    if let Some(states) = &case.states {
+        // Only a torn end is accepted: the catalog is then what the records before it make.
+        let mut found = Contents::new();
+        for dataset in store.list("") {
+            let name = dataset.name().to_owned();
+            let batches = read(&store, &name)
+                .await
+                .map_err(|e| format!("{name:?} of an accepted journal failed: {e}"))?;
+            found.insert(name, rows_of(&batches).filter(|rows| rows.num_rows() > 0));
+        }
+        store.close().await;
+        let normal = |state: &Contents| -> Contents {
+            state
+                .iter()
+                .map(|(name, rows)| (name.clone(), rows.clone().filter(|r| r.num_rows() > 0)))
+                .collect()
+        };
+        if !states.iter().any(|state| normal(state) == found) {
+            return Err("a damaged journal opened as no prefix of its records".to_owned());
+        }
+        return Ok(());
+    }
     if !case.forged && case.manifest {
         store.close().await;
         return Err("a damaged manifest was accepted".to_owned());
@@ -467,18 +621,46 @@ async fn damaged_data_directories_fail_cleanly() {
     let _ = std::fs::remove_dir_all(&root);
     let stored = original(&pristine).await;
     let work = root.join("case");
+    let journaled = root.join("journaled");
+    copy_dir(&pristine, &journaled);
+    let (payloads, states) = journalize(&journaled, &stored);
     let mut failures = Vec::new();
+    // The journaled copy opens as the pristine one.
+    copy_dir(&journaled, &work);
+    if let Err(failure) = run_case(
+        &Case {
+            what: "the journaled copy".to_owned(),
+            damaged: None,
+            manifest: true,
+            forged: false,
+            states: Some(states[states.len() - 1..].to_vec()),
+        },
+        &work,
+        &stored,
+    )
+    .await
+    {
+        failures.push(format!("undamaged journal: {failure}"));
+    }
     if let Err(failure) = miscounted_rows_are_corrupt(&pristine, &work, &stored).await {
         failures.push(format!("miscounted rows: {failure}"));
     }
     for index in 0..cases {
         let mut rng = StdRng::seed_from_u64(seed ^ (index as u64).wrapping_mul(0x9e37_79b9));
-        copy_dir(&pristine, &work);
         let forge = rng.random_bool(0.5);
-        let case = if rng.random_bool(0.7) {
-            damage_segment(&mut rng, &work, forge)
-        } else {
-            damage_manifest(&mut rng, &work, forge)
+        let case = match rng.random_range(0..10) {
+            0..6 => {
+                copy_dir(&pristine, &work);
+                damage_segment(&mut rng, &work, forge)
+            }
+            6..8 => {
+                copy_dir(&pristine, &work);
+                damage_manifest(&mut rng, &work, forge)
+            }
+            _ => {
+                copy_dir(&journaled, &work);
+                damage_journal(&mut rng, &work, forge, &payloads, &states)
+            }
         };
         let panics_before = PANICS.lock().unwrap_or_else(|p| p.into_inner()).len();
         let outcome = tokio::time::timeout(

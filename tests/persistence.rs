@@ -510,6 +510,125 @@ async fn background_merges_keep_the_version_and_write_nothing() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Segment files under `dir`, and the bytes of its catalog: `manifest.json` and the journal.
+fn on_disk(dir: &Path) -> (usize, u64) {
+    let files = std::fs::read_dir(dir.join("segments"))
+        .expect("segments")
+        .count();
+    let catalog = ["manifest.json", "journal"]
+        .iter()
+        .map(|name| std::fs::metadata(dir.join(name)).map_or(0, |m| m.len()))
+        .sum();
+    (files, catalog)
+}
+
+#[tokio::test]
+async fn many_small_appends_keep_the_directory_small() {
+    let dir = data_dir("many-appends");
+    let store = open(&dir, Durability::Sync, 1).await;
+    let n = 2000;
+    let one = |i: i64| batch(i).slice(0, 1);
+    for i in 0..n {
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        put(&store, "log", mode, None, &[one(i)])
+            .await
+            .expect("put");
+    }
+    // Each commit appends a record, and the journal is folded into the checkpoint once it
+    // outgrows it: the catalog never holds more than tens of KiB, where rewriting it whole
+    // at every append grew it to 150 KB.
+    let (_, catalog) = on_disk(&dir);
+    assert!(catalog < 100 << 10, "{catalog} bytes of catalog");
+    store.close().await;
+    drop(store);
+    // Merged on disk as they came: O(log n) files, each rewritten O(log n) times, where
+    // every append used to leave its own file.
+    let (files, catalog) = on_disk(&dir);
+    assert!(files <= 24, "{files} segment files for {n} appends");
+    assert!(catalog < 8 << 10, "{catalog} bytes of catalog");
+
+    let sent: Vec<_> = (0..n).map(one).collect();
+    let store = open(&dir, Durability::Sync, 1).await;
+    assert_eq!(
+        read_all(&store, "log").await,
+        rows(&sent),
+        "every row, in order"
+    );
+    put(&store, "log", PutMode::Append, None, &[one(n)])
+        .await
+        .expect("append after a restart");
+    store.close().await;
+    drop(store);
+    let sent: Vec<_> = (0..=n).map(one).collect();
+    let store = open(&dir, Durability::Sync, 1).await;
+    assert_eq!(read_all(&store, "log").await, rows(&sent));
+    store.close().await;
+    let (files, _) = on_disk(&dir);
+    assert!(files <= 24, "{files} segment files");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_merge_on_disk_keeps_the_files_a_loaded_version_reads() {
+    let dir = data_dir("merge-pinned");
+    let store = open(&dir, Durability::Sync, 1).await;
+    // A large segment, then a small one: too far apart in size to be merged.
+    let parts = [
+        batch(0).slice(0, 1000),
+        batch(1).slice(0, 100),
+        batch(2).slice(0, 100),
+    ];
+    for (i, part) in parts[..2].iter().enumerate() {
+        let mode = if i == 0 {
+            PutMode::Create
+        } else {
+            PutMode::Append
+        };
+        put(&store, "d", mode, None, std::slice::from_ref(part))
+            .await
+            .expect("put");
+    }
+    store.close().await;
+    drop(store);
+    assert_eq!(on_disk(&dir).0, 2);
+
+    // Loaded from disk, this version reads the two files as they are.
+    let store = open(&dir, Durability::Sync, 1).await;
+    let old = store.get("d").expect("d");
+    // An append of the small one's size: the two small files are merged into one.
+    put(&store, "d", PutMode::Append, None, &parts[2..])
+        .await
+        .expect("append");
+    store.close().await;
+    assert_eq!(
+        on_disk(&dir).0,
+        3,
+        "the large file, the merged one, and the small one the old version still reads"
+    );
+    let read: Vec<_> = old
+        .read(0..old.num_rows(), 1 << 20, 2)
+        .expect("a stream")
+        .try_collect()
+        .await
+        .expect("the old version reads");
+    assert_eq!(rows(&read), rows(&parts[..2]));
+    drop((old, store));
+
+    let store = open(&dir, Durability::Sync, 1).await;
+    assert_eq!(
+        on_disk(&dir).0,
+        2,
+        "the merged-away file is gone once unread"
+    );
+    assert_eq!(read_all(&store, "d").await, rows(&parts));
+    store.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn a_failed_disk_write_fails_the_put_and_keeps_what_was_stored() {
     let dir = data_dir("failing");

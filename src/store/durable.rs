@@ -4,17 +4,22 @@
 //! Every catalog change (a put, a copy, a drop) queues a job while it still holds the
 //! catalog's entry for the name, so the jobs for one name are in commit order. The writer reads
 //! what a commit added back out of the dataset (through the staging path on a GPU) in segments
-//! of at most [`SEGMENT_BYTES`], writes them as Arrow IPC files and then commits a manifest
-//! naming them (`files`). An append adds segments to what the manifest holds for the name
-//! when that is the version it appended to; anything else writes the dataset whole. A move
-//! changes where the rows are, not what they are: it only renames the version.
+//! of at most [`SEGMENT_BYTES`], writes them as Arrow IPC files and then commits a journal
+//! record naming them (`files`). An append adds segments to what the catalog holds for the
+//! name when that is the version it appended to; anything else writes the dataset whole. A
+//! move changes where the rows are, not what they are: it only renames the version.
+//!
+//! Appends leave many small segment files; a merger task beside the writer joins runs of them
+//! ([`plan_merge`]), off the commit path, and the writer commits each merge if the dataset
+//! still holds the run it read. A merge changes neither rows nor version. The run's files go
+//! once no version being read pins them.
 //!
 //! Under `--durability sync` a commit waits for its job and fails (undoing itself in the
 //! catalog) if the disk does; under `async` it is acknowledged at once, and a failed write is
 //! logged and counted while the dataset stays served from memory. Either way a crash leaves
 //! each dataset at a version that was whole on disk.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,11 +28,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures::TryStreamExt;
 use tokio::sync::{mpsc, oneshot};
 
-use super::files::{DataDir, FilesError, Manifest, Segment};
+use super::files::{
+    Change, DataDir, DatasetEntry, FilesError, Manifest, PinnedSegment, Segment, SegmentWriter,
+};
 use super::{Dataset, StoreError};
 
 /// Most Arrow bytes in one segment file: what the writer holds in host memory at once.
 const SEGMENT_BYTES: u64 = 256 << 20;
+
+/// Segment files smaller than this are merged with their neighbours on disk (see
+/// [`plan_merge`]); the loader joins such files as it reads them too.
+const MERGE_BELOW: u64 = 1 << 20;
 
 /// When a commit is acknowledged under `--data-dir`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
@@ -85,11 +96,12 @@ pub(super) struct Counters {
 }
 
 impl Durable {
-    /// Starts the writer over `dir`, whose manifest is `manifest`; `loaded` maps each name
-    /// to the in-memory version its manifest entry was loaded as.
+    /// Starts the writer over `dir`, whose catalog open returned as `_manifest`; `loaded`
+    /// maps each name to the in-memory version its entry was loaded as. The writer follows
+    /// the directory's own catalog, which its commits change.
     pub(super) fn start(
         dir: DataDir,
-        manifest: Manifest,
+        _manifest: Manifest,
         loaded: HashMap<String, u64>,
         durability: Durability,
     ) -> Self {
@@ -98,9 +110,10 @@ impl Durable {
         let counters = Arc::new(Counters::default());
         let writer = Writer {
             dir: Some(dir),
-            manifest,
             persisted: loaded,
             counters: Arc::clone(&counters),
+            to_merge: BTreeSet::new(),
+            merging: None,
         };
         let writer = tokio::spawn(writer.run(receiver));
         Self {
@@ -162,42 +175,86 @@ pub(super) async fn wait(receiver: Persisted) -> Result<(), StoreError> {
 struct Writer {
     /// Taken while a blocking step runs on another thread.
     dir: Option<DataDir>,
-    manifest: Manifest,
-    /// Name to the in-memory version its manifest entry holds.
+    /// Name to the in-memory version its catalog entry holds.
     persisted: HashMap<String, u64>,
     counters: Arc<Counters>,
+    /// Names whose segments may hold a run to merge.
+    to_merge: BTreeSet<String>,
+    /// The name whose run the merger is writing: one merge at a time.
+    merging: Option<String>,
+}
+
+/// A run of a dataset's segments to write as one, pinned while it is read.
+struct MergeRequest {
+    name: String,
+    at: usize,
+    run: Vec<PinnedSegment>,
+}
+
+/// A merge written, to commit if the dataset still holds the run it read.
+struct Merged {
+    name: String,
+    at: usize,
+    run: Vec<Segment>,
+    merged: Result<Segment, StoreError>,
 }
 
 impl Writer {
     async fn run(mut self, mut jobs: mpsc::UnboundedReceiver<Job>) {
-        while let Some(job) = jobs.recv().await {
-            let (result, done) = match job {
-                Job::Write {
-                    dataset,
-                    base,
-                    rows,
-                    done,
-                } => (self.write(&dataset, base, rows).await, done),
-                Job::Rename { name, from, to } => {
-                    if self.persisted.get(&name) == Some(&from) {
-                        self.persisted.insert(name, to);
-                    }
-                    (Ok(()), None)
+        let (requests, merges) = mpsc::unbounded_channel();
+        let (done, mut merged) = mpsc::unbounded_channel();
+        if let Some(dir) = &self.dir {
+            tokio::spawn(merger(dir.segment_writer(), merges, done));
+        }
+        let mut open = true;
+        loop {
+            tokio::select! {
+                biased;
+                job = jobs.recv(), if open => match job {
+                    Some(job) => self.job(job).await,
+                    None => open = false,
+                },
+                Some(merged) = merged.recv(), if self.merging.is_some() => {
+                    self.merged(merged).await;
                 }
-                Job::Remove { name, done } => (self.remove(&name).await, done),
-            };
-            self.counters.pending.fetch_sub(1, Ordering::Relaxed);
-            if let Err(error) = &result {
-                self.counters.failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%error, "a change was not made durable");
-            }
-            if let Some(done) = done {
-                let _ = done.send(result);
+                // Closed, with the merges the changes called for done.
+                else => break,
             }
             if self.dir.is_none() {
                 tracing::error!("the data directory was lost to a failed task; persistence stops");
                 return;
             }
+            self.start_merge(&requests);
+        }
+        // A cleanly closed directory is described by its manifest alone.
+        if let Err(error) = self.blocking(DataDir::checkpoint).await {
+            tracing::warn!(%error, "could not write a checkpoint at shutdown");
+        }
+    }
+
+    async fn job(&mut self, job: Job) {
+        let (result, done) = match job {
+            Job::Write {
+                dataset,
+                base,
+                rows,
+                done,
+            } => (self.write(&dataset, base, rows).await, done),
+            Job::Rename { name, from, to } => {
+                if self.persisted.get(&name) == Some(&from) {
+                    self.persisted.insert(name, to);
+                }
+                (Ok(()), None)
+            }
+            Job::Remove { name, done } => (self.remove(&name).await, done),
+        };
+        self.counters.pending.fetch_sub(1, Ordering::Relaxed);
+        if let Err(error) = &result {
+            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%error, "a change was not made durable");
+        }
+        if let Some(done) = done {
+            let _ = done.send(result);
         }
     }
 
@@ -219,6 +276,13 @@ impl Writer {
         result.map_err(StoreError::from)
     }
 
+    /// Whether the catalog holds `name`.
+    fn holds(&self, name: &str) -> bool {
+        self.dir
+            .as_ref()
+            .is_some_and(|dir| dir.catalog().datasets.contains_key(name))
+    }
+
     async fn write(
         &mut self,
         dataset: &Arc<Dataset>,
@@ -227,14 +291,11 @@ impl Writer {
     ) -> Result<(), StoreError> {
         let name = dataset.name().to_owned();
         // Already there: an undo puts back the version a refused change would have replaced.
-        if self.persisted.get(&name) == Some(&dataset.version())
-            && self.manifest.datasets.contains_key(&name)
-        {
+        if self.persisted.get(&name) == Some(&dataset.version()) && self.holds(&name) {
             return Ok(());
         }
-        let append = base.is_some()
-            && base == self.persisted.get(&name).copied()
-            && self.manifest.datasets.contains_key(&name);
+        let append =
+            base.is_some() && base == self.persisted.get(&name).copied() && self.holds(&name);
         let rows = if append { rows } else { 0..dataset.num_rows() };
         let mut written: Vec<Segment> = Vec::new();
         let result = self
@@ -242,25 +303,26 @@ impl Writer {
             .await;
         let result = match result {
             Ok(()) => {
-                let mut manifest = self.manifest.clone();
-                let entry = manifest.datasets.entry(name.clone()).or_insert_with(|| {
-                    super::files::DatasetEntry {
-                        version: dataset.version(),
-                        tag: None,
-                        segments: Vec::new(),
+                let entry = DatasetEntry {
+                    version: dataset.version(),
+                    tag: Some(dataset.version_id().tag),
+                    segments: written.clone(),
+                };
+                let change = if append {
+                    Change::Append {
+                        name: name.clone(),
+                        entry,
                     }
-                });
-                if !append {
-                    entry.segments.clear();
-                }
-                entry.version = dataset.version();
-                entry.tag = Some(dataset.version_id().tag);
-                entry.segments.extend(written.iter().cloned());
-                let committed = manifest.clone();
-                match self.blocking(move |dir| dir.commit(&committed)).await {
+                } else {
+                    Change::Set {
+                        name: name.clone(),
+                        entry,
+                    }
+                };
+                match self.blocking(move |dir| dir.commit(change)).await {
                     Ok(()) => {
-                        self.manifest = manifest;
-                        self.persisted.insert(name, dataset.version());
+                        self.persisted.insert(name.clone(), dataset.version());
+                        self.to_merge.insert(name);
                         return Ok(());
                     }
                     Err(error) => Err(error),
@@ -269,7 +331,7 @@ impl Writer {
             Err(error) => Err(error),
         };
         // Nothing names the new segments: give their space back (the files layer keeps any
-        // a manifest on disk might name).
+        // a catalog on disk might name).
         for segment in written {
             let _ = self.blocking(move |dir| dir.discard(&segment)).await;
         }
@@ -316,16 +378,167 @@ impl Writer {
 
     async fn remove(&mut self, name: &str) -> Result<(), StoreError> {
         self.persisted.remove(name);
-        if !self.manifest.datasets.contains_key(name) {
+        if !self.holds(name) {
             return Ok(());
         }
-        let mut manifest = self.manifest.clone();
-        manifest.datasets.remove(name);
-        let committed = manifest.clone();
-        self.blocking(move |dir| dir.commit(&committed)).await?;
-        self.manifest = manifest;
-        Ok(())
+        let name = name.to_owned();
+        self.blocking(move |dir| dir.commit(Change::Remove { name }))
+            .await
     }
+
+    /// Hands the merger the next run to merge, if it is idle and there is one.
+    fn start_merge(&mut self, requests: &mpsc::UnboundedSender<MergeRequest>) {
+        let Some(dir) = &self.dir else {
+            return;
+        };
+        if self.merging.is_some() {
+            return;
+        }
+        while let Some(name) = self.to_merge.pop_first() {
+            let Some(entry) = dir.catalog().datasets.get(&name) else {
+                continue;
+            };
+            let Some(run) = plan_merge(&entry.segments) else {
+                continue;
+            };
+            // Pinned before the writer can replace them: a commit may unname them, but
+            // nothing deletes them until the merger has read them.
+            let files = dir.segment_files();
+            let request = MergeRequest {
+                name: name.clone(),
+                at: run.start,
+                run: entry.segments[run].iter().map(|s| files.pin(s)).collect(),
+            };
+            if requests.send(request).is_ok() {
+                self.merging = Some(name);
+            }
+            return;
+        }
+    }
+
+    /// Commits a merge if the dataset still holds the run it read: the merge leaves rows
+    /// and version as they are, so an append since (after the run) leaves it valid, and a
+    /// replace or a drop wins over it.
+    async fn merged(&mut self, merged: Merged) {
+        self.merging = None;
+        let Merged {
+            name,
+            at,
+            run,
+            merged,
+        } = merged;
+        let merged = match merged {
+            Ok(merged) => merged,
+            Err(error) => {
+                tracing::warn!(dataset = name, %error, "merging segment files failed");
+                return;
+            }
+        };
+        let held = self
+            .dir
+            .as_ref()
+            .and_then(|dir| dir.catalog().datasets.get(&name))
+            .and_then(|entry| entry.segments.get(at..at.saturating_add(run.len())));
+        if held == Some(run.as_slice()) {
+            let (count, bytes) = (run.len(), merged.bytes);
+            let change = Change::Merge {
+                name: name.clone(),
+                at,
+                run,
+                merged: merged.clone(),
+            };
+            match self.blocking(move |dir| dir.commit(change)).await {
+                Ok(()) => {
+                    tracing::debug!(
+                        dataset = name,
+                        segments = count,
+                        bytes,
+                        "segment files merged"
+                    );
+                    self.to_merge.insert(name);
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(dataset = name, %error, "a merge of segment files was not committed");
+                }
+            }
+        }
+        let _ = self.blocking(move |dir| dir.discard(&merged)).await;
+    }
+}
+
+/// Writes the runs the writer hands it as one segment each, beside the writer's commits.
+async fn merger(
+    writer: Arc<SegmentWriter>,
+    mut requests: mpsc::UnboundedReceiver<MergeRequest>,
+    done: mpsc::UnboundedSender<Merged>,
+) {
+    while let Some(MergeRequest { name, at, run }) = requests.recv().await {
+        let segments: Vec<Segment> = run.iter().map(|p| p.segment().clone()).collect();
+        let writer = Arc::clone(&writer);
+        // The pins go with the read: the run's files may be deleted once it is done.
+        let merged = tokio::task::spawn_blocking(move || writer.merge(&run))
+            .await
+            .map_err(|e| StoreError::Persist(format!("a disk task failed: {e}")))
+            .and_then(|merged| merged.map_err(StoreError::from));
+        let merged = Merged {
+            name,
+            at,
+            run: segments,
+            merged,
+        };
+        if done.send(merged).is_err() {
+            return;
+        }
+    }
+}
+
+/// The run of `segments` to merge next, if any: the first that merging neighbours of
+/// comparable size would join, as the in-memory merges do (`merge`). Going from the oldest,
+/// each segment is stacked on the runs before it, and the newest run joins the one before it
+/// while it is no larger and at least half as large, both are below [`MERGE_BELOW`], or
+/// either holds no rows (a schema-only segment). A byte is thus rewritten O(log n) times over
+/// n appends, and a dataset keeps O(log n) small segments.
+fn plan_merge(segments: &[Segment]) -> Option<Range<usize>> {
+    struct Run {
+        start: usize,
+        bytes: u64,
+        rows: u64,
+    }
+    let comparable = |older: &Run, newer: &Run| {
+        older.bytes < MERGE_BELOW
+            && newer.bytes < MERGE_BELOW
+            && (older.rows == 0
+                || newer.rows == 0
+                || (newer.bytes <= older.bytes && newer.bytes.saturating_mul(2) >= older.bytes))
+    };
+    let mut stack: Vec<Run> = Vec::new();
+    for (index, segment) in segments.iter().enumerate() {
+        stack.push(Run {
+            start: index,
+            bytes: segment.bytes,
+            rows: segment.rows,
+        });
+        while let [.., older, newer] = stack.as_slice()
+            && comparable(older, newer)
+        {
+            let newer = stack.pop()?;
+            let older = stack.last_mut()?;
+            older.bytes = older.bytes.saturating_add(newer.bytes);
+            older.rows = older.rows.saturating_add(newer.rows);
+        }
+    }
+    // The first run of more than one segment.
+    let ends = stack
+        .iter()
+        .skip(1)
+        .map(|run| run.start)
+        .chain([segments.len()]);
+    stack
+        .iter()
+        .zip(ends)
+        .map(|(run, end)| run.start..end)
+        .find(|run| run.len() > 1)
 }
 
 /// Opens `root` and reads what it holds, on a blocking thread.

@@ -609,7 +609,10 @@ impl Store {
         device: u32,
         data_bytes: u64,
     ) -> Result<StoredPartition, StoreError> {
-        self.make_room(device, peak).await;
+        // The peak where moving others can give it; else at least room for the rows.
+        if !self.make_room(device, peak).await {
+            self.make_room(device, data_bytes).await;
+        }
         let store = self.clone();
         let uploaded: Vec<StoredPartition> = pieces
             // Each paid for in order, before its upload starts.

@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions};
@@ -32,6 +33,9 @@ pub(crate) struct SegmentFiles {
     segments: PathBuf,
     /// File name to the number of pins on it.
     pins: Mutex<HashMap<String, usize>>,
+    /// How many files lost their last pin: deletions put off for a pin are retried when it
+    /// changes.
+    released: AtomicU64,
 }
 
 impl SegmentFiles {
@@ -40,6 +44,7 @@ impl SegmentFiles {
             root,
             segments,
             pins: Mutex::default(),
+            released: AtomicU64::new(0),
         }
     }
 
@@ -51,6 +56,10 @@ impl SegmentFiles {
             files: Arc::clone(self),
             segment: segment.clone(),
         }
+    }
+
+    pub(super) fn released(&self) -> u64 {
+        self.released.load(Ordering::Relaxed)
     }
 
     pub(super) fn is_pinned(&self, file: &str) -> bool {
@@ -160,6 +169,7 @@ impl Drop for PinnedSegment {
             *count -= 1;
             if *count == 0 {
                 pins.remove(&self.segment.file);
+                self.files.released.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -222,6 +232,42 @@ fn footer_schema(footer: &Footer<'_>) -> Result<SchemaRef, String> {
 /// receives may carry its own. A column containing dictionaries is concatenated (top-level
 /// dictionaries merged to distinct values, as the backends concatenate them, so pandas can
 /// read the file) and sliced back, so the batches keep their boundaries and share one.
+/// Column `column` of `batches`, in one array; top-level dictionaries are merged to distinct
+/// values, as the backends concatenate them.
+fn concat_column(
+    schema: &Schema,
+    column: usize,
+    batches: &[RecordBatch],
+) -> Result<ArrayRef, ArrowError> {
+    let parts: Vec<&dyn Array> = batches.iter().map(|b| b.column(column).as_ref()).collect();
+    match schema.field(column).data_type() {
+        DataType::Dictionary(_, _) => {
+            dictionary::concat_on_host(&parts).map_err(|e| ArrowError::ComputeError(e.to_string()))
+        }
+        _ => concat(&parts),
+    }
+}
+
+/// `batches` (all of `schema`) joined into one batch: the rows of a merge, in order.
+pub(super) fn join(
+    schema: &SchemaRef,
+    batches: &[RecordBatch],
+) -> Result<Vec<RecordBatch>, ArrowError> {
+    if batches.len() < 2 {
+        return Ok(batches.to_vec());
+    }
+    let columns = (0..schema.fields().len())
+        .map(|column| concat_column(schema, column, batches))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rows = batches.iter().map(RecordBatch::num_rows).sum();
+    let options = RecordBatchOptions::new().with_row_count(Some(rows));
+    Ok(vec![RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        columns,
+        &options,
+    )?])
+}
+
 pub(super) fn one_dictionary_per_field<'a>(
     schema: &Schema,
     batches: &'a [RecordBatch],
@@ -235,13 +281,7 @@ pub(super) fn one_dictionary_per_field<'a>(
     }
     let mut arrays: Vec<Vec<ArrayRef>> = batches.iter().map(|b| b.columns().to_vec()).collect();
     for &column in &columns {
-        let parts: Vec<&dyn Array> = batches.iter().map(|b| b.column(column).as_ref()).collect();
-        let whole = if is_dictionary(schema.field(column).data_type()) {
-            dictionary::concat_on_host(&parts)
-                .map_err(|e| ArrowError::ComputeError(e.to_string()))?
-        } else {
-            concat(&parts)?
-        };
+        let whole = concat_column(schema, column, batches)?;
         let mut offset = 0;
         for (batch, arrays) in batches.iter().zip(&mut arrays) {
             arrays[column] = whole.slice(offset, batch.num_rows());

@@ -2,14 +2,14 @@
 //! fault.
 
 use std::fs::{self, File};
-use std::io::{self, Write};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::{FilesError, io_error, sync_dir};
 
 /// A fault for tests: the `step`-th file-system step (counted from 0 after
-/// [`DataDir::inject`]; a write, an fsync, a rename, a create or a delete) fails. `torn` makes a
+/// [`DataDir::inject`]; a write, an fsync, a rename, a create, a truncation or a delete) fails. `torn` makes a
 /// failing write put half its bytes on disk first; `crash` makes every later step fail too, as
 /// if the process had died there, so no cleanup runs.
 #[cfg(test)]
@@ -21,14 +21,28 @@ pub(crate) struct FaultPlan {
 }
 
 /// The file-system steps that change the disk, each one a place a fault can be injected. With
-/// no plan (outside tests), a step costs one atomic increment.
-#[derive(Debug, Default)]
+/// no plan (outside tests), a step costs two relaxed atomic operations. Shared by the commits
+/// and the background merges, which write segments beside them.
+#[derive(Debug)]
 pub(super) struct Fs {
-    pub(super) fail_at: Option<u64>,
-    pub(super) torn: bool,
-    pub(super) crash: bool,
-    pub(super) steps: AtomicU64,
-    pub(super) fired: AtomicBool,
+    /// The step that fails; `u64::MAX` for none.
+    fail_at: AtomicU64,
+    torn: AtomicBool,
+    crash: AtomicBool,
+    steps: AtomicU64,
+    fired: AtomicBool,
+}
+
+impl Default for Fs {
+    fn default() -> Self {
+        Self {
+            fail_at: AtomicU64::new(u64::MAX),
+            torn: AtomicBool::new(false),
+            crash: AtomicBool::new(false),
+            steps: AtomicU64::new(0),
+            fired: AtomicBool::new(false),
+        }
+    }
 }
 
 enum Step {
@@ -38,16 +52,33 @@ enum Step {
 }
 
 impl Fs {
+    /// Makes `plan` the fault to come, counting steps from now.
+    #[cfg(test)]
+    pub(super) fn inject(&self, plan: FaultPlan) {
+        self.torn.store(plan.torn, Ordering::Relaxed);
+        self.crash.store(plan.crash, Ordering::Relaxed);
+        self.fired.store(false, Ordering::Relaxed);
+        self.steps.store(0, Ordering::Relaxed);
+        self.fail_at.store(plan.step, Ordering::Relaxed);
+    }
+
+    /// Whether the injected fault happened.
+    #[cfg(test)]
+    pub(super) fn fired(&self) -> bool {
+        self.fired.load(Ordering::Relaxed)
+    }
+
     fn step(&self) -> Step {
         let step = self.steps.fetch_add(1, Ordering::Relaxed);
-        let Some(fail_at) = self.fail_at else {
-            return Step::Go;
-        };
-        if step < fail_at || (step > fail_at && !self.crash) {
+        let fail_at = self.fail_at.load(Ordering::Relaxed);
+        if fail_at == u64::MAX
+            || step < fail_at
+            || (step > fail_at && !self.crash.load(Ordering::Relaxed))
+        {
             return Step::Go;
         }
         self.fired.store(true, Ordering::Relaxed);
-        if step == fail_at && self.torn {
+        if step == fail_at && self.torn.load(Ordering::Relaxed) {
             Step::Tear
         } else {
             Step::Fail
@@ -90,6 +121,27 @@ impl Fs {
     pub(super) fn sync_dir(&self, dir: &Path) -> Result<(), FilesError> {
         self.check().map_err(io_error(dir, "syncing directory"))?;
         sync_dir(dir)
+    }
+
+    /// Writes all of `buf` at the end of `file`, which is `at` bytes long: one step, which a
+    /// fault may tear.
+    pub(super) fn append(&self, file: &mut File, at: u64, buf: &[u8]) -> io::Result<()> {
+        file.seek(SeekFrom::Start(at))?;
+        let mut written = 0;
+        while written < buf.len() {
+            match self.write(file, &buf[written..])? {
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                n => written += n,
+            }
+        }
+        Ok(())
+    }
+
+    /// Cuts `file` to `len` bytes and makes that durable: the two steps of undoing appends.
+    pub(super) fn truncate(&self, file: &File, len: u64) -> io::Result<()> {
+        self.check()?;
+        file.set_len(len)?;
+        self.sync(file)
     }
 
     pub(super) fn remove(&self, path: &Path) -> io::Result<()> {
