@@ -59,8 +59,9 @@ pub(crate) enum Decoded {
 pub(crate) struct PutDecoder {
     schema: Option<SchemaRef>,
     dictionaries: HashMap<i64, ArrayRef>,
-    /// Largest schema message accepted: one `DoGet` could not send back is refused up front.
-    max_schema_bytes: usize,
+    /// `--max-message-bytes`, which `DoGet` replies keep to: a schema message over it, or a
+    /// schema no row of which fits in it, could not be read back, and is refused up front.
+    max_message_bytes: usize,
     /// Most bytes a compressed message's buffers may decompress to.
     max_decompressed_bytes: u64,
     /// Whether decoded arrays must not point into their message ([`detach`]): for a backend
@@ -71,11 +72,11 @@ pub(crate) struct PutDecoder {
 }
 
 impl PutDecoder {
-    pub(crate) fn new(max_schema_bytes: usize, max_decompressed_bytes: u64, detach: bool) -> Self {
+    pub(crate) fn new(max_message_bytes: usize, max_decompressed_bytes: u64, detach: bool) -> Self {
         Self {
             schema: None,
             dictionaries: HashMap::new(),
-            max_schema_bytes,
+            max_message_bytes,
             max_decompressed_bytes,
             detach,
             dense_unions: false,
@@ -101,12 +102,12 @@ impl PutDecoder {
         let body_len = data.data_body.len();
         match message.header_type() {
             MessageHeader::Schema => {
-                if data.data_header.len() > self.max_schema_bytes {
+                if data.data_header.len() > self.max_message_bytes {
                     return Err(invalid(format!(
                         "the schema message has {} bytes, over the {}-byte message limit \
                          (--max-message-bytes) that DoGet replies keep to",
                         data.data_header.len(),
-                        self.max_schema_bytes
+                        self.max_message_bytes
                     )));
                 }
                 let header = message
@@ -118,6 +119,7 @@ impl PutDecoder {
                 .map_err(|e| invalid(format!("invalid schema: {e}")))?;
                 check_schema(&schema)?;
                 let schema = Arc::new(schema);
+                check_one_row_fits(&schema, self.max_message_bytes)?;
                 if self.schema.is_none() {
                     self.dense_unions = has_dense_union(&schema);
                     self.schema = Some(Arc::clone(&schema));
@@ -649,6 +651,32 @@ fn check_schema(schema: &Schema) -> Result<(), Error> {
         }
     }
     schema.fields().iter().try_for_each(|f| check(f))
+}
+
+/// Refuses a schema whose one-row record batch message `DoGet` could not send within
+/// `--max-message-bytes` (its metadata and padding alone, tens of thousands of columns): such
+/// a put would succeed and every read of it fail.
+fn check_one_row_fits(schema: &SchemaRef, limit: usize) -> Result<(), Error> {
+    let measured = guarded("measuring a one-row message", || {
+        crate::flight::doget::one_row_overhead(schema)
+    })?;
+    let overhead = match measured {
+        Ok(overhead) => overhead,
+        Err(error) => {
+            // Not a reason to refuse the put: DoGet will say what it cannot encode.
+            tracing::warn!(%error, "could not measure a one-row message of a DoPut schema");
+            return Ok(());
+        }
+    };
+    if overhead > limit as u64 {
+        return Err(invalid(format!(
+            "a record batch of this schema takes up to {overhead} bytes of metadata and padding \
+             for a single row, over the {limit}-byte message limit (--max-message-bytes) that \
+             DoGet replies keep to, so no row of it could be read back; put fewer columns per \
+             dataset, or raise --max-message-bytes (and the clients' maximum receive size)"
+        )));
+    }
+    Ok(())
 }
 
 /// What Arrow's validation leaves out: decimal values within their declared precision.
