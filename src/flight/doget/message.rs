@@ -118,11 +118,6 @@ impl IpcMessage {
         Ok(())
     }
 
-    /// The IPC metadata (a flatbuffer `Message`).
-    pub(crate) fn header(&self) -> &[u8] {
-        &self.header
-    }
-
     /// The body's buffers, in order.
     #[cfg(test)]
     pub(super) fn body_buffers(&self) -> &[Buffer] {
