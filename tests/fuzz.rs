@@ -1606,6 +1606,23 @@ impl PutCase {
         }
     }
 
+    /// A corpus stream with one header byte changed, as `known` says.
+    fn known(id: String, known: &KnownEdit, corpus: &[Stream]) -> Self {
+        let stream = corpus
+            .iter()
+            .find(|s| s.label == known.stream)
+            .unwrap_or_else(|| panic!("no corpus stream {}", known.stream));
+        let mut case = Self::unmutated(id, stream);
+        let mut message =
+            FlightData::decode(case.messages[known.message].clone()).expect("corpus message");
+        message.data_header = edit(&message.data_header, |b| {
+            b[known.byte] = (known.change)(b[known.byte]);
+        });
+        case.messages[known.message] = message.encode_to_vec().into();
+        case.log = Log(vec![format!("stream {}; {}", stream.label, known.what)]);
+        case
+    }
+
     /// A stream sent as is: the corpus entries must themselves pass.
     fn unmutated(id: String, stream: &Stream) -> Self {
         let mut messages = stream.messages.clone();
@@ -1626,6 +1643,38 @@ impl PutCase {
         }
     }
 }
+
+/// A header edit that once broke the server, replayed by every run whatever its seed: the
+/// random search may not come back to it for a long time.
+struct KnownEdit {
+    stream: &'static str,
+    message: usize,
+    byte: usize,
+    change: fn(u8) -> u8,
+    /// How the search logged it.
+    what: &'static str,
+}
+
+const KNOWN_HEADER_EDITS: [KnownEdit; 2] = [
+    // A list's offsets buffer declared 195 bytes long instead of 80: not a whole number of
+    // offsets, which Arrow asserted (a panic) validating the list (seed 424242, case 189076).
+    KnownEdit {
+        stream: "lists",
+        message: 2,
+        byte: 304,
+        change: |_| 0xc3,
+        what: "header 2: byte 304 = 0xc3",
+    },
+    // A views buffer declared 306 bytes long, 19 views and 2 bytes: the same assertion (seed
+    // 424242, case 249492).
+    KnownEdit {
+        stream: "views",
+        message: 1,
+        byte: 176,
+        change: |b| b ^ 1 << 1,
+        what: "header 1: flip bits 176.1",
+    },
+];
 
 /// Everything the DoPut test shares across cases.
 struct PutRig {
@@ -1844,6 +1893,12 @@ async fn put_campaign(config: Config, addr: SocketAddr) -> Campaign {
             cases.push((
                 PutCase::unmutated(format!("corpus {i}"), stream),
                 stream.supported,
+            ));
+        }
+        for (i, known) in KNOWN_HEADER_EDITS.iter().enumerate() {
+            cases.push((
+                PutCase::known(format!("known {i}"), known, &rig.corpus),
+                false,
             ));
         }
     }

@@ -811,14 +811,105 @@ async fn wide_schemas_keep_the_reply_ceiling_or_say_why_they_cannot() {
     );
 
     // 15,000 columns: the schema fits, but one row's metadata and padding alone are over the
-    // ceiling, and the error says so.
-    put(&mut client, path("wider"), vec![wide_batch(15_000, 2)])
-        .await
-        .expect("put");
-    let error = get_by_name(&mut client, "wider")
+    // ceiling, so no row could be read back: the put is refused, and says why.
+    let error = put(&mut client, path("wider"), vec![wide_batch(15_000, 2)])
         .await
         .expect_err("too wide");
-    assert_eq!(code_of(&error), Code::FailedPrecondition);
+    assert_eq!(code_of(&error), Code::InvalidArgument);
     assert!(error.to_string().contains("--max-message-bytes"), "{error}");
+    let missing = client
+        .get_flight_info(path("wider"))
+        .await
+        .expect_err("nothing stored");
+    assert_eq!(code_of(&missing), Code::NotFound);
+    server.shutdown_and_wait().await;
+}
+
+/// One row of `columns` columns: int64 (null), strings and lists of int32, in turn.
+fn mixed_row(columns: usize) -> RecordBatch {
+    let arrays: Vec<(String, ArrayRef)> = (0..columns)
+        .map(|c| {
+            let array: ArrayRef = match c % 3 {
+                0 => Arc::new(Int64Array::from(vec![None])),
+                1 => Arc::new(arrow::array::StringArray::from(vec!["x".repeat(c % 70)])),
+                _ => Arc::new(arrow::array::ListArray::from_iter_primitive::<
+                    arrow::datatypes::Int32Type,
+                    _,
+                    _,
+                >([Some(
+                    (0..c % 20).map(|v| Some(v as i32)),
+                )])),
+            };
+            (format!("c{c}"), array)
+        })
+        .collect();
+    RecordBatch::try_from_iter(arrays).expect("mixed row")
+}
+
+#[tokio::test]
+async fn a_put_no_row_of_which_could_be_read_back_is_refused_and_the_widest_accepted_reads_back() {
+    const CEILING: usize = 64 << 10;
+    let options = ServeOptions {
+        flight: gpu_flight::flight::FlightOptions {
+            max_message_bytes: CEILING,
+            ..Default::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(host(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+
+    // 600 columns: the schema message fits in 64 KiB; one row's message does not.
+    let (mut accepted, mut refused) = (1, 600);
+    let error = put(&mut client, path("too wide"), vec![mixed_row(refused)])
+        .await
+        .expect_err("refused");
+    assert_eq!(code_of(&error), Code::InvalidArgument, "{error}");
+    let message = error.to_string();
+    assert!(message.contains("--max-message-bytes"), "{message}");
+    assert!(message.contains(&CEILING.to_string()), "{message}");
+    assert!(
+        message.contains("no row of it could be read back"),
+        "{message}"
+    );
+    assert!(list_all(&mut client).await.is_empty(), "nothing stored");
+    assert_eq!(used_bytes(&mut client).await, 0);
+
+    // The widest put accepted (acceptance falls with width: search for the edge)...
+    put(&mut client, path("w1"), vec![mixed_row(accepted)])
+        .await
+        .expect("one column");
+    while refused - accepted > 1 {
+        let columns = (accepted + refused) / 2;
+        let name = format!("w{columns}");
+        match put(&mut client, path(&name), vec![mixed_row(columns)]).await {
+            Ok(_) => accepted = columns,
+            Err(error) => {
+                assert_eq!(code_of(&error), Code::InvalidArgument, "{error}");
+                refused = columns;
+            }
+        }
+    }
+    // ...reads back, with and without compression.
+    let name = format!("w{accepted}");
+    let sent = vec![mixed_row(accepted)];
+    assert_same_data(&sent, &get_all(&mut client, &name).await.expect("read"));
+    let compressed = FlightDescriptor::new_cmd(
+        serde_json::json!({"name": name, "compression": "zstd"}).to_string(),
+    );
+    let info = client.get_flight_info(compressed).await.expect("info");
+    let mut received = Vec::new();
+    for endpoint in info.endpoint {
+        let ticket = endpoint.ticket.expect("ticket");
+        let mut part: Vec<RecordBatch> = client
+            .do_get(ticket)
+            .await
+            .expect("do_get")
+            .try_collect()
+            .await
+            .expect("read compressed");
+        received.append(&mut part);
+    }
+    assert_same_data(&sent, &received);
     server.shutdown_and_wait().await;
 }

@@ -3,10 +3,12 @@
 //!
 //! Arrow's IPC reader assumes well-formed input in places: a buffer that points past the end of
 //! the message body, a negative length or a row count of 2^62 makes it panic or allocate without
-//! bound. So every message's metadata is checked against the bytes that really arrived before
-//! Arrow reads it ([`check_batch`]); Arrow then builds the arrays with full validation
-//! (offsets, UTF-8, dictionary keys), and [`check_values`] adds what Arrow does not check
-//! (decimal precision). A panic that still escapes Arrow is caught here and reported as a
+//! bound, and a buffer it views as typed values (offsets, views, dictionary keys) must hold a
+//! whole number of them, aligned, or it panics. So every message's metadata is checked against
+//! the bytes that really arrived ([`check_batch`]) and each buffer against the layout its
+//! column gives it ([`check_layout`]) before Arrow reads it; Arrow then builds the arrays with
+//! full validation (offsets, UTF-8, dictionary keys), and [`check_values`] adds what Arrow does
+//! not check (decimal precision). A panic that still escapes Arrow is caught here and reported as a
 //! server bug, never as the client's: the fuzzer in `tests/fuzz.rs` holds that line.
 //!
 //! Compressed bodies (LZ4 frame or ZSTD, as pyarrow writes with `IpcWriteOptions(compression=)`)
@@ -57,23 +59,27 @@ pub(crate) enum Decoded {
 pub(crate) struct PutDecoder {
     schema: Option<SchemaRef>,
     dictionaries: HashMap<i64, ArrayRef>,
-    /// Largest schema message accepted: one `DoGet` could not send back is refused up front.
-    max_schema_bytes: usize,
+    /// `--max-message-bytes`, which `DoGet` replies keep to: a schema message over it, or a
+    /// schema no row of which fits in it, could not be read back, and is refused up front.
+    max_message_bytes: usize,
     /// Most bytes a compressed message's buffers may decompress to.
     max_decompressed_bytes: u64,
     /// Whether decoded arrays must not point into their message ([`detach`]): for a backend
     /// that keeps the arrays it is given.
     detach: bool,
+    /// Whether the schema has dense unions, whose offsets Arrow reads where they lie.
+    dense_unions: bool,
 }
 
 impl PutDecoder {
-    pub(crate) fn new(max_schema_bytes: usize, max_decompressed_bytes: u64, detach: bool) -> Self {
+    pub(crate) fn new(max_message_bytes: usize, max_decompressed_bytes: u64, detach: bool) -> Self {
         Self {
             schema: None,
             dictionaries: HashMap::new(),
-            max_schema_bytes,
+            max_message_bytes,
             max_decompressed_bytes,
             detach,
+            dense_unions: false,
         }
     }
 
@@ -96,12 +102,12 @@ impl PutDecoder {
         let body_len = data.data_body.len();
         match message.header_type() {
             MessageHeader::Schema => {
-                if data.data_header.len() > self.max_schema_bytes {
+                if data.data_header.len() > self.max_message_bytes {
                     return Err(invalid(format!(
                         "the schema message has {} bytes, over the {}-byte message limit \
                          (--max-message-bytes) that DoGet replies keep to",
                         data.data_header.len(),
-                        self.max_schema_bytes
+                        self.max_message_bytes
                     )));
                 }
                 let header = message
@@ -113,7 +119,9 @@ impl PutDecoder {
                 .map_err(|e| invalid(format!("invalid schema: {e}")))?;
                 check_schema(&schema)?;
                 let schema = Arc::new(schema);
+                check_one_row_fits(&schema, self.max_message_bytes)?;
                 if self.schema.is_none() {
+                    self.dense_unions = has_dense_union(&schema);
                     self.schema = Some(Arc::clone(&schema));
                 }
                 Ok(Decoded::Schema(schema))
@@ -135,15 +143,18 @@ impl PutDecoder {
                     .data()
                     .ok_or_else(|| invalid("an IPC dictionary message without its data"))?;
                 check_batch(&batch, body_len)?;
-                self.pay_for_decompression(&batch, &data.data_body, reserve)?;
-                let body = Buffer::from(data.data_body.clone());
+                let buffers = self.pay_for_decompression(&batch, &data.data_body, reserve)?;
+                if let Some(values) = dictionary_values(&schema, header.id()) {
+                    check_layout(&Schema::new(vec![values]), &batch, &buffers, version)?;
+                }
+                let body = self.body(&data.data_body);
                 let dictionaries = &mut self.dictionaries;
                 guarded("reading a dictionary", || {
                     ipc::reader::read_dictionary(&body, header, &schema, dictionaries, &version)
                 })?
                 .map_err(|e| invalid(format!("invalid dictionary batch: {e}")))?;
                 if self.detach {
-                    let message = body_range(&data.data_body);
+                    let message = body_range(body.as_slice());
                     for dictionary in self.dictionaries.values_mut() {
                         *dictionary = detach(dictionary, &message)?;
                     }
@@ -156,9 +167,9 @@ impl PutDecoder {
                     .header_as_record_batch()
                     .ok_or_else(|| invalid("an IPC record batch message without its batch"))?;
                 check_batch(&header, body_len)?;
-                let lengths = self.pay_for_decompression(&header, &data.data_body, reserve)?;
-                check_unions(&schema, &header, &lengths, version)?;
-                let body = Buffer::from(data.data_body.clone());
+                let buffers = self.pay_for_decompression(&header, &data.data_body, reserve)?;
+                check_layout(&schema, &header, &buffers, version)?;
+                let body = self.body(&data.data_body);
                 let dictionaries = &self.dictionaries;
                 let batch = guarded("reading a record batch", || {
                     ipc::reader::read_record_batch(
@@ -177,7 +188,7 @@ impl PutDecoder {
                 if !self.detach {
                     return Ok(Decoded::Batch(batch));
                 }
-                let message = body_range(&data.data_body);
+                let message = body_range(body.as_slice());
                 let columns = batch
                     .columns()
                     .iter()
@@ -195,19 +206,29 @@ impl PutDecoder {
         }
     }
 
-    /// Pays for what a compressed batch decompresses to; returns the length Arrow will see
-    /// for each buffer.
+    /// Pays for what a compressed batch decompresses to; returns each buffer's offset in the
+    /// body and the length Arrow will see for it.
     fn pay_for_decompression(
         &self,
         batch: &ipc::RecordBatch<'_>,
         body: &[u8],
         reserve: impl FnOnce(u64) -> Result<(), Error>,
-    ) -> Result<Vec<i64>, Error> {
+    ) -> Result<Vec<(i64, i64)>, Error> {
         let (lengths, total) = buffer_lengths(batch, body, self.max_decompressed_bytes)?;
         if total > 0 {
             reserve(total)?;
         }
         Ok(lengths)
+    }
+
+    /// The body as Arrow reads it: in place, except that a dense union's offsets (`i32`s,
+    /// which Arrow requires aligned and does not realign) need a body that starts aligned,
+    /// and gRPC leaves a body wherever it lay in the frame.
+    fn body(&self, body: &bytes::Bytes) -> Buffer {
+        if self.dense_unions && !(body.as_ptr() as usize).is_multiple_of(8) {
+            return Buffer::from_slice_ref(body);
+        }
+        Buffer::from(body.clone())
     }
 
     fn schema(&self) -> Result<SchemaRef, Error> {
@@ -309,21 +330,22 @@ fn check_batch(batch: &ipc::RecordBatch<'_>, body_len: usize) -> Result<(), Erro
     Ok(())
 }
 
-/// The length each buffer of a batch (placed inside `body` by [`check_batch`]) will have once
-/// Arrow has read it, and the bytes Arrow will allocate to decompress them, at most `limit`:
-/// for an uncompressed batch the lengths in its metadata and nothing; for a compressed one
-/// what each buffer's prefix declares (or, stored uncompressed, its length less the prefix).
+/// The offset of each buffer of a batch (placed inside `body` by [`check_batch`]) and the
+/// length it will have once Arrow has read it, and the bytes Arrow will allocate to decompress
+/// them, at most `limit`: for an uncompressed batch the lengths in its metadata and nothing;
+/// for a compressed one what each buffer's prefix declares (or, stored uncompressed, its
+/// length less the prefix).
 fn buffer_lengths(
     batch: &ipc::RecordBatch<'_>,
     body: &[u8],
     limit: u64,
-) -> Result<(Vec<i64>, u64), Error> {
+) -> Result<(Vec<(i64, i64)>, u64), Error> {
     let Some(compression) = batch.compression() else {
         let wire = batch
             .buffers()
             .iter()
             .flatten()
-            .map(|b| b.length())
+            .map(|b| (b.offset(), b.length()))
             .collect();
         return Ok((wire, 0));
     };
@@ -352,7 +374,7 @@ fn buffer_lengths(
             return Err(invalid("a compressed buffer lies outside the message body"));
         };
         if bytes.is_empty() {
-            lengths.push(0);
+            lengths.push((buffer.offset(), 0));
             continue;
         }
         let Some(prefix) = bytes.first_chunk::<8>() else {
@@ -364,7 +386,10 @@ fn buffer_lengths(
         let declared = i64::from_le_bytes(*prefix);
         // -1: stored uncompressed, used in place.
         if declared == -1 {
-            lengths.push(i64::try_from(bytes.len() - 8).unwrap_or(i64::MAX));
+            lengths.push((
+                buffer.offset(),
+                i64::try_from(bytes.len() - 8).unwrap_or(i64::MAX),
+            ));
             continue;
         }
         let declared = u64::try_from(declared).map_err(|_| {
@@ -373,7 +398,7 @@ fn buffer_lengths(
             ))
         })?;
         total = total.saturating_add(declared);
-        lengths.push(i64::try_from(declared).unwrap_or(i64::MAX));
+        lengths.push((buffer.offset(), i64::try_from(declared).unwrap_or(i64::MAX)));
     }
     if total > limit {
         return Err(Error::MessageTooLarge {
@@ -387,19 +412,23 @@ fn buffer_lengths(
     Ok((lengths, total))
 }
 
-/// Checks union columns' type-id and offset buffers against their lengths: Arrow's reader slices
-/// those before validating anything. Walks the schema in the order the reader consumes field
-/// nodes and buffers (depth first, one node a field, a fixed number of buffers a layout).
-fn check_unions(
+/// Checks each buffer against what Arrow will do with it, before Arrow does: Arrow's reader
+/// slices a union's type-id and offset buffers (and views its offsets as `i32`s) before it
+/// validates anything, and its validation views offsets, sizes, views, dictionary keys and run
+/// ends as typed slices, asserting (a panic) that each buffer holds a whole number of values.
+/// Walks the schema in the order the reader consumes field nodes and buffers (depth first, one
+/// node a field, a fixed number of buffers a layout). `buffers` holds each buffer's offset in
+/// the body and the length Arrow will see ([`buffer_lengths`]).
+fn check_layout(
     schema: &Schema,
     batch: &ipc::RecordBatch<'_>,
-    buffer_lengths: &[i64],
+    buffers: &[(i64, i64)],
     version: ipc::MetadataVersion,
 ) -> Result<(), Error> {
-    /// Lengths of the field nodes and buffers, consumed in order.
+    /// Lengths of the field nodes, and offsets and lengths of the buffers, consumed in order.
     struct Walk<'a> {
         nodes: std::vec::IntoIter<i64>,
-        buffers: std::iter::Copied<std::slice::Iter<'a, i64>>,
+        buffers: std::iter::Copied<std::slice::Iter<'a, (i64, i64)>>,
         variadic: std::collections::VecDeque<i64>,
         legacy_union_validity: bool,
     }
@@ -409,7 +438,7 @@ fn check_unions(
                 invalid("the record batch has fewer field nodes than its schema needs")
             })
         }
-        fn buffer(&mut self) -> Result<i64, Error> {
+        fn buffer(&mut self) -> Result<(i64, i64), Error> {
             self.buffers
                 .next()
                 .ok_or_else(|| invalid("the record batch has fewer buffers than its schema needs"))
@@ -417,23 +446,58 @@ fn check_unions(
         fn skip(&mut self, buffers: usize) -> Result<(), Error> {
             (0..buffers).try_for_each(|_| self.buffer().map(drop))
         }
+        /// The next buffer, which Arrow views as values of `width` bytes.
+        fn values(&mut self, field: &Field, width: usize, what: &str) -> Result<i64, Error> {
+            let (_, length) = self.buffer()?;
+            let whole = usize::try_from(length).is_ok_and(|length| length.is_multiple_of(width));
+            if !whole {
+                return Err(invalid(format!(
+                    "column '{}' has a buffer of {length} bytes for its {what}, not a whole \
+                     number of {width}-byte values",
+                    field.name()
+                )));
+            }
+            Ok(length)
+        }
         fn field(&mut self, field: &Field) -> Result<(), Error> {
             let length = self.node()?;
             match field.data_type() {
                 DataType::Null => Ok(()),
-                DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
-                    self.skip(3)
+                DataType::Utf8 | DataType::Binary => {
+                    self.skip(1)?;
+                    self.values(field, 4, "offsets")?;
+                    self.skip(1)
+                }
+                DataType::LargeUtf8 | DataType::LargeBinary => {
+                    self.skip(1)?;
+                    self.values(field, 8, "offsets")?;
+                    self.skip(1)
                 }
                 DataType::Utf8View | DataType::BinaryView => {
                     let count = self.variadic.pop_front().unwrap_or(0);
-                    self.skip(usize::try_from(count).unwrap_or(0).saturating_add(2))
+                    self.skip(1)?;
+                    self.values(field, 16, "views")?;
+                    self.skip(usize::try_from(count).unwrap_or(0))
                 }
-                DataType::List(child) | DataType::LargeList(child) | DataType::Map(child, _) => {
-                    self.skip(2)?;
+                DataType::List(child) | DataType::Map(child, _) => {
+                    self.skip(1)?;
+                    self.values(field, 4, "offsets")?;
+                    self.field(child)
+                }
+                DataType::LargeList(child) => {
+                    self.skip(1)?;
+                    self.values(field, 8, "offsets")?;
                     self.field(child)
                 }
                 DataType::ListView(child) | DataType::LargeListView(child) => {
-                    self.skip(3)?;
+                    let width = if matches!(field.data_type(), DataType::ListView(_)) {
+                        4
+                    } else {
+                        8
+                    };
+                    self.skip(1)?;
+                    self.values(field, width, "offsets")?;
+                    self.values(field, width, "sizes")?;
                     self.field(child)
                 }
                 DataType::FixedSizeList(child, _) => {
@@ -452,13 +516,13 @@ fn check_unions(
                     if self.legacy_union_validity {
                         self.skip(1)?;
                     }
-                    let ids = self.buffer()?;
+                    let (_, ids) = self.buffer()?;
                     let offsets = match mode {
                         arrow::datatypes::UnionMode::Dense => Some(self.buffer()?),
                         arrow::datatypes::UnionMode::Sparse => None,
                     };
                     let short = ids < length
-                        || offsets.is_some_and(|offsets| offsets < length.saturating_mul(4));
+                        || offsets.is_some_and(|(_, len)| len < length.saturating_mul(4));
                     if short {
                         return Err(invalid(format!(
                             "union column '{}' of {length} values has too short a type-id or \
@@ -466,15 +530,36 @@ fn check_unions(
                             field.name()
                         )));
                     }
+                    // Arrow uses the offsets where they lie in the body (realigned to 8 bytes
+                    // by the decoder if need be), as `i32`s it requires aligned.
+                    if let Some((offset, _)) = offsets
+                        && offset % 4 != 0
+                    {
+                        return Err(invalid(format!(
+                            "union column '{}' has its offsets at byte {offset} of the body, \
+                             not aligned to 4 bytes (IPC aligns buffers to 8)",
+                            field.name()
+                        )));
+                    }
                     fields.iter().try_for_each(|(_, f)| self.field(f))
                 }
-                // Primitives, booleans, fixed-size binary, dictionary keys: validity and values.
-                _ => self.skip(2),
+                DataType::Dictionary(keys, _) => {
+                    self.skip(1)?;
+                    match keys.primitive_width() {
+                        Some(width) => self.values(field, width, "dictionary keys").map(drop),
+                        None => self.skip(1),
+                    }
+                }
+                // Primitives, booleans, fixed-size binary: validity and values.
+                other => {
+                    self.skip(1)?;
+                    match other.primitive_width() {
+                        Some(width) => self.values(field, width, "values").map(drop),
+                        None => self.skip(1),
+                    }
+                }
             }
         }
-    }
-    if !schema.fields().iter().any(|f| has_union(f.data_type())) {
-        return Ok(());
     }
     let mut walk = Walk {
         nodes: batch
@@ -484,7 +569,7 @@ fn check_unions(
             .map(|n| n.length())
             .collect::<Vec<_>>()
             .into_iter(),
-        buffers: buffer_lengths.iter().copied(),
+        buffers: buffers.iter().copied(),
         variadic: batch
             .variadicBufferCounts()
             .map(|counts| counts.iter().collect())
@@ -494,15 +579,30 @@ fn check_unions(
     schema.fields().iter().try_for_each(|f| walk.field(f))
 }
 
-fn has_union(data_type: &DataType) -> bool {
-    crate::datatypes::contains(data_type, &|t| matches!(t, DataType::Union(_, _)))
+fn has_dense_union(schema: &Schema) -> bool {
+    let dense = |t: &DataType| matches!(t, DataType::Union(_, arrow::datatypes::UnionMode::Dense));
+    schema
+        .fields()
+        .iter()
+        .any(|f| crate::datatypes::contains(f.data_type(), &dense))
+}
+
+/// The values field of the dictionary `id`, as Arrow's reader finds it (the first field with
+/// that id), if the schema has one.
+fn dictionary_values(schema: &Schema, id: i64) -> Option<Field> {
+    #[expect(deprecated, reason = "Arrow's reader looks dictionaries up by this id")]
+    let fields = schema.fields_with_dict_id(id);
+    match fields.first()?.data_type() {
+        DataType::Dictionary(_, values) => Some(Field::new("", values.as_ref().clone(), true)),
+        _ => None,
+    }
 }
 
 /// Checks what Arrow's schema conversion accepts but later code would trust: sizes that must
 /// not be negative.
 fn check_schema(schema: &Schema) -> Result<(), Error> {
-    // Dictionary messages go to Arrow unchecked for unions (see `check_unions`), and Arrow
-    // slices a union's buffers before it validates them: refuse the type instead.
+    // Arrow slices a union's buffers before it validates them. `check_layout` checks them in
+    // dictionary messages too, but no client has needed the type: it stays refused.
     let union_dictionary = |t: &DataType| {
         matches!(t, DataType::Dictionary(_, values)
             if crate::datatypes::contains(values, &|v| matches!(v, DataType::Union(_, _))))
@@ -551,6 +651,22 @@ fn check_schema(schema: &Schema) -> Result<(), Error> {
         }
     }
     schema.fields().iter().try_for_each(|f| check(f))
+}
+
+/// Refuses a schema whose one-row record batch message `DoGet` could not send within
+/// `--max-message-bytes` (its metadata and padding alone, tens of thousands of columns): such
+/// a put would succeed and every read of it fail.
+fn check_one_row_fits(schema: &Schema, limit: usize) -> Result<(), Error> {
+    let overhead = super::doget::one_row_overhead(schema);
+    if overhead > limit as u64 {
+        return Err(invalid(format!(
+            "a record batch of this schema takes up to {overhead} bytes of metadata and padding \
+             for a single row, over the {limit}-byte message limit (--max-message-bytes) that \
+             DoGet replies keep to, so no row of it could be read back; put fewer columns per \
+             dataset, or raise --max-message-bytes (and the clients' maximum receive size)"
+        )));
+    }
+    Ok(())
 }
 
 /// What Arrow's validation leaves out: decimal values within their declared precision.
@@ -722,6 +838,252 @@ mod tests {
             RecordBatch::try_from_iter([("d", Arc::new(dictionary) as ArrayRef)]).expect("batch");
         match decode_all(&encode(batch, None)) {
             Err(Error::InvalidIpc(message)) => assert!(message.contains("dictionary-encoded")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A batch of every layout whose buffers Arrow views as typed values: offsets of each
+    /// width, list views, views, dictionary keys, run ends, union offsets, fixed-width values.
+    fn typed_buffers_batch() -> RecordBatch {
+        use arrow::array::*;
+        use arrow::datatypes::{Int16Type, Int64Type, IntervalMonthDayNano};
+        let rows: usize = 6;
+        let mut lists = ListBuilder::new(ListBuilder::new(StringBuilder::new()));
+        for r in 0..rows {
+            for i in 0..r % 3 {
+                lists.values().values().append_value(format!("v{r}.{i}"));
+                lists.values().append(true);
+            }
+            lists.append(r != 4);
+        }
+        let large = LargeListArray::from_iter_primitive::<Int64Type, _, _>(
+            (0..rows).map(|r| Some((0..r as i64).map(Some).collect::<Vec<_>>())),
+        );
+        let list_view = ListViewArray::new(
+            Arc::new(Field::new_list_field(DataType::Int32, true)),
+            arrow::buffer::ScalarBuffer::from(vec![0i32, 1, 2, 3, 4, 5]),
+            arrow::buffer::ScalarBuffer::from(vec![1i32; 6]),
+            Arc::new(Int32Array::from_iter_values(0..6)),
+            None,
+        );
+        let keys = Int16Array::from_iter_values((0..rows).map(|r| (r % 2) as i16));
+        let dictionary = DictionaryArray::<Int16Type>::try_new(
+            keys,
+            Arc::new(StringArray::from(vec!["red", "blue"])),
+        )
+        .expect("dictionary");
+        let run_ends = RunArray::<Int16Type>::try_new(
+            &Int16Array::from(vec![2i16, 6]),
+            &Int64Array::from(vec![7i64, 8]),
+        )
+        .expect("run ends");
+        let dense = {
+            let fields = arrow::datatypes::UnionFields::try_new(
+                [0, 1],
+                [
+                    Field::new("a", DataType::Int64, true),
+                    Field::new("b", DataType::Utf8, true),
+                ],
+            )
+            .expect("fields");
+            let ids = arrow::buffer::ScalarBuffer::from(vec![0i8, 1, 0, 1, 0, 1]);
+            let offsets = arrow::buffer::ScalarBuffer::from(vec![0i32, 0, 1, 1, 2, 2]);
+            let children: Vec<ArrayRef> = vec![
+                Arc::new(Int64Array::from(vec![1i64, 2, 3])),
+                Arc::new(StringArray::from(vec!["x", "yy", "zzz"])),
+            ];
+            UnionArray::try_new(fields, ids, Some(offsets), children).expect("dense union")
+        };
+        let columns: Vec<(&str, ArrayRef)> = vec![
+            (
+                "strings",
+                Arc::new(StringArray::from_iter_values(
+                    (0..rows).map(|r| format!("s{r}")),
+                )),
+            ),
+            (
+                "large strings",
+                Arc::new(LargeStringArray::from_iter_values(
+                    (0..rows).map(|r| format!("l{r}")),
+                )),
+            ),
+            (
+                "views",
+                Arc::new(StringViewArray::from_iter_values(
+                    (0..rows).map(|r| format!("a value too long to be inline {r}")),
+                )),
+            ),
+            ("lists", Arc::new(lists.finish())),
+            ("large lists", Arc::new(large)),
+            ("list views", Arc::new(list_view)),
+            ("dictionary", Arc::new(dictionary)),
+            ("run ends", Arc::new(run_ends)),
+            ("dense union", Arc::new(dense)),
+            (
+                "i16",
+                Arc::new(Int16Array::from_iter_values(0..rows as i16)),
+            ),
+            (
+                "f64",
+                Arc::new(Float64Array::from_iter_values((0..rows).map(|r| r as f64))),
+            ),
+            (
+                "decimals",
+                Arc::new(
+                    Decimal256Array::from_iter_values(
+                        (0..rows).map(|r| arrow::datatypes::i256::from_i128(r as i128)),
+                    )
+                    .with_precision_and_scale(20, 2)
+                    .expect("precision"),
+                ),
+            ),
+            (
+                "intervals",
+                Arc::new(IntervalMonthDayNanoArray::from_iter_values(
+                    (0..rows).map(|r| IntervalMonthDayNano::new(r as i32, 1, 2)),
+                )),
+            ),
+        ];
+        RecordBatch::try_from_iter(columns).expect("batch")
+    }
+
+    /// Where each buffer's `(offset, length)` lies in an IPC record batch or dictionary
+    /// header, and how many there are.
+    fn buffers_at(header: &[u8]) -> (usize, usize) {
+        let message = ipc::root_as_message(header).expect("message");
+        let batch = match message.header_as_record_batch() {
+            Some(batch) => batch,
+            None => message
+                .header_as_dictionary_batch()
+                .and_then(|d| d.data())
+                .expect("a batch"),
+        };
+        let buffers = batch.buffers().expect("buffers");
+        (
+            buffers.bytes().as_ptr() as usize - header.as_ptr() as usize,
+            buffers.len(),
+        )
+    }
+
+    fn set_buffer_length(message: &mut FlightData, index: usize, length: i64) {
+        let (at, _) = buffers_at(&message.data_header);
+        let mut header = message.data_header.to_vec();
+        let field = at + 16 * index + 8;
+        header[field..field + 8].copy_from_slice(&length.to_le_bytes());
+        message.data_header = header.into();
+    }
+
+    fn buffer_length(message: &FlightData, index: usize) -> i64 {
+        let (at, _) = buffers_at(&message.data_header);
+        let field = at + 16 * index + 8;
+        i64::from_le_bytes(
+            message.data_header[field..field + 8]
+                .try_into()
+                .expect("8 bytes"),
+        )
+    }
+
+    /// `message`'s body again, starting one byte past an aligned address: where a body sliced
+    /// out of a gRPC receive buffer may well start.
+    fn misaligned(message: &mut FlightData) {
+        let mut bytes = vec![0u8; message.data_body.len() + 1];
+        let start = if (bytes.as_ptr() as usize).is_multiple_of(2) {
+            1
+        } else {
+            0
+        };
+        bytes[start..start + message.data_body.len()].copy_from_slice(&message.data_body);
+        let len = message.data_body.len();
+        message.data_body = bytes::Bytes::from(bytes).slice(start..start + len);
+    }
+
+    #[test]
+    fn valid_batches_decode_wherever_their_body_lies() {
+        let batch = typed_buffers_batch();
+        for shift in [false, true] {
+            let mut messages = encode(batch.clone(), None);
+            if shift {
+                messages.iter_mut().for_each(misaligned);
+            }
+            match decode_all(&messages) {
+                Ok(Decoded::Batch(decoded)) => assert_eq!(decoded, batch),
+                other => panic!("misaligned {shift}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn buffers_that_do_not_hold_whole_values_are_refused() {
+        // Arrow views offsets, views, keys and run ends as typed slices, and asserts (panics)
+        // that a buffer holds a whole number of values: shorten or lengthen each buffer of
+        // each message by a byte, which the body has room for (buffers are padded).
+        let messages = encode(typed_buffers_batch(), None);
+        let mut refused = 0;
+        for (m, message) in messages.iter().enumerate().skip(1) {
+            let (_, count) = buffers_at(&message.data_header);
+            for index in 0..count {
+                let length = buffer_length(message, index);
+                for changed in [length - 1, length + 1] {
+                    if changed < 0 {
+                        continue;
+                    }
+                    let mut mutated = messages.clone();
+                    set_buffer_length(&mut mutated[m], index, changed);
+                    match decode_all(&mutated) {
+                        Ok(_) => {}
+                        Err(Error::InvalidIpc(_)) => refused += 1,
+                        Err(other) => {
+                            panic!("message {m}, buffer {index} of {changed} bytes: {other:?}")
+                        }
+                    }
+                }
+            }
+        }
+        assert!(refused > 0, "some were refused");
+    }
+
+    #[test]
+    fn a_dense_union_offsets_buffer_off_its_alignment_is_refused() {
+        let batch = typed_buffers_batch();
+        let schema = batch.schema();
+        let union = schema.index_of("dense union").expect("column");
+        let column = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![schema.field(union).clone()])),
+            vec![Arc::clone(batch.column(union))],
+        )
+        .expect("batch");
+        let mut messages = encode(column, None);
+        let last = messages.last_mut().expect("batch message");
+        // Buffers: type ids, offsets, then the children's. Move the offsets by 2 bytes, to
+        // where the body still holds them whole.
+        let (at, _) = buffers_at(&last.data_header);
+        let mut header = last.data_header.to_vec();
+        let field = at + 16;
+        let offset = i64::from_le_bytes(header[field..field + 8].try_into().expect("8 bytes"));
+        header[field..field + 8].copy_from_slice(&(offset + 2).to_le_bytes());
+        last.data_header = header.into();
+        match decode_all(&messages) {
+            Err(Error::InvalidIpc(message)) => assert!(message.contains("align"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_schema_arrow_cannot_build_arrays_of_is_measured_without_a_panic() {
+        // Run ends of an unsigned type: Arrow reads the schema, but panics making an array of
+        // it (the fuzzer found the put check doing so, seed 424242, put case 100404).
+        let ends = Arc::new(Field::new("run_ends", DataType::UInt32, false));
+        let values = Arc::new(Field::new("values", DataType::Utf8, true));
+        let schema = Schema::new(vec![Field::new(
+            "r",
+            DataType::RunEndEncoded(ends, values),
+            true,
+        )]);
+        let options = arrow::ipc::writer::IpcWriteOptions::default();
+        let message: FlightData = arrow_flight::SchemaAsIpc::new(&schema, &options).into();
+        let mut decoder = PutDecoder::new(1 << 20, 1 << 20, true);
+        match decoder.decode(&message, |_| Ok(())) {
+            Ok(Decoded::Schema(_)) | Err(Error::InvalidIpc(_)) => {}
             other => panic!("{other:?}"),
         }
     }

@@ -547,6 +547,27 @@ def test_oversize_put_message_is_refused(make_server, how):
     assert_serving(server)
 
 
+def test_a_put_no_row_of_which_could_be_read_back_is_refused(make_server):
+    """A schema so wide that one row's message is over --max-message-bytes (its metadata and
+    padding alone) is INVALID_ARGUMENT naming the flag at DoPut, rather than stored and then
+    unreadable (every DoGet FAILED_PRECONDITION); a narrower one reads back."""
+    server = make_server("--max-message-bytes", "64KiB")
+    baseline = server.used_bytes()
+    # 600 nullable int64 columns: a 30 KB schema message, a 100 KB one-row message.
+    wide = pa.table({f"c{i}": pa.array([None], pa.int64()) for i in range(600)})
+    with server.client() as client:
+        with raises_code("INVALID_ARGUMENT", "--max-message-bytes"):
+            put(client, "wide", wide)
+        assert_absent(client, "wide")
+        assert server.used_bytes() == baseline
+        narrow = wide.select(wide.column_names[:100])
+        put(client, "narrow", narrow)
+        assert get(client, "narrow").equals(narrow)
+        action(client, "drop", {"name": "narrow"})
+    assert server.used_bytes() == baseline
+    assert_serving(server)
+
+
 # --- Connections -----------------------------------------------------------------------------
 
 

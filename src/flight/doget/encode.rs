@@ -9,7 +9,8 @@
 //! The size estimate is checked against each encoded message: a record batch message over the
 //! limit is split again, and where one row's metadata alone exceeds the limit (a schema of
 //! tens of thousands of columns) the read fails with an error that says so, rather than send a
-//! message the client's gRPC limit would refuse anyway.
+//! message the client's gRPC limit would refuse anyway. `DoPut` refuses such schemas up front
+//! ([`one_row_overhead`]), so only data stored under a larger limit can get here.
 //!
 //! Reading (device-to-host copies, for a device backend), splitting and encoding run on their
 //! own task a few messages ahead of the connection task that writes frames to the socket. When
@@ -18,7 +19,7 @@
 
 use std::panic::AssertUnwindSafe;
 
-use arrow::datatypes::{DataType, Field, SchemaRef};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use arrow::ipc::CompressionType;
 use arrow::record_batch::RecordBatch;
 use futures::stream::BoxStream;
@@ -179,6 +180,96 @@ fn compact_views(piece: RecordBatch) -> Result<RecordBatch, Status> {
     RecordBatch::try_new(piece.schema(), columns).map_err(encoding_error)
 }
 
+/// Most bytes a one-row record batch message of `schema` can take besides the row's values, as
+/// [`encode_within`] measures them (the encoded length less [`batch_bytes`]), whatever the row
+/// holds and whichever compression the ticket asks for. When this is within
+/// `--max-message-bytes`, every row of the dataset can be sent; `DoPut` refuses a schema for
+/// which it is not, since nothing of such a dataset could be read back.
+///
+/// Counted from the schema alone (a client's schema need not be one Arrow can build arrays
+/// of): the metadata holds 16 bytes for each array's field node and each buffer, 8 for each
+/// view column's count of data buffers, and a fixed part; each buffer then costs at most 71
+/// bytes beyond the bytes `batch_bytes` counts for it (padding to the writer's 64-byte
+/// alignment, and an 8-byte prefix when compressed), and an offsets buffer one offset more
+/// than Arrow's slice measure counts. Views nested in other types are not compacted before
+/// they are sent (see [`compact_views`]) and are not bounded here.
+pub(crate) fn one_row_overhead(schema: &Schema) -> u64 {
+    /// The `Message` and `RecordBatch` tables, their vtables, the compression table, vector
+    /// lengths and alignment, padding to 8 bytes, and the two fields' keys and length
+    /// prefixes (varints of at most 5 bytes) in the protobuf `FlightData`.
+    const FIXED: u64 = 256;
+    const PER_NODE: u64 = 16;
+    const PER_BUFFER: u64 = 16 + 63 + 8;
+    const PER_VARIADIC_COUNT: u64 = 8;
+    /// The offset Arrow's slice measure leaves out (`len` offsets counted, `len + 1` sent).
+    const PER_OFFSETS: u64 = 8;
+    let mut layout = Layout::default();
+    for field in schema.fields() {
+        layout.add(field.data_type());
+    }
+    FIXED
+        + layout.nodes * PER_NODE
+        + layout.buffers * PER_BUFFER
+        + layout.views * PER_VARIADIC_COUNT
+        + layout.offsets * PER_OFFSETS
+}
+
+/// What a record batch message holds for some columns, at most: field nodes, buffers, view
+/// columns and offsets buffers (a dictionary's values travel in a message of their own).
+#[derive(Debug, Default)]
+struct Layout {
+    nodes: u64,
+    buffers: u64,
+    views: u64,
+    offsets: u64,
+}
+
+impl Layout {
+    fn add(&mut self, data_type: &DataType) {
+        self.nodes += 1;
+        match data_type {
+            DataType::Null => {}
+            DataType::Utf8 | DataType::Binary | DataType::LargeUtf8 | DataType::LargeBinary => {
+                self.buffers += 3;
+                self.offsets += 1;
+            }
+            // Validity, views, and the one data buffer a compacted row can need.
+            DataType::Utf8View | DataType::BinaryView => {
+                self.buffers += 3;
+                self.views += 1;
+            }
+            DataType::List(child) | DataType::LargeList(child) | DataType::Map(child, _) => {
+                self.buffers += 2;
+                self.offsets += 1;
+                self.add(child.data_type());
+            }
+            DataType::ListView(child) | DataType::LargeListView(child) => {
+                self.buffers += 3;
+                self.add(child.data_type());
+            }
+            DataType::FixedSizeList(child, _) => {
+                self.buffers += 1;
+                self.add(child.data_type());
+            }
+            DataType::Struct(fields) => {
+                self.buffers += 1;
+                fields.iter().for_each(|f| self.add(f.data_type()));
+            }
+            // A validity buffer only in the legacy format, type ids, offsets when dense.
+            DataType::Union(fields, _) => {
+                self.buffers += 3;
+                fields.iter().for_each(|(_, f)| self.add(f.data_type()));
+            }
+            DataType::RunEndEncoded(ends, values) => {
+                self.add(ends.data_type());
+                self.add(values.data_type());
+            }
+            // Primitives, booleans, fixed-size binary, dictionary keys: validity and values.
+            _ => self.buffers += 2,
+        }
+    }
+}
+
 fn check_schema_message(message: &IpcMessage, limits: Limits) -> Result<(), Status> {
     if message.encoded_len() > limits.max_message_bytes {
         return Err(Status::from(Error::ReplyTooLarge {
@@ -271,6 +362,167 @@ mod tests {
         assert_eq!(pieces.iter().map(|p| p.num_rows()).sum::<usize>(), 10_010);
         let rejoined = arrow::compute::concat_batches(&batch.schema(), &pieces).expect("concat");
         assert_eq!(rejoined, batch);
+    }
+
+    /// Rows of every layout, with nulls, empty and long values, and values of every length
+    /// modulo the 64-byte padding.
+    fn varied_batch(rows: usize) -> RecordBatch {
+        use arrow::array::*;
+        use arrow::datatypes::{Int8Type, Int32Type};
+        let text = |r: usize| (r % 7 != 3).then(|| "é".repeat(r * 5 % 97));
+        let strings = StringArray::from_iter((0..rows).map(text));
+        let large = LargeBinaryArray::from_iter((0..rows).map(|r| text(r).map(String::into_bytes)));
+        let views = StringViewArray::from_iter((0..rows).map(text));
+        let lists = ListArray::from_iter_primitive::<Int32Type, _, _>((0..rows).map(|r| {
+            (r % 5 != 2).then(|| (0..r * 3 % 41).map(|v| (v % 4 != 1).then_some(v as i32)))
+        }));
+        let fixed = FixedSizeListArray::from_iter_primitive::<Int32Type, _, _>(
+            (0..rows).map(|r| (r % 6 != 0).then(|| vec![Some(r as i32); 5])),
+            5,
+        );
+        let nested = StructArray::from(vec![
+            (
+                Arc::new(Field::new("i", DataType::Int64, true)),
+                Arc::new(Int64Array::from_iter(
+                    (0..rows).map(|r| (r % 3 != 0).then_some(r as i64)),
+                )) as ArrayRef,
+            ),
+            (
+                Arc::new(Field::new("s", DataType::Utf8, true)),
+                Arc::new(StringArray::from_iter((0..rows).map(text))) as ArrayRef,
+            ),
+        ]);
+        let dictionary: DictionaryArray<Int8Type> =
+            (0..rows).map(|r| ["a", "bb", "ccc"][r % 3]).collect();
+        let decimals = Decimal256Array::from_iter_values(
+            (0..rows).map(|r| arrow::datatypes::i256::from_i128(r as i128)),
+        );
+        let binary = FixedSizeBinaryArray::try_from_sparse_iter_with_size(
+            (0..rows).map(|r| (r % 4 != 0).then_some([r as u8; 3])),
+            3,
+        )
+        .expect("fixed-size binary");
+        let flags = BooleanArray::from_iter((0..rows).map(|r| (r % 9 != 0).then_some(r % 2 == 0)));
+        let union = {
+            let fields = arrow::datatypes::UnionFields::try_new(
+                [0, 1],
+                [
+                    Field::new("n", DataType::Int64, true),
+                    Field::new("s", DataType::Utf8, true),
+                ],
+            )
+            .expect("fields");
+            let ids: Vec<i8> = (0..rows).map(|r| (r % 2) as i8).collect();
+            let offsets: Vec<i32> = (0..rows).map(|r| (r / 2) as i32).collect();
+            let half = rows.div_ceil(2);
+            let children: Vec<ArrayRef> = vec![
+                Arc::new(Int64Array::from_iter_values(0..half as i64)),
+                Arc::new(StringArray::from_iter((0..half).map(text))),
+            ];
+            UnionArray::try_new(fields, ids.into(), Some(offsets.into()), children)
+                .expect("dense union")
+        };
+        let ends: Vec<i32> = (3..rows as i32).step_by(3).chain([rows as i32]).collect();
+        let runs = RunArray::<Int32Type>::try_new(
+            &Int32Array::from(ends.clone()),
+            &StringArray::from_iter((0..ends.len()).map(text)),
+        )
+        .expect("run ends");
+        let map = {
+            let mut builder = MapBuilder::new(None, StringBuilder::new(), Int32Builder::new());
+            for r in 0..rows {
+                for k in 0..r % 4 {
+                    builder.keys().append_value(format!("k{k}"));
+                    builder.values().append_option((k != 1).then_some(k as i32));
+                }
+                builder.append(r % 5 != 1).expect("map entry");
+            }
+            builder.finish()
+        };
+        let columns: Vec<(&str, ArrayRef)> = vec![
+            ("strings", Arc::new(strings)),
+            ("large binary", Arc::new(large)),
+            ("views", Arc::new(views)),
+            ("lists", Arc::new(lists)),
+            ("fixed lists", Arc::new(fixed)),
+            ("struct", Arc::new(nested)),
+            ("dictionary", Arc::new(dictionary)),
+            ("decimals", Arc::new(decimals)),
+            ("fixed binary", Arc::new(binary)),
+            ("flags", Arc::new(flags)),
+            ("nulls", Arc::new(NullArray::new(rows))),
+            (
+                "i64",
+                Arc::new(Int64Array::from_iter_values(0..rows as i64)),
+            ),
+            ("union", Arc::new(union)),
+            ("runs", Arc::new(runs)),
+            ("map", Arc::new(map)),
+        ];
+        RecordBatch::try_from_iter(columns).expect("batch")
+    }
+
+    #[test]
+    fn one_row_messages_keep_within_the_bound_put_checks() {
+        let narrow = varied_batch(64);
+        // The same columns 40 times over: the metadata then weighs as much as the padding.
+        let some = varied_batch(12);
+        let wide = RecordBatch::try_from_iter((0..40).flat_map(|copy| {
+            let some = some.clone();
+            (0..some.num_columns()).map(move |c| {
+                let name = format!("{}{copy}", some.schema().field(c).name());
+                (name, Arc::clone(some.column(c)))
+            })
+        }))
+        .expect("wide batch");
+        for batch in [narrow, wide] {
+            within_bound(&batch);
+        }
+    }
+
+    #[test]
+    fn the_bound_is_close_for_fixed_width_columns() {
+        // A null row of 100 int64 columns: a validity and a values buffer each, both padded.
+        let column: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), None]));
+        let batch =
+            RecordBatch::try_from_iter((0..100).map(|c| (format!("c{c}"), Arc::clone(&column))))
+                .expect("batch");
+        let bound = one_row_overhead(&batch.schema()) as i64;
+        let largest = within_bound(&batch);
+        assert!(
+            largest > bound * 85 / 100,
+            "a bound of {bound} for at most {largest}"
+        );
+    }
+
+    /// The largest overhead of a one-row message of `batch`, checked against the bound.
+    fn within_bound(batch: &RecordBatch) -> i64 {
+        let schema = batch.schema();
+        let bound = one_row_overhead(&schema);
+        let mut largest = 0;
+        for compression in [
+            None,
+            Some(CompressionType::LZ4_FRAME),
+            Some(CompressionType::ZSTD),
+        ] {
+            for row in 0..batch.num_rows() {
+                // As `produce` sends a one-row piece: views compacted, then encoded.
+                let piece = compact_views(batch.slice(row, 1)).expect("compact");
+                let mut encoder = IpcMessageEncoder::new(&schema, compression).expect("encoder");
+                let message = encoder
+                    .encode(&piece)
+                    .expect("encode")
+                    .pop()
+                    .expect("batch");
+                let overhead = message.encoded_len() as i64 - batch_bytes(&piece) as i64;
+                assert!(
+                    overhead <= bound as i64,
+                    "row {row}, {compression:?}: {overhead} bytes over a bound of {bound}"
+                );
+                largest = largest.max(overhead);
+            }
+        }
+        largest
     }
 
     #[test]

@@ -28,6 +28,7 @@ use tonic::Status;
 use tonic::body::Body;
 use tonic::codec::Streaming;
 
+pub(crate) use encode::one_row_overhead;
 pub(crate) use message::IpcMessage;
 
 use super::call::Call;
