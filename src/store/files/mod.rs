@@ -35,6 +35,7 @@ mod steps;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -426,7 +427,12 @@ impl DataDir {
     pub(crate) fn open(root: &Path) -> Result<(DataDir, Manifest), FilesError> {
         let segments = root.join(SEGMENTS);
         let existed = root.is_dir();
-        fs::create_dir_all(&segments).map_err(io_error(&segments, "creating"))?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&segments)
+            .map_err(io_error(&segments, "creating"))?;
+        warn_if_shared(root);
         if !existed && let Some(parent) = root.parent() {
             let parent = if parent.as_os_str().is_empty() {
                 Path::new(".")
@@ -438,8 +444,7 @@ impl DataDir {
         sync_dir(root)?;
 
         let lock_path = root.join(LOCK);
-        let lock = OpenOptions::new()
-            .create(true)
+        let lock = private_file()
             .truncate(false)
             .write(true)
             .open(&lock_path)
@@ -481,8 +486,7 @@ impl DataDir {
         // Only now, with the catalog known good, is anything deleted.
         remove_if_present(&root.join(MANIFEST_TMP))?;
         let next_id = sweep_segments(&segments, &named)?;
-        let journal_file = OpenOptions::new()
-            .create(true)
+        let journal_file = private_file()
             .truncate(false)
             .read(true)
             .write(true)
@@ -1069,6 +1073,28 @@ fn check_segments(root: &Path, segments: &Path, catalog: &Manifest) -> Checked {
         named,
         damaged,
         shared,
+    }
+}
+
+/// Options that create a file only the server's user may read or write (dataset names and
+/// rows are in these files); the caller adds the access it needs.
+pub(super) fn private_file() -> OpenOptions {
+    let mut options = OpenOptions::new();
+    options.create(true).write(true).mode(0o600);
+    options
+}
+
+/// Logs where the data directory, created before the server made its files private, lets
+/// other users in: the files hold every dataset's name and rows.
+fn warn_if_shared(root: &Path) {
+    if let Ok(meta) = fs::metadata(root)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            data_dir = %root.display(),
+            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "the data directory is open to other users; `chmod 700` it (the server creates it so)"
+        );
     }
 }
 

@@ -94,7 +94,7 @@ impl Fs {
 
     pub(super) fn create(&self, path: &Path) -> io::Result<File> {
         self.check()?;
-        File::create(path)
+        super::private_file().truncate(true).open(path)
     }
 
     pub(super) fn write(&self, file: &mut File, buf: &[u8]) -> io::Result<usize> {
