@@ -378,7 +378,13 @@ impl Store {
             seconds = started.elapsed().as_secs_f64(),
             "data directory opened; datasets load as they are read"
         );
-        let durable = Durable::start(dir, manifest, loaded, options.durability);
+        let durable = Durable::start(
+            dir,
+            manifest,
+            loaded,
+            options.durability,
+            Arc::downgrade(&store.inner),
+        );
         let _ = store.inner.durable.set(durable);
         Ok(store)
     }

@@ -104,11 +104,14 @@ impl Durable {
         _manifest: Manifest,
         loaded: HashMap<String, u64>,
         durability: Durability,
+        store: std::sync::Weak<super::Inner>,
     ) -> Self {
         let (jobs, receiver) = mpsc::unbounded_channel();
         let root = dir.root().to_path_buf();
         let counters = Arc::new(Counters::default());
         let writer = Writer {
+            files: dir.segment_files(),
+            store,
             dir: Some(dir),
             persisted: loaded,
             counters: Arc::clone(&counters),
@@ -182,6 +185,10 @@ struct Writer {
     to_merge: BTreeSet<String>,
     /// The name whose run the merger is writing: one merge at a time.
     merging: Option<String>,
+    /// The segment files, pinned for partitions whose rows they hold (`held_on_disk`).
+    files: Arc<super::files::SegmentFiles>,
+    /// The store, for the partitions it holds on disk; a writer outliving it marks none.
+    store: std::sync::Weak<super::Inner>,
 }
 
 /// A run of a dataset's segments to write as one, pinned while it is read.
@@ -299,7 +306,7 @@ impl Writer {
         let rows = if append { rows } else { 0..dataset.num_rows() };
         let mut written: Vec<Segment> = Vec::new();
         let result = self
-            .write_segments(dataset, rows, append, &mut written)
+            .write_segments(dataset, rows.clone(), append, &mut written)
             .await;
         let result = match result {
             Ok(()) => {
@@ -321,6 +328,7 @@ impl Writer {
                 };
                 match self.blocking(move |dir| dir.commit(change)).await {
                     Ok(()) => {
+                        self.held_on_disk(dataset, rows, &written);
                         self.persisted.insert(name.clone(), dataset.version());
                         self.to_merge.insert(name);
                         return Ok(());
@@ -359,8 +367,20 @@ impl Writer {
             );
             return Ok(());
         }
+        // Segments end where partitions do, so that a partition's rows are whole segments
+        // (see `held_on_disk`).
+        let mut ends = Vec::with_capacity(dataset.partitions().len());
+        let mut row = 0u64;
+        for partition in dataset.partitions() {
+            row = row.saturating_add(partition.num_rows() as u64);
+            ends.push(row);
+        }
         while start < rows.end {
-            let end = rows.end.min(start + rows_per_segment);
+            let partition_end = ends
+                .get(ends.partition_point(|&end| end <= start))
+                .copied()
+                .unwrap_or(rows.end);
+            let end = rows.end.min(start + rows_per_segment).min(partition_end);
             let batches: Vec<_> = dataset.read(start..end, 8 << 20, 2)?.try_collect().await?;
             let schema = Arc::clone(&schema);
             let segment = self
@@ -374,6 +394,45 @@ impl Writer {
             start = end;
         }
         Ok(())
+    }
+
+    /// Marks each partition of `dataset` whose rows `written` (rows `rows` of it, in
+    /// segments that end where partitions do) holds whole, in files of at least
+    /// [`MERGE_BELOW`] bytes, as held by the data directory: a put made durable can leave
+    /// memory like a dataset loaded from disk.
+    fn held_on_disk(&self, dataset: &Dataset, rows: Range<u64>, written: &[Segment]) {
+        let Some(inner) = self.store.upgrade() else {
+            return;
+        };
+        let store = super::Store { inner };
+        let mut segments = written.iter().filter(|s| s.rows > 0);
+        let mut first = 0u64;
+        for partition in dataset.partitions() {
+            let end = first.saturating_add(partition.num_rows() as u64);
+            if first >= rows.start && end <= rows.end && end > first {
+                let mut pins = Vec::new();
+                let mut covered = first;
+                while covered < end {
+                    let Some(segment) = segments.next() else {
+                        return;
+                    };
+                    covered = covered.saturating_add(segment.rows);
+                    pins.push(self.files.pin(segment));
+                }
+                if covered != end {
+                    return; // not cut where the partitions end: nothing is guessed
+                }
+                // Small files are the merger's to join, and a pin would keep them: such a
+                // partition frees little memory anyway, and spills like any other.
+                if pins.iter().any(|pin| pin.segment().bytes < MERGE_BELOW) {
+                    continue;
+                }
+                if let Ok(disk) = super::disk::DiskPartition::new(dataset.schema(), pins, &store) {
+                    partition.slot.held_on_disk(Arc::new(disk));
+                }
+            }
+            first = end;
+        }
     }
 
     async fn remove(&mut self, name: &str) -> Result<(), StoreError> {

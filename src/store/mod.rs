@@ -213,8 +213,7 @@ pub enum StoreError {
 /// What a device of the budget is, for messages: on the host backend, host memory.
 fn memory_name(device: u32, host_backend: bool) -> String {
     match host_backend {
-        true if device == 0 => "host memory (the host backend's device 0)".to_owned(),
-        true => format!("host memory (the host backend's pretend device {device})"),
+        true => format!("device {device} (host memory)"),
         false => format!("device {device}"),
     }
 }

@@ -21,7 +21,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Instant;
 
 use arrow::record_batch::RecordBatch;
@@ -84,9 +84,10 @@ pub(crate) struct Slot {
     last_used: AtomicU64,
     /// Held by whoever moves the partition between tiers, so that one move runs at a time.
     moving: tokio::sync::Mutex<()>,
-    /// For a partition the data directory holds as it is (one loaded from there): its rows
-    /// on disk, where it goes back rather than be copied when memory is needed.
-    on_disk: Option<Arc<dyn Partition>>,
+    /// For a partition the data directory holds as it is (one loaded from there, or one
+    /// whose put the writer has made durable): its rows on disk, where it goes back rather
+    /// than be copied when memory is needed.
+    on_disk: OnceLock<Arc<dyn Partition>>,
 }
 
 /// A clock for least-recently-used order: any counter all slots share will do.
@@ -108,6 +109,12 @@ impl Slot {
 
     pub(crate) fn home(&self) -> u32 {
         self.home
+    }
+
+    /// Records that the data directory now holds the partition's rows as they are, in
+    /// `files`: when its memory is needed it goes back there instead of being copied.
+    pub(super) fn held_on_disk(&self, files: Arc<dyn Partition>) {
+        let _ = self.on_disk.set(files);
     }
 
     /// Held by whoever moves the partition between tiers.
@@ -233,7 +240,10 @@ impl Tiers {
             home,
             last_used: AtomicU64::new(tick()),
             moving: tokio::sync::Mutex::new(()),
-            on_disk: (tier == Tier::Disk).then(|| Arc::clone(&data)),
+            on_disk: match tier {
+                Tier::Disk => OnceLock::from(Arc::clone(&data)),
+                _ => OnceLock::new(),
+            },
             resident: RwLock::new(Arc::new(Resident {
                 data,
                 reservation,
@@ -258,7 +268,7 @@ impl Tiers {
         let mut candidates: Vec<Arc<Slot>> = slots
             .iter()
             .filter_map(Weak::upgrade)
-            .filter(|slot| (!on_disk || slot.on_disk.is_some()) && slot.movable_from(tier))
+            .filter(|slot| (!on_disk || slot.on_disk.get().is_some()) && slot.movable_from(tier))
             .collect();
         drop(slots);
         // Readers touch slots while this sorts: each key is read once, so the order is one
@@ -380,7 +390,7 @@ impl Store {
             }
             let moved = slot.resident().reservation.bytes();
             free = free.saturating_add(moved);
-            if slot.on_disk.is_none() {
+            if slot.on_disk.get().is_none() {
                 to_host = to_host.saturating_add(moved);
             }
         }
@@ -479,7 +489,7 @@ impl Store {
     /// directory holds it as it is: nothing is copied, the memory is freed. The caller holds
     /// the slot's `moving` lock. Returns whether it did.
     fn evict(&self, slot: &Slot, resident: &Resident) -> bool {
-        let Some(on_disk) = &slot.on_disk else {
+        let Some(on_disk) = slot.on_disk.get() else {
             return false;
         };
         let tiers = &self.inner.tiers;
