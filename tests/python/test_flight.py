@@ -14,6 +14,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -408,6 +409,28 @@ def test_unix_socket_listener(make_server, tmp_path):
     assert not path.exists(), "the socket file is removed at shutdown"
     assert re.search(rf'method="DoPut" dataset="local" .*peer="unix pid={os.getpid()} uid={os.getuid()}"',
                      log.read_text())
+
+
+def test_stock_grpc_clients_on_the_unix_socket_are_refused_and_the_log_says_why(make_server, tmp_path):
+    """gRPC 1.57+ clients, pyarrow's and grpcio's, left to name the HTTP/2 authority
+    themselves, send the socket's %-encoded path, which the server's HTTP/2 library (h2) resets
+    as malformed before the server sees the call, with no setting to accept it
+    (hyperium/h2#487). The client can only be told INTERNAL; the log names the reason."""
+    path = tmp_path / "gpu-flight.sock"
+    log = tmp_path / "server.log"
+    server = make_server("--listen", f"unix://{path}", log=log)
+    with flight.connect(f"grpc+unix://{path}") as stock:
+        with pytest.raises(flight.FlightInternalError, match="RST_STREAM"):
+            list(stock.list_flights())
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INTERNAL
+    encoded = str(path).lstrip("/").replace("/", "%2F")
+    server.wait_for(lambda: f'malformed authority (b"{encoded}")' in log.read_text())
+    # Named by the client, any valid authority works.
+    with unix_client(path) as client:
+        assert list(client.list_flights()) == []
 
 
 def test_a_unix_socket_in_use_is_not_taken_over(make_server, tmp_path):
