@@ -386,10 +386,8 @@ def test_appended_categoricals_come_back_as_one_categorical(client):
 
 
 def unix_client(path):
-    """pyarrow over a Unix socket. gRPC C++ (1.57 and newer) sends the socket's %-encoded path
-    as the HTTP/2 authority, which the server's HTTP/2 library refuses (hyperium/h2#487), so
-    the client names an authority of its own."""
-    return flight.connect(f"grpc+unix://{path}", generic_options=[("grpc.default_authority", "localhost")])
+    """pyarrow over a Unix socket, as it connects by default."""
+    return flight.connect(f"grpc+unix://{path}")
 
 
 def test_unix_socket_listener(make_server, tmp_path):
@@ -411,26 +409,33 @@ def test_unix_socket_listener(make_server, tmp_path):
                      log.read_text())
 
 
-def test_stock_grpc_clients_on_the_unix_socket_are_refused_and_the_log_says_why(make_server, tmp_path):
+def test_stock_grpc_clients_work_on_the_unix_socket(make_server, tmp_path):
     """gRPC 1.57+ clients, pyarrow's and grpcio's, left to name the HTTP/2 authority
-    themselves, send the socket's %-encoded path, which the server's HTTP/2 library (h2) resets
-    as malformed before the server sees the call, with no setting to accept it
-    (hyperium/h2#487). The client can only be told INTERNAL; the log names the reason."""
+    themselves, send the socket's %-encoded path, which the server's HTTP/2 library (h2) would
+    reset as malformed before the server sees the call (hyperium/h2#487). The server serves
+    them as `localhost` instead, saying so once per connection at debug level; an authority the
+    client names is kept."""
     path = tmp_path / "gpu-flight.sock"
     log = tmp_path / "server.log"
-    server = make_server("--listen", f"unix://{path}", log=log)
+    server = make_server("--listen", f"unix://{path}", log=log,
+                         env={"RUST_LOG": "info,gpu_flight::server=debug"})
+    table = pa.table({"x": pa.array(range(100_000), pa.int64()), "s": [str(i) for i in range(100_000)]})
     with flight.connect(f"grpc+unix://{path}") as stock:
-        with pytest.raises(flight.FlightInternalError, match="RST_STREAM"):
-            list(stock.list_flights())
+        assert put(stock, "stock", table)["rows"] == 100_000
+        assert get(stock, "stock").equals(table)
+        assert [f.descriptor.path for f in stock.list_flights()] == [[b"stock"]]
     with grpc.insecure_channel(f"unix://{path}") as channel:
-        with pytest.raises(grpc.RpcError) as refused:
-            channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10)
-        assert refused.value.code() == grpc.StatusCode.INTERNAL
+        # HealthCheckRequest{service: ""} is empty; the answer is {status: SERVING (1)}.
+        answer = channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10)
+        assert answer == b"\x08\x01"
+    with flight.connect(f"grpc+unix://{path}",
+                        generic_options=[("grpc.default_authority", "localhost:1234")]) as named:
+        assert get(named, "stock").num_rows == 100_000
     encoded = str(path).lstrip("/").replace("/", "%2F")
-    server.wait_for(lambda: f'malformed authority (b"{encoded}")' in log.read_text())
-    # Named by the client, any valid authority works.
-    with unix_client(path) as client:
-        assert list(client.list_flights()) == []
+    replaced = re.compile(rf'served as localhost .*authority="{re.escape(encoded)}"')
+    server.wait_for(lambda: len(replaced.findall(log.read_text())) == 2)
+    assert "localhost:1234" not in log.read_text()
+    assert "malformed" not in log.read_text()
 
 
 def test_a_unix_socket_in_use_is_not_taken_over(make_server, tmp_path):
