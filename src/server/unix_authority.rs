@@ -15,7 +15,8 @@
 //! refers to it. HEADERS and CONTINUATION frames are gathered (up to a bound; more closes the
 //! connection) and sent again as frames of at most 16 KiB, a size every HTTP/2 server accepts.
 //! Every other frame passes byte for byte, DATA payloads without a copy (they stay in the
-//! server's read buffer), and the server's bytes are not touched. A connection that does not
+//! server's read buffer; only the rest of a read that held header frames is copied once), and
+//! the server's bytes are not touched. A connection that does not
 //! start with the HTTP/2 preface is passed through untouched, for the server to refuse.
 
 use std::borrow::Cow;
