@@ -284,7 +284,11 @@ fn tool(command: Command) -> ExitCode {
 }
 
 fn init_tracing(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // h2 says at debug level, and nowhere else, why it resets a stream it finds malformed: a
+    // gRPC 1.57+ client on the Unix socket sends the socket's %-encoded path as `:authority`,
+    // which h2 refuses, and the client only sees INTERNAL. Its server events are rare.
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,h2::server=debug"));
     // Colour codes are for people at a terminal; in files and `kubectl logs` they are noise.
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let builder = tracing_subscriber::fmt()

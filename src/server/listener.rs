@@ -5,7 +5,8 @@
 //! A Unix socket is a file: who may connect is decided by its permissions, like any local
 //! resource, so it counts as local for the protected mode just as loopback does. A socket file
 //! left by a server that died is replaced; one a live server answers on is not. The file is
-//! removed when the listener is dropped.
+//! removed when the listener is dropped. What a Unix-socket client sends passes through
+//! [`AuthorityRewriter`], which makes the HTTP/2 authority of stock gRPC clients one h2 accepts.
 
 use std::fmt;
 use std::io;
@@ -17,6 +18,7 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
+use super::unix_authority::AuthorityRewriter;
 use crate::flight::Peer;
 
 /// The prefix of a Unix socket in `--listen`.
@@ -186,7 +188,11 @@ impl Listener {
                     pid: credentials.as_ref().and_then(|c| c.pid()),
                     uid: credentials.map(|c| c.uid()),
                 };
-                (Socket::Unix(socket), peer)
+                // gRPC clients send the socket's path as the HTTP/2 authority, which h2 refuses.
+                (
+                    Socket::Unix(Box::new(AuthorityRewriter::new(socket, peer))),
+                    peer,
+                )
             }),
         }
     }
@@ -228,7 +234,7 @@ impl Drop for SocketFile {
 #[derive(Debug)]
 pub(crate) enum Socket {
     Tcp(TcpStream),
-    Unix(UnixStream),
+    Unix(Box<AuthorityRewriter<UnixStream>>),
 }
 
 impl fmt::Display for ListenAddr {

@@ -21,6 +21,7 @@ use tonic::transport::Server;
 mod connection;
 mod listener;
 mod tls;
+mod unix_authority;
 
 pub use connection::ConnectionLimits;
 pub use listener::{ListenAddr, Listener};

@@ -14,6 +14,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -385,10 +386,8 @@ def test_appended_categoricals_come_back_as_one_categorical(client):
 
 
 def unix_client(path):
-    """pyarrow over a Unix socket. gRPC C++ (1.57 and newer) sends the socket's %-encoded path
-    as the HTTP/2 authority, which the server's HTTP/2 library refuses (hyperium/h2#487), so
-    the client names an authority of its own."""
-    return flight.connect(f"grpc+unix://{path}", generic_options=[("grpc.default_authority", "localhost")])
+    """pyarrow over a Unix socket, as it connects by default."""
+    return flight.connect(f"grpc+unix://{path}")
 
 
 def test_unix_socket_listener(make_server, tmp_path):
@@ -408,6 +407,35 @@ def test_unix_socket_listener(make_server, tmp_path):
     assert not path.exists(), "the socket file is removed at shutdown"
     assert re.search(rf'method="DoPut" dataset="local" .*peer="unix pid={os.getpid()} uid={os.getuid()}"',
                      log.read_text())
+
+
+def test_stock_grpc_clients_work_on_the_unix_socket(make_server, tmp_path):
+    """gRPC 1.57+ clients, pyarrow's and grpcio's, left to name the HTTP/2 authority
+    themselves, send the socket's %-encoded path, which the server's HTTP/2 library (h2) would
+    reset as malformed before the server sees the call (hyperium/h2#487). The server serves
+    them as `localhost` instead, saying so once per connection at debug level; an authority the
+    client names is kept."""
+    path = tmp_path / "gpu-flight.sock"
+    log = tmp_path / "server.log"
+    server = make_server("--listen", f"unix://{path}", log=log,
+                         env={"RUST_LOG": "info,gpu_flight::server=debug"})
+    table = pa.table({"x": pa.array(range(100_000), pa.int64()), "s": [str(i) for i in range(100_000)]})
+    with flight.connect(f"grpc+unix://{path}") as stock:
+        assert put(stock, "stock", table)["rows"] == 100_000
+        assert get(stock, "stock").equals(table)
+        assert [f.descriptor.path for f in stock.list_flights()] == [[b"stock"]]
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        # HealthCheckRequest{service: ""} is empty; the answer is {status: SERVING (1)}.
+        answer = channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10)
+        assert answer == b"\x08\x01"
+    with flight.connect(f"grpc+unix://{path}",
+                        generic_options=[("grpc.default_authority", "localhost:1234")]) as named:
+        assert get(named, "stock").num_rows == 100_000
+    encoded = str(path).lstrip("/").replace("/", "%2F")
+    replaced = re.compile(rf'served as localhost .*authority="{re.escape(encoded)}"')
+    server.wait_for(lambda: len(replaced.findall(log.read_text())) == 2)
+    assert "localhost:1234" not in log.read_text()
+    assert "malformed" not in log.read_text()
 
 
 def test_a_unix_socket_in_use_is_not_taken_over(make_server, tmp_path):
