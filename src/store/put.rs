@@ -514,6 +514,11 @@ impl Store {
         let backend = &self.inner.backend;
         // Held for the copy: a spill meanwhile must not free them.
         let residents: Vec<_> = partitions.iter().map(|p| p.slot.resident()).collect();
+        // Spilled, or gone back to disk, since the caller looked: not the device's to copy
+        // now (they are compacted if they are ever brought back).
+        if residents.iter().any(|r| r.tier != Tier::Device(device)) {
+            return Ok(partitions);
+        }
         let data: Vec<_> = residents.iter().map(|r| Arc::clone(&r.data)).collect();
         let size = match backend.concatenated_size(&data) {
             Ok(size) => size,
@@ -600,6 +605,42 @@ mod tests {
     use crate::backend::HostBackend;
     use crate::store::StoreOptions;
     use crate::store::testing::{GatedBackend, batch, put};
+
+    /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts
+    /// them they may be in the host tier, which is not the backend's to concatenate (on the
+    /// cuda backend a soak saw INTERNAL "a partition from another backend").
+    #[tokio::test]
+    async fn partitions_spilled_before_their_compaction_are_left_as_they_are() {
+        let store = Store::new(
+            Arc::new(HostBackend::new()),
+            StoreOptions {
+                memory_limit: Some(1 << 20),
+                host_memory_limit: Some(64 << 20),
+                ..StoreOptions::default()
+            },
+        );
+        let pending = put(
+            &store,
+            PutMode::Create,
+            vec![batch(0..1000), batch(1000..2000)],
+        )
+        .await;
+        let held: u64 = pending.partitions.iter().map(|p| p.memory_bytes()).sum();
+        let all = store.inner.budget.free(0) + held;
+        assert!(store.make_room(0, all).await, "both spill");
+        assert!(pending.partitions.iter().all(|p| p.tier() == Tier::Host));
+        let schema = pending.schema.clone().expect("schema");
+        let partitions = store
+            .compact_runs(&schema, pending.partitions.clone())
+            .await
+            .expect("nothing to compact on the device");
+        assert_eq!(partitions.len(), 2);
+        let kept = store
+            .concatenate(pending.partitions.clone(), 0, Room::Free)
+            .await
+            .expect("left as they are");
+        assert_eq!(kept.len(), 2);
+    }
 
     #[tokio::test]
     async fn an_append_to_a_dataset_dropped_while_compacting_does_not_bring_it_back() {
