@@ -260,3 +260,32 @@ async fn a_directory_unusable_as_a_whole_still_refuses_the_start() {
     let error = open(dir.path()).await.expect_err("an unreadable manifest");
     assert!(error.to_string().contains("manifest.json"), "{error}");
 }
+
+/// The newest file is the likeliest to be lost. Its number stays taken: a new file under its
+/// name would be refused by the catalog that still names it (every put failed) and would pass
+/// for the lost file at the next start.
+#[tokio::test]
+async fn a_lost_newest_file_keeps_its_number() {
+    let dir = TempDataDir::new("damage-newest");
+    let stored = write_datasets(dir.path()).await;
+    let newest = segment_path(dir.path(), "other", 0);
+    std::fs::remove_file(&newest).expect("lose the newest file");
+    let server = serve(dir.path()).await;
+    let mut client = server.client().await;
+    assert_eq!(damaged_names(&server).await, vec!["other".to_owned()]);
+    let fresh = int64_batch(70_000, 2, 42);
+    put(&mut client, cmd("new", "create"), vec![fresh.clone()])
+        .await
+        .expect("a put beside the damaged dataset");
+    assert!(!newest.exists(), "no new file took the lost one's name");
+    stop(server).await;
+    let server = serve(dir.path()).await;
+    let mut client = server.client().await;
+    assert_same_data(&[fresh], &get_all(&mut client, "new").await.expect("new"));
+    assert_same_data(
+        &stored[0].1,
+        &get_all(&mut client, "bad").await.expect("bad"),
+    );
+    assert_eq!(damaged_names(&server).await, vec!["other".to_owned()]);
+    stop(server).await;
+}

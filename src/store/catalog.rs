@@ -150,16 +150,24 @@ impl Store {
     /// dataset is gone from the disk too. A dataset found damaged at start is dropped too
     /// (its files with it).
     pub async fn drop_dataset(&self, name: &str) -> Result<Dropped, StoreError> {
-        let (dropped, persisted) = match self.remove_queued(name) {
-            Ok((dataset, persisted)) => (
-                Dropped {
+        // The name's entry is held while the drop is queued, vacant or not: a put committing
+        // under the name meanwhile queues its write before or after the drop, never between
+        // the check and the queueing (which would drop what it made durable).
+        let (dropped, persisted, damaged) = match self.inner.catalog.entry(name.to_owned()) {
+            Entry::Occupied(entry) => {
+                let persisted = self.persist(|done| Job::Remove {
+                    name: name.to_owned(),
+                    done,
+                });
+                let dataset = entry.remove();
+                let dropped = Dropped {
                     rows: dataset.num_rows(),
                     bytes: dataset.data_bytes(),
                     memory_bytes: dataset.memory_bytes(),
-                },
-                persisted,
-            ),
-            Err(StoreError::NotFound { .. }) => {
+                };
+                (dropped, persisted, None)
+            }
+            Entry::Vacant(_held) => {
                 let Some((_, damaged)) = self.inner.damaged.remove(name) else {
                     return Err(StoreError::NotFound {
                         name: name.to_owned(),
@@ -174,11 +182,18 @@ impl Store {
                     bytes: damaged.bytes,
                     memory_bytes: 0,
                 };
-                (dropped, persisted)
+                (dropped, persisted, Some(damaged))
             }
-            Err(error) => return Err(error),
         };
-        durable::wait(persisted).await?;
+        if let Err(error) = durable::wait(persisted).await {
+            // Still on disk: still damaged, for a retry to drop.
+            if let Some(damaged) = damaged
+                && !self.inner.catalog.contains_key(name)
+            {
+                self.inner.damaged.insert(name.to_owned(), damaged);
+            }
+            return Err(error);
+        }
         Ok(dropped)
     }
 

@@ -485,7 +485,16 @@ impl DataDir {
 
         // Only now, with the catalog known good, is anything deleted.
         remove_if_present(&root.join(MANIFEST_TMP))?;
-        let next_id = sweep_segments(&segments, &named)?;
+        // Ids are never reused: not those of files on disk, nor of files a damaged dataset
+        // names that are missing (a new file of that name would pass for the lost one).
+        let next_id = sweep_segments(&segments, &named)?.max(
+            named
+                .keys()
+                .filter_map(|file| parse_file_name(file))
+                .map(|(id, _)| id.saturating_add(1))
+                .max()
+                .unwrap_or(0),
+        );
         let journal_file = private_file()
             .truncate(false)
             .read(true)
