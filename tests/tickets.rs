@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use arrow::array::{ArrayRef, StringArray};
@@ -12,6 +11,7 @@ use arrow_flight::Ticket;
 use futures::TryStreamExt;
 use tonic::Code;
 
+use common::datadir::TempDataDir;
 use common::{TestServer, cmd, code_of, path, put};
 use gpu_flight::backend::HostBackend;
 use gpu_flight::server::ServeOptions;
@@ -22,25 +22,9 @@ fn words(words: &[&str]) -> RecordBatch {
     RecordBatch::try_from_iter([("word", column)]).expect("batch")
 }
 
-struct DataDir(PathBuf);
-
-impl DataDir {
-    fn new(test: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        Self(dir)
-    }
-}
-
-impl Drop for DataDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-async fn serve(data_dir: Option<&DataDir>) -> TestServer {
+async fn serve(data_dir: Option<&TempDataDir>) -> TestServer {
     let options = StoreOptions {
-        data_dir: data_dir.map(|d| d.0.clone()),
+        data_dir: data_dir.map(|d| d.path().to_owned()),
         ..StoreOptions::default()
     };
     let store = Store::open(Arc::new(HostBackend::new()), options)
@@ -77,7 +61,7 @@ async fn read(server: &TestServer, ticket: Ticket) -> Result<Vec<RecordBatch>, t
 
 #[tokio::test]
 async fn an_old_ticket_never_reads_a_later_version_after_a_restart() {
-    let dir = DataDir::new("old-ticket");
+    let dir = TempDataDir::new("old-ticket");
     let server = serve(Some(&dir)).await;
     let mut client = server.client().await;
     let old = words(&["OLD-A", "OLD-B", "OLD-C"]);
