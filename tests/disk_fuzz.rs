@@ -40,6 +40,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use arrow::record_batch::RecordBatch;
 use common::all_types_batch;
+use common::datadir::{read_manifest, write_manifest, write_manifest_body};
 use common::devices::put;
 use futures::TryStreamExt;
 use gpu_flight::backend::HostBackend;
@@ -156,18 +157,6 @@ fn copy_dir(from: &Path, to: &Path) {
     {
         std::fs::copy(entry.path(), to.join("segments").join(entry.file_name())).expect("copy");
     }
-}
-
-fn read_manifest(dir: &Path) -> Value {
-    let text = std::fs::read_to_string(dir.join("manifest.json")).expect("manifest");
-    let (_, body) = text.split_once('\n').expect("a header line");
-    serde_json::from_str(body).expect("a manifest")
-}
-
-/// Writes `manifest` with a header whose size and checksum match it.
-fn write_manifest(dir: &Path, manifest: &Value) {
-    let body = serde_json::to_vec(manifest).expect("json");
-    write_manifest_body(dir, &body);
 }
 
 /// The rows of `batches`, if any.
@@ -288,18 +277,6 @@ fn damage_journal(
         forged: true,
         states: None,
     }
-}
-
-fn write_manifest_body(dir: &Path, body: &[u8]) {
-    let header = serde_json::json!({
-        "format": 1,
-        "bytes": body.len(),
-        "crc32": crc32fast::hash(body),
-    });
-    let mut text = serde_json::to_vec(&header).expect("json");
-    text.push(b'\n');
-    text.extend_from_slice(body);
-    std::fs::write(dir.join("manifest.json"), text).expect("write");
 }
 
 /// The manifest's segment entries, as (dataset, index, file).

@@ -39,14 +39,19 @@ pub fn read_manifest(dir: &Path) -> Value {
 /// Writes `manifest` with a header whose size and checksum match it.
 pub fn write_manifest(dir: &Path, manifest: &Value) {
     let body = serde_json::to_vec(manifest).expect("json");
+    write_manifest_body(dir, &body);
+}
+
+/// Writes `body`, whatever it holds, as the manifest, with a header that matches it.
+pub fn write_manifest_body(dir: &Path, body: &[u8]) {
     let header = serde_json::json!({
         "format": 1,
         "bytes": body.len(),
-        "crc32": crc32fast::hash(&body),
+        "crc32": crc32fast::hash(body),
     });
     let mut text = serde_json::to_vec(&header).expect("json");
     text.push(b'\n');
-    text.extend_from_slice(&body);
+    text.extend_from_slice(body);
     std::fs::write(dir.join("manifest.json"), text).expect("write");
 }
 
