@@ -20,8 +20,8 @@ use arrow::array::{ArrayRef, DictionaryArray, Int32Array, Int64Array, StringArra
 use arrow::datatypes::Int32Type;
 use arrow::record_batch::RecordBatch;
 use clap::Parser;
+use gpu_flight::arrays::batch_bytes;
 use gpu_flight::backend::{Backend, CudaBackend, Partition};
-use gpu_flight::batch_size::batch_bytes;
 
 #[derive(Debug, Parser)]
 struct Args {

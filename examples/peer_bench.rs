@@ -17,8 +17,8 @@ use arrow::array::{ArrayRef, Int64Array};
 use arrow::record_batch::RecordBatch;
 use clap::Parser;
 use futures::TryStreamExt;
+use gpu_flight::arrays::batch_bytes;
 use gpu_flight::backend::{Backend, CudaBackend};
-use gpu_flight::batch_size::batch_bytes;
 use gpu_flight::store::{PutMode, Store, StoreOptions};
 
 #[derive(Debug, Parser)]

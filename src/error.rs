@@ -183,14 +183,3 @@ fn bounded(mut message: String) -> String {
     }
     message
 }
-
-/// The text a panic carried, for logs and INTERNAL errors.
-pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(text) = panic.downcast_ref::<&str>() {
-        (*text).to_owned()
-    } else if let Some(text) = panic.downcast_ref::<String>() {
-        text.clone()
-    } else {
-        "a panic without a message".to_owned()
-    }
-}

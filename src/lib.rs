@@ -7,12 +7,11 @@
 //! state for Prometheus; [`consumer`] is the Rust side of `ipc-export` for processes on the
 //! server's node.
 
+pub mod arrays;
 pub mod auth;
 pub mod backend;
-pub mod batch_size;
 pub mod config;
 pub mod consumer;
-pub mod datatypes;
 pub mod error;
 pub mod flight;
 pub mod metrics;

@@ -491,9 +491,8 @@ async fn silent_sockets_cannot_lock_clients_out_and_busy_connections_are_kept() 
     // of its own.)
     let store = server.store.clone();
     let batch = int64_batch(10, 1, 0);
-    let one_put = 80
-        + gpu_flight::store::ARRAY_OVERHEAD
-        + gpu_flight::batch_size::schema_bytes(&batch.schema());
+    let one_put =
+        80 + gpu_flight::store::ARRAY_OVERHEAD + gpu_flight::arrays::schema_bytes(&batch.schema());
     wait_until(|| {
         let used = store.status().devices[0].used_bytes;
         async move { used == 4 * one_put }

@@ -11,8 +11,8 @@ use futures::TryStreamExt;
 use std::sync::Arc;
 
 use common::devices::{batch, put, read_all, rows};
+use gpu_flight::arrays::batch_bytes;
 use gpu_flight::backend::HostBackend;
-use gpu_flight::batch_size::batch_bytes;
 use gpu_flight::store::{Durability, PutMode, Store, StoreError, StoreOptions};
 
 fn data_dir(test: &str) -> PathBuf {

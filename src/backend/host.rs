@@ -4,7 +4,7 @@
 //! whole [`Backend`] contract with no shortcuts: sizes are real, reads honour row ranges, and
 //! memory is returned when the last [`Partition`] reference goes. A dataset never keeps the
 //! message it came in: uploads keep the buffers Arrow's decoder already copied into allocations
-//! of their own (to align them) and copy the rest (`backend::owned`).
+//! of their own (to align them) and copy the rest (`arrays::owned`).
 //!
 //! Commits do not concatenate batches of a reasonable size: serving a row range from several
 //! partitions costs nothing more on the host, and skipping it saves a copy of every byte put
@@ -26,12 +26,12 @@ use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::owned::{owned, owns_its_buffers};
 use super::{
     Backend, BackendError, DeviceInfo, Partition, PartitionExport, check_rows, dictionary,
     downcast_all, downcast_one,
 };
-use crate::batch_size::batch_bytes;
+use crate::arrays::batch_bytes;
+use crate::arrays::{owned, owns_its_buffers};
 
 /// Partitions averaging fewer bytes than this are concatenated at commit.
 pub const COALESCE_BELOW: u64 = 1 << 20;
@@ -209,7 +209,7 @@ fn concatenate_batches(parts: &[&HostPartition]) -> Result<Arc<dyn Partition>, B
 }
 
 fn has_dictionary(data_type: &DataType) -> bool {
-    crate::datatypes::contains(data_type, &|t| matches!(t, DataType::Dictionary(_, _)))
+    crate::arrays::contains(data_type, &|t| matches!(t, DataType::Dictionary(_, _)))
 }
 
 /// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already

@@ -13,7 +13,6 @@ pub(crate) mod dictionary;
 pub mod export;
 pub mod host;
 pub mod numa;
-pub(crate) mod owned;
 pub mod spilled;
 
 use std::fmt;

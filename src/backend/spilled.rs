@@ -15,9 +15,9 @@ use futures::future::BoxFuture;
 use arrow::array::make_array;
 use arrow::record_batch::RecordBatchOptions;
 
-use super::owned::owned;
 use super::{BackendError, Partition, PartitionExport, check_rows};
-use crate::batch_size::batch_bytes;
+use crate::arrays::batch_bytes;
+use crate::arrays::owned;
 
 /// A partition held in host memory as consecutive pieces of its rows.
 #[derive(Debug)]

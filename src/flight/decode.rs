@@ -36,7 +36,7 @@ use arrow::ipc::{self, MessageHeader};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use arrow_flight::FlightData;
 
-use crate::backend::owned::owned;
+use crate::arrays::owned;
 use crate::error::Error;
 
 /// Most rows a record batch, or any array in it, may declare. cuDF columns have the same limit,
@@ -275,7 +275,7 @@ fn invalid(message: impl Into<String>) -> Error {
 /// a bug (ours, for not checking the input first), reported as INTERNAL and logged.
 fn guarded<T>(what: &str, read: impl FnOnce() -> T) -> Result<T, Error> {
     std::panic::catch_unwind(AssertUnwindSafe(read)).map_err(|panic| {
-        let reason = crate::error::panic_message(panic.as_ref());
+        let reason = crate::task::panic_message(panic.as_ref());
         tracing::error!(%reason, what, "Arrow panicked on DoPut input");
         Error::Internal(format!("Arrow panicked {what}: {reason}"))
     })
@@ -584,7 +584,7 @@ fn has_dense_union(schema: &Schema) -> bool {
     schema
         .fields()
         .iter()
-        .any(|f| crate::datatypes::contains(f.data_type(), &dense))
+        .any(|f| crate::arrays::contains(f.data_type(), &dense))
 }
 
 /// The values field of the dictionary `id`, as Arrow's reader finds it (the first field with
@@ -605,12 +605,12 @@ fn check_schema(schema: &Schema) -> Result<(), Error> {
     // dictionary messages too, but no client has needed the type: it stays refused.
     let union_dictionary = |t: &DataType| {
         matches!(t, DataType::Dictionary(_, values)
-            if crate::datatypes::contains(values, &|v| matches!(v, DataType::Union(_, _))))
+            if crate::arrays::contains(values, &|v| matches!(v, DataType::Union(_, _))))
     };
     if let Some(field) = schema
         .fields()
         .iter()
-        .find(|f| crate::datatypes::contains(f.data_type(), &union_dictionary))
+        .find(|f| crate::arrays::contains(f.data_type(), &union_dictionary))
     {
         return Err(invalid(format!(
             "field '{}' holds dictionary-encoded unions, which gpu-flight does not accept; send \

@@ -55,9 +55,10 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use super::Service;
 use super::call::Call;
 use crate::auth::{ClientCertificate, Origin, Presented, Principal, Role};
-use crate::error::{Error, panic_message};
+use crate::error::Error;
 use crate::store::Store;
 use crate::store::memory::Reservation;
+use crate::task::panic_message;
 
 const SERVICE: &str = "/arrow.flight.protocol.FlightService/";
 

@@ -358,7 +358,7 @@ impl Store {
                 ))
             };
             let schema_charge = budget
-                .try_reserve(device as u32, crate::batch_size::schema_bytes(&schema))
+                .try_reserve(device as u32, crate::arrays::schema_bytes(&schema))
                 .map_err(context)?;
             let partitions = match store.disk_partitions(&files, &schema, &segments, device as u32)
             {

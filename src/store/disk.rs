@@ -337,17 +337,14 @@ impl Store {
             let joined = arrow::compute::concat_batches(&disk.schema, small.iter())
                 .map_err(|e| StoreError::Corrupt(format!("joining segments: {e}")))?;
             small.clear();
-            let bytes = crate::batch_size::batch_bytes(&joined);
+            let bytes = crate::arrays::batch_bytes(&joined);
             pieces.push(joined);
             Ok(bytes)
         };
         let mut segments = disk.segments_read();
         while let Some((batches, file_bytes)) = segments.try_next().await? {
             if file_bytes < SMALL_SEGMENT_BYTES {
-                small_bytes += batches
-                    .iter()
-                    .map(crate::batch_size::batch_bytes)
-                    .sum::<u64>();
+                small_bytes += batches.iter().map(crate::arrays::batch_bytes).sum::<u64>();
                 small.extend(batches);
                 if small_bytes >= JOINED_PIECE_BYTES {
                     charge = charge.saturating_add(join(&mut small, &mut pieces)?);

@@ -14,8 +14,8 @@ use super::dataset::StoredPartition;
 use super::lease::{Lease, LeaseTerms};
 use super::tier::Resident;
 use super::{ARRAY_OVERHEAD, Dataset, Store, StoreError, charge, lease};
+use crate::arrays::type_array_count;
 use crate::backend::{BackendError, PartitionExport};
-use crate::batch_size::type_array_count;
 
 /// What `ipc-export` asks for.
 #[derive(Debug, Clone)]

@@ -14,8 +14,8 @@ use super::dataset::StoredPartition;
 use super::durable::{self, Job, Persisted};
 use super::memory::Reservation;
 use super::{ARRAY_OVERHEAD, Dataset, PutMode, Store, StoreError, Tier, charge, progress};
+use crate::arrays::{array_count, batch_bytes, schema_bytes};
 use crate::backend::BackendError;
-use crate::batch_size::{array_count, batch_bytes, schema_bytes};
 
 /// What a committed put reports back to the client.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -18,8 +18,8 @@ use super::durable::{self, Job};
 use super::memory::Reservation;
 use super::tier::{Resident, Tier};
 use super::{Dataset, PutMode, Store, StoreError};
+use crate::arrays::schema_bytes;
 use crate::backend::BackendError;
-use crate::batch_size::schema_bytes;
 
 /// What a copy did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -634,7 +634,7 @@ impl Store {
                     .budget
                     .try_reserve(device, charge)
                     .map_err(|error| store.tiers_full(error))?;
-                let piece_bytes = crate::batch_size::batch_bytes(&piece);
+                let piece_bytes = crate::arrays::batch_bytes(&piece);
                 let upload = store.inner.backend.upload(device, piece);
                 let inner = Arc::clone(&store.inner);
                 Ok(async move {

@@ -251,7 +251,7 @@ pub(super) fn allocation_bytes(used: usize) -> usize {
 /// A copy of `data` in buffers of its own, so that keeping it does not keep alive the message
 /// it was decoded from.
 fn owned_copy(data: &ArrayData) -> Result<ArrayRef, BackendError> {
-    crate::backend::owned::owned(data)
+    crate::arrays::owned(data)
         .map(make_array)
         .map_err(|e| BackendError::Device(format!("copying a dictionary: {e}")))
 }

@@ -30,10 +30,11 @@ use tonic::Status;
 
 use super::message::{IpcMessage, IpcMessageEncoder};
 
-use crate::backend::owned;
-use crate::batch_size::batch_bytes;
-use crate::error::{Error, panic_message};
+use crate::arrays;
+use crate::arrays::batch_bytes;
+use crate::error::Error;
 use crate::store::StoreError;
+use crate::task::panic_message;
 
 /// Messages encoded ahead of the connection task.
 const ENCODE_AHEAD: usize = 4;
@@ -175,7 +176,7 @@ fn compact_views(piece: RecordBatch) -> Result<RecordBatch, Status> {
     let columns = piece
         .columns()
         .iter()
-        .map(|column| arrow::array::make_array(owned::compact_views(column.to_data())))
+        .map(|column| arrow::array::make_array(arrays::compact_views(column.to_data())))
         .collect();
     RecordBatch::try_new(piece.schema(), columns).map_err(encoding_error)
 }

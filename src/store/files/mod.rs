@@ -898,7 +898,7 @@ impl SegmentWriter {
                 rows: batches.iter().map(|b| b.num_rows() as u64).sum(),
                 bytes,
                 checksum,
-                data_bytes: batches.iter().map(crate::batch_size::batch_bytes).sum(),
+                data_bytes: batches.iter().map(crate::arrays::batch_bytes).sum(),
             }),
             Err(e) => {
                 // Best effort: whatever remains is unnamed, and the next open sweeps it.

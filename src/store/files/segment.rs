@@ -21,8 +21,8 @@ use arrow::ipc::{Block, Footer, convert::try_fb_to_schema, root_as_footer};
 use super::{
     FilesError, MANIFEST, Segment, TMP_SUFFIX, check_size, corrupt, crc, differs, io_error,
 };
+use crate::arrays;
 use crate::backend::dictionary;
-use crate::datatypes;
 
 /// The segment files of an open data directory, for loading datasets when they are needed
 /// rather than all at start. A file a [`PinnedSegment`] names is never deleted while it is
@@ -134,7 +134,7 @@ fn guarded<T>(decode: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     std::panic::catch_unwind(AssertUnwindSafe(decode)).unwrap_or_else(|panic| {
         Err(format!(
             "the Arrow decoder panicked: {}",
-            crate::error::panic_message(panic.as_ref())
+            crate::task::panic_message(panic.as_ref())
         ))
     })
 }
@@ -274,7 +274,7 @@ pub(super) fn one_dictionary_per_field<'a>(
 ) -> Result<Cow<'a, [RecordBatch]>, ArrowError> {
     let is_dictionary = |t: &DataType| matches!(t, DataType::Dictionary(_, _));
     let columns: Vec<usize> = (0..schema.fields().len())
-        .filter(|&i| datatypes::contains(schema.field(i).data_type(), &is_dictionary))
+        .filter(|&i| arrays::contains(schema.field(i).data_type(), &is_dictionary))
         .collect();
     if columns.is_empty() || batches.len() < 2 {
         return Ok(Cow::Borrowed(batches));

@@ -9,7 +9,7 @@ use arrow::array::{Array, ArrayData, BinaryViewArray, MutableArrayData, StringVi
 use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
 
-use crate::batch_size::array_bytes;
+use crate::arrays::array_bytes;
 
 /// Bytes an allocation may hold beyond what its array uses and still count as the array's own:
 /// Arrow rounds allocations up to 64 bytes, and the IPC format pads buffers to 8.
