@@ -34,13 +34,13 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use arrow::record_batch::RecordBatch;
 use common::all_types_batch;
-use common::datadir::{read_manifest, write_manifest, write_manifest_body};
+use common::datadir::{TempDataDir, read_manifest, write_manifest, write_manifest_body};
 use common::devices::put;
 use futures::TryStreamExt;
 use gpu_flight::backend::HostBackend;
@@ -592,13 +592,11 @@ async fn damaged_data_directories_fail_cleanly() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(150);
     eprintln!("disk fuzz: seed {seed}, {cases} cases (GPU_FLIGHT_FUZZ_SEED={seed} replays)");
-    let root: PathBuf =
-        std::env::temp_dir().join(format!("gpu-flight-disk-fuzz-{}", std::process::id()));
-    let pristine = root.join("pristine");
-    let _ = std::fs::remove_dir_all(&root);
+    let root = TempDataDir::new("disk-fuzz");
+    let pristine = root.path().join("pristine");
     let stored = original(&pristine).await;
-    let work = root.join("case");
-    let journaled = root.join("journaled");
+    let work = root.path().join("case");
+    let journaled = root.path().join("journaled");
     copy_dir(&pristine, &journaled);
     let (payloads, states) = journalize(&journaled, &stored);
     let mut failures = Vec::new();
@@ -655,7 +653,6 @@ async fn damaged_data_directories_fail_cleanly() {
             failures.push(format!("case {index} ({}): panicked at {panic}", case.what));
         }
     }
-    let _ = std::fs::remove_dir_all(&root);
     eprintln!(
         "disk fuzz: {cases} cases, {} failures, {} decoder panics caught",
         failures.len(),

@@ -5,21 +5,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use futures::TryStreamExt;
 use std::sync::Arc;
 
+use common::datadir::TempDataDir;
 use common::devices::{batch, put, read_all, rows};
 use gpu_flight::arrays::batch_bytes;
 use gpu_flight::backend::HostBackend;
 use gpu_flight::store::{Durability, PutMode, Store, StoreError, StoreOptions};
-
-fn data_dir(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpu-flight-{test}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
 
 async fn open(dir: &Path, durability: Durability, devices: u32) -> Store {
     let options = StoreOptions {
@@ -46,10 +41,9 @@ fn names(store: &Store) -> Vec<String> {
 
 #[tokio::test]
 async fn every_committed_change_survives_a_restart() {
-    let dir = data_dir("restart");
     for durability in [Durability::Sync, Durability::Async] {
-        let _ = std::fs::remove_dir_all(&dir);
-        let store = open(&dir, durability, 2).await;
+        let dir = TempDataDir::new(&format!("restart-{durability:?}"));
+        let store = open(dir.path(), durability, 2).await;
         put(&store, "appended", PutMode::Create, None, &[batch(0)])
             .await
             .expect("create");
@@ -88,7 +82,7 @@ async fn every_committed_change_survives_a_restart() {
         store.close().await;
         drop(store);
 
-        let store = open(&dir, durability, 2).await;
+        let store = open(dir.path(), durability, 2).await;
         assert_eq!(
             names(&store),
             ["../../etc/passwd", "appended", "copied", "replaced"],
@@ -105,12 +99,11 @@ async fn every_committed_change_survives_a_restart() {
             .expect("append after restart");
         store.close().await;
         drop(store);
-        let store = open(&dir, durability, 2).await;
+        let store = open(dir.path(), durability, 2).await;
         let appended: Vec<_> = (0..5).map(batch).collect();
         assert_eq!(read_all(&store, "appended").await, rows(&appended));
         store.close().await;
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Opens `dir` on `devices` pretend devices with a host tier of `host_limit` bytes.
@@ -124,8 +117,8 @@ async fn open_with_host_tier(dir: &Path, devices: u32, host_limit: u64) -> Store
 
 #[tokio::test]
 async fn a_restart_reads_no_rows_until_they_are_needed() {
-    let dir = data_dir("lazy");
-    let store = open(&dir, Durability::Sync, 2).await;
+    let dir = TempDataDir::new("lazy");
+    let store = open(dir.path(), Durability::Sync, 2).await;
     for (index, name) in ["a", "b", "c"].into_iter().enumerate() {
         put(&store, name, PutMode::Create, None, &[batch(index as i64)])
             .await
@@ -135,7 +128,7 @@ async fn a_restart_reads_no_rows_until_they_are_needed() {
     drop(store);
 
     // Open: every dataset listed with its schema and rows, none of them in memory.
-    let store = open_with_host_tier(&dir, 2, 1 << 30).await;
+    let store = open_with_host_tier(dir.path(), 2, 1 << 30).await;
     assert_eq!(names(&store), ["a", "b", "c"]);
     let tiers = store.status().tiers;
     assert_eq!(
@@ -182,19 +175,18 @@ async fn a_restart_reads_no_rows_until_they_are_needed() {
     // Without a host tier (the host backend's default), a read loads onto the device.
     store.close().await;
     drop(store);
-    let store = open(&dir, Durability::Sync, 2).await;
+    let store = open(dir.path(), Durability::Sync, 2).await;
     assert_eq!(read_all(&store, "c").await, batch(2));
     let c = store.get("c").expect("c").tier_bytes();
     assert!(c.device > 0 && c.host == 0 && c.disk == 0, "{c:?}");
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn reads_of_a_loaded_dataset_are_slices_of_its_files_batches() {
     // Three appends, three segments; loaded into the host tier as three pieces.
-    let dir = data_dir("pieces");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("pieces");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     for i in 0..3 {
         put(&store, "d", PutMode::Append, None, &[batch(i)])
             .await
@@ -202,7 +194,7 @@ async fn reads_of_a_loaded_dataset_are_slices_of_its_files_batches() {
     }
     store.close().await;
     drop(store);
-    let store = open_with_host_tier(&dir, 1, 1 << 30).await;
+    let store = open_with_host_tier(dir.path(), 1, 1 << 30).await;
     let dataset = store.get("d").expect("d");
     let piece = batch(0).num_rows();
     // Chunks of three quarters of a piece: without regard for the pieces, every other one
@@ -228,13 +220,12 @@ async fn reads_of_a_loaded_dataset_are_slices_of_its_files_batches() {
     }
     assert_eq!(rows(&read), rows(&(0..3).map(batch).collect::<Vec<_>>()));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn an_append_after_a_restart_loads_nothing_it_does_not_read() {
-    let dir = data_dir("append-lazy");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("append-lazy");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "d", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
@@ -248,7 +239,7 @@ async fn an_append_after_a_restart_loads_nothing_it_does_not_read() {
         host_memory_limit: Some(0),
         ..StoreOptions::default()
     };
-    let store = open_with(&dir, 1, options).await;
+    let store = open_with(dir.path(), 1, options).await;
     put(&store, "d", PutMode::Append, None, &[batch(1)])
         .await
         .expect("the appended rows fit");
@@ -267,16 +258,15 @@ async fn an_append_after_a_restart_loads_nothing_it_does_not_read() {
     assert_eq!(store.status().tiers.loads, 0);
     store.close().await;
     drop(store);
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     assert_eq!(read_all(&store, "d").await, rows(&[batch(0), batch(1)]));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn a_load_pays_for_the_file_it_keeps_and_joins_small_segments() {
-    let dir = data_dir("load-charge");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("load-charge");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "large", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
@@ -295,7 +285,7 @@ async fn a_load_pays_for_the_file_it_keeps_and_joins_small_segments() {
     store.close().await;
     drop(store);
 
-    let store = open_with_host_tier(&dir, 1, 1 << 30).await;
+    let store = open_with_host_tier(dir.path(), 1, 1 << 30).await;
     let on_disk = store.get("large").expect("large").tier_bytes().disk;
     assert_eq!(read_all(&store, "large").await, batch(0));
     // Its batches are slices of the file read into memory, which is what they hold.
@@ -319,13 +309,12 @@ async fn a_load_pays_for_the_file_it_keeps_and_joins_small_segments() {
         "{charged} for {data}"
     );
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn loaded_datasets_go_back_to_disk_when_memory_is_needed() {
-    let dir = data_dir("evict");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("evict");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     for (index, name) in ["a", "b"].into_iter().enumerate() {
         put(&store, name, PutMode::Create, None, &[batch(index as i64)])
             .await
@@ -339,7 +328,7 @@ async fn loaded_datasets_go_back_to_disk_when_memory_is_needed() {
             host_memory_limit: Some(host_limit),
             ..StoreOptions::default()
         };
-        open_with(&dir, 1, options)
+        open_with(dir.path(), 1, options)
     };
 
     // A host tier with room for the two loaded datasets and little more: once the device is
@@ -377,26 +366,25 @@ async fn loaded_datasets_go_back_to_disk_when_memory_is_needed() {
     assert_eq!(store.status().tiers.evictions, 1);
     assert_eq!(read_all(&store, "new3").await, batch(4));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn a_version_still_read_keeps_its_files_until_it_is_done() {
-    let dir = data_dir("pinned");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("pinned");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "d", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
     store.close().await;
     drop(store);
     let segment_files = || {
-        std::fs::read_dir(dir.join("segments"))
+        std::fs::read_dir(dir.path().join("segments"))
             .expect("segments")
             .flatten()
             .count()
     };
 
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     let old = store.get("d").expect("d");
     assert!(old.tier_bytes().disk > 0);
     // Replaced on disk: the manifest no longer names the old segment, but a reader of the
@@ -423,13 +411,12 @@ async fn a_version_still_read_keeps_its_files_until_it_is_done() {
         .expect("create");
     assert_eq!(segment_files(), 2, "d's new segment and e's");
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn appends_write_what_they_add_not_the_dataset() {
-    let dir = data_dir("appends");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("appends");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "log", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
@@ -454,13 +441,12 @@ async fn appends_write_what_they_add_not_the_dataset() {
         "{appended} bytes written for 19 appends of {first}"
     );
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn background_merges_keep_the_version_and_write_nothing() {
-    let dir = data_dir("merges");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("merges");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     // Small batches, which the host backend merges.
     let small = |i: i64| batch(i).slice(0, 1000);
     let sent: Vec<_> = (0..17).map(small).collect();
@@ -506,10 +492,9 @@ async fn background_merges_keep_the_version_and_write_nothing() {
     store.close().await;
     drop(store);
 
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     assert_eq!(read_all(&store, "log").await, rows(&sent));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Segment files under `dir`, and the bytes of its catalog: `manifest.json` and the journal.
@@ -526,8 +511,8 @@ fn on_disk(dir: &Path) -> (usize, u64) {
 
 #[tokio::test]
 async fn many_small_appends_keep_the_directory_small() {
-    let dir = data_dir("many-appends");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("many-appends");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     let n = 2000;
     let one = |i: i64| batch(i).slice(0, 1);
     for i in 0..n {
@@ -543,18 +528,18 @@ async fn many_small_appends_keep_the_directory_small() {
     // Each commit appends a record, and the journal is folded into the checkpoint once it
     // outgrows it: the catalog never holds more than tens of KiB, where rewriting it whole
     // at every append grew it to 150 KB.
-    let (_, catalog) = on_disk(&dir);
+    let (_, catalog) = on_disk(dir.path());
     assert!(catalog < 100 << 10, "{catalog} bytes of catalog");
     store.close().await;
     drop(store);
     // Merged on disk as they came: O(log n) files, each rewritten O(log n) times, where
     // every append used to leave its own file.
-    let (files, catalog) = on_disk(&dir);
+    let (files, catalog) = on_disk(dir.path());
     assert!(files <= 24, "{files} segment files for {n} appends");
     assert!(catalog < 8 << 10, "{catalog} bytes of catalog");
 
     let sent: Vec<_> = (0..n).map(one).collect();
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     assert_eq!(
         read_all(&store, "log").await,
         rows(&sent),
@@ -566,18 +551,17 @@ async fn many_small_appends_keep_the_directory_small() {
     store.close().await;
     drop(store);
     let sent: Vec<_> = (0..=n).map(one).collect();
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     assert_eq!(read_all(&store, "log").await, rows(&sent));
     store.close().await;
-    let (files, _) = on_disk(&dir);
+    let (files, _) = on_disk(dir.path());
     assert!(files <= 24, "{files} segment files");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn a_merge_on_disk_keeps_the_files_a_loaded_version_reads() {
-    let dir = data_dir("merge-pinned");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("merge-pinned");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     // A large segment, then a small one: too far apart in size to be merged.
     let parts = [
         batch(0).slice(0, 1000),
@@ -596,10 +580,10 @@ async fn a_merge_on_disk_keeps_the_files_a_loaded_version_reads() {
     }
     store.close().await;
     drop(store);
-    assert_eq!(on_disk(&dir).0, 2);
+    assert_eq!(on_disk(dir.path()).0, 2);
 
     // Loaded from disk, this version reads the two files as they are.
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     let old = store.get("d").expect("d");
     // An append of the small one's size: the two small files are merged into one.
     put(&store, "d", PutMode::Append, None, &parts[2..])
@@ -607,7 +591,7 @@ async fn a_merge_on_disk_keeps_the_files_a_loaded_version_reads() {
         .expect("append");
     store.close().await;
     assert_eq!(
-        on_disk(&dir).0,
+        on_disk(dir.path()).0,
         3,
         "the large file, the merged one, and the small one the old version still reads"
     );
@@ -620,27 +604,26 @@ async fn a_merge_on_disk_keeps_the_files_a_loaded_version_reads() {
     assert_eq!(rows(&read), rows(&parts[..2]));
     drop((old, store));
 
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     assert_eq!(
-        on_disk(&dir).0,
+        on_disk(dir.path()).0,
         2,
         "the merged-away file is gone once unread"
     );
     assert_eq!(read_all(&store, "d").await, rows(&parts));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn a_failed_disk_write_fails_the_put_and_keeps_what_was_stored() {
-    let dir = data_dir("failing");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("failing");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "kept", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
     // The segments directory becomes a file: every segment write now fails.
-    let segments = dir.join("segments");
-    let aside = dir.join("segments.aside");
+    let segments = dir.path().join("segments");
+    let aside = dir.path().join("segments.aside");
     std::fs::rename(&segments, &aside).expect("move aside");
     std::fs::write(&segments, b"not a directory").expect("block");
 
@@ -686,25 +669,24 @@ async fn a_failed_disk_write_fails_the_put_and_keeps_what_was_stored() {
     store.close().await;
     drop(store);
 
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     assert_eq!(names(&store), ["kept", "later"]);
     assert_eq!(read_all(&store, "kept").await, batch(0));
     assert_eq!(read_all(&store, "later").await, batch(3));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn a_data_directory_serves_one_server_and_a_corrupt_one_none() {
-    let dir = data_dir("exclusive");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("exclusive");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "d", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
     let second = Store::open(
         Arc::new(HostBackend::new()),
         StoreOptions {
-            data_dir: Some(dir.clone()),
+            data_dir: Some(dir.path().to_owned()),
             ..StoreOptions::default()
         },
     )
@@ -716,13 +698,13 @@ async fn a_data_directory_serves_one_server_and_a_corrupt_one_none() {
 
     // A damaged segment fails the reads of its own dataset, naming the file, and nothing
     // else: the server starts and serves the rest.
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "other", PutMode::Create, None, &[batch(1)])
         .await
         .expect("create");
     store.close().await;
     drop(store);
-    let segment = std::fs::read_dir(dir.join("segments"))
+    let segment = std::fs::read_dir(dir.path().join("segments"))
         .expect("segments")
         .flatten()
         .map(|e| e.path())
@@ -733,7 +715,7 @@ async fn a_data_directory_serves_one_server_and_a_corrupt_one_none() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0xff;
     std::fs::write(&segment, &bytes).expect("damage");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     let damaged = store.get("d").expect("listed");
     let error = damaged
         .read(0..damaged.num_rows(), 1 << 20, 2)
@@ -755,13 +737,12 @@ async fn a_data_directory_serves_one_server_and_a_corrupt_one_none() {
     // A segment of another size than the manifest records (truncated, or replaced) is
     // found at start: its dataset is not served (DATA_LOSS naming the file), the others are.
     std::fs::write(&segment, &bytes[..middle]).expect("truncate");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let store = open(dir.path(), Durability::Sync, 1).await;
     let error = store.get("d").expect_err("a truncated segment");
     assert!(matches!(error, StoreError::Damaged { .. }), "{error}");
     assert!(error.to_string().contains(&name), "{error}");
     assert_eq!(read_all(&store, "other").await, batch(1));
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
@@ -779,8 +760,8 @@ async fn without_a_data_directory_nothing_is_written() {
 #[tokio::test]
 async fn the_data_directory_is_private_to_the_servers_user() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = data_dir("private");
-    let store = open(&dir, Durability::Sync, 1).await;
+    let dir = TempDataDir::new("private");
+    let store = open(dir.path(), Durability::Sync, 1).await;
     put(&store, "secret", PutMode::Create, None, &[batch(0)])
         .await
         .expect("create");
@@ -789,7 +770,7 @@ async fn the_data_directory_is_private_to_the_servers_user() {
         .expect("append");
     store.close().await;
     let mut checked = 0;
-    let mut pending = vec![dir.clone()];
+    let mut pending = vec![dir.path().to_owned()];
     while let Some(path) = pending.pop() {
         let meta = std::fs::metadata(&path).expect("metadata");
         let mode = meta.permissions().mode() & 0o777;
@@ -807,7 +788,6 @@ async fn the_data_directory_is_private_to_the_servers_user() {
         checked >= 5,
         "the directory, segments/, a segment, the manifest, the lock"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A put made durable can leave memory as a dataset loaded from disk can: with no host tier,
@@ -815,13 +795,13 @@ async fn the_data_directory_is_private_to_the_servers_user() {
 /// (three puts of 40 MB under 64 MiB failed at the second before).
 #[tokio::test]
 async fn durable_puts_make_way_for_later_ones() {
-    let dir = data_dir("durable-evict");
+    let dir = TempDataDir::new("durable-evict");
     let options = StoreOptions {
         memory_limit: Some(4_000_000),
         host_memory_limit: Some(0),
         ..StoreOptions::default()
     };
-    let store = open_with(&dir, 1, options).await;
+    let store = open_with(dir.path(), 1, options).await;
     for (index, name) in ["a", "b", "c", "d"].into_iter().enumerate() {
         put(&store, name, PutMode::Create, None, &[batch(index as i64)])
             .await
@@ -841,5 +821,4 @@ async fn durable_puts_make_way_for_later_ones() {
         assert_eq!(read_all(&store, name).await, batch(index as i64), "{name}");
     }
     store.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use arrow_flight::error::FlightError;
 use arrow_flight::{Action, FlightClient, PollInfo, Ticket};
 use base64::Engine;
+use common::datadir::TempDataDir;
 use common::{TestServer, cmd, code_of, int64_batch, path, put};
 use futures::TryStreamExt;
 use gpu_flight::auth::{Auth, Authenticator, DEFAULT_SESSION_TTL, hash_password, new_token};
@@ -23,37 +24,6 @@ use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair}
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
-/// A directory removed when dropped, for token files and certificates.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let mut random = [0u8; 8];
-        getrandom::fill(&mut random).expect("random");
-        let dir = std::env::temp_dir().join(format!(
-            "gpu-flight-{tag}-{}",
-            random
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        ));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Self(dir)
-    }
-
-    fn write(&self, name: &str, contents: &str) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, contents).expect("write scratch file");
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// One bearer token per role, and a user `carol` (password `pa55`) with the write role.
 struct Tokens {
     read: String,
@@ -61,7 +31,7 @@ struct Tokens {
     admin: String,
 }
 
-fn token_file(scratch: &Scratch) -> (PathBuf, Tokens) {
+fn token_file(scratch: &TempDataDir) -> (PathBuf, Tokens) {
     let mut text = String::new();
     let mut token = |principal: &str, role: &str| {
         let (token, digest) = new_token().expect("token");
@@ -264,7 +234,7 @@ fn code(result: &Result<(), FlightError>) -> Code {
 
 #[tokio::test]
 async fn every_call_is_checked_for_each_role() {
-    let scratch = Scratch::new("roles");
+    let scratch = TempDataDir::new("roles");
     let (file, tokens) = token_file(&scratch);
     let server = start_with_auth(&file).await;
     let mut admin = client_with(&server, bearer(&tokens.admin)).await;
@@ -358,7 +328,7 @@ async fn every_call_is_checked_for_each_role() {
 
 #[tokio::test]
 async fn basic_credentials_buy_a_session_token() {
-    let scratch = Scratch::new("basic");
+    let scratch = TempDataDir::new("basic");
     let (file, _) = token_file(&scratch);
     let server = start_with_auth(&file).await;
     let basic = |user: &str, password: &str| {
@@ -400,7 +370,7 @@ async fn basic_credentials_buy_a_session_token() {
 
 #[tokio::test]
 async fn puts_in_flight_are_listed_with_their_principal_to_it_and_admins() {
-    let scratch = Scratch::new("progress");
+    let scratch = TempDataDir::new("progress");
     let (file, tokens) = token_file(&scratch);
     let server = start_with_auth(&file).await;
     let mut writer = client_with(&server, bearer(&tokens.write)).await;
@@ -455,7 +425,7 @@ async fn puts_in_flight_are_listed_with_their_principal_to_it_and_admins() {
 /// A CA, a server certificate for localhost signed by it, and client certificates signed by
 /// it and by a stranger.
 struct Pki {
-    scratch: Scratch,
+    scratch: TempDataDir,
     ca_pem: String,
     client: (String, String),
     stranger: (String, String),
@@ -465,7 +435,7 @@ struct Pki {
 }
 
 fn pki() -> Pki {
-    let scratch = Scratch::new("tls");
+    let scratch = TempDataDir::new("tls");
     let ca = authority("gpu-flight test CA");
     let stranger_ca = authority("someone else's CA");
     let leaf = |issuer: &CertifiedIssuer<'static, KeyPair>, names: Vec<String>| {
@@ -513,7 +483,7 @@ async fn start_with_tls(pki: &Pki, mutual: bool) -> TestServer {
 }
 
 async fn start_with_tls_and(pki: &Pki, mutual: bool, auth: Auth) -> TestServer {
-    let dir = &pki.scratch.0;
+    let dir = pki.scratch.path();
     let ca = dir.join("ca.pem");
     let files = TlsFiles::load(
         &dir.join("server.pem"),
@@ -660,7 +630,7 @@ async fn client_certificates_map_to_principals() {
 
 #[tokio::test]
 async fn an_address_that_keeps_failing_to_authenticate_is_refused_for_a_while() {
-    let scratch = Scratch::new("limit");
+    let scratch = TempDataDir::new("limit");
     let (file, tokens) = token_file(&scratch);
     let server = start_with_auth(&file).await;
     let mut guesser = client_with(&server, bearer("guess")).await;
@@ -695,7 +665,7 @@ async fn an_address_that_keeps_failing_to_authenticate_is_refused_for_a_while() 
 #[test]
 fn unusable_tls_files_are_refused_at_start() {
     let pki = pki();
-    let dir = &pki.scratch.0;
+    let dir = pki.scratch.path();
     let garbage = pki.scratch.write("garbage.pem", "not a certificate");
     let error = TlsFiles::load(&garbage, &dir.join("server.key"), None).expect_err("refused");
     assert!(error.contains("--tls-cert"), "{error}");

@@ -1,25 +1,40 @@
-//! Data directories for tests: a temporary one that removes itself, and the manifest read and
-//! rewritten (with a header that matches, as a forger or a faulty tool would write it).
+//! Temporary directories for tests (a data directory, or token files and certificates) that
+//! remove themselves, and the manifest read and rewritten (with a header that matches, as a
+//! forger or a faulty tool would write it).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::Value;
 
-/// A fresh directory under the system's temporary one, removed when dropped.
+/// A fresh directory under the system's temporary one, removed when dropped, so also when the
+/// test fails and unwinds. It is not created here: a store creates its data directory itself,
+/// with the permissions it is tested for; `write` creates it for files a test provides.
 #[derive(Debug)]
 pub struct TempDataDir(PathBuf);
 
 impl TempDataDir {
     /// A directory no other test or process uses: `test` names it, the process id tells runs
-    /// apart.
+    /// apart, and a counter the calls of one run (its tests run in parallel threads).
     pub fn new(test: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-{test}-{}", std::process::id()));
+        static CALLS: AtomicU64 = AtomicU64::new(0);
+        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("gpu-flight-{test}-{}-{call}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         Self(dir)
     }
 
     pub fn path(&self) -> &Path {
         &self.0
+    }
+
+    /// Writes `contents` to the file `name` in the directory, which is created if need be.
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        std::fs::create_dir_all(&self.0).expect("create the temporary directory");
+        let path = self.0.join(name);
+        std::fs::write(&path, contents).expect("write a temporary file");
+        path
     }
 }
 
