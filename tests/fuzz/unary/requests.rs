@@ -1,0 +1,396 @@
+//! What a unary case sends: names, descriptors, tickets (issued, bare and forged) and action
+//! bodies.
+
+use arrow::record_batch::RecordBatch;
+use arrow_flight::{Action, FlightDescriptor};
+use rand::Rng;
+use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
+
+use super::UnaryRig;
+use crate::campaign::{Checked, Failure};
+use crate::checks::timed;
+use crate::common::path;
+use crate::descriptors::{deep, odd_descriptor};
+use crate::mutate::{Log, mutate_bytes};
+
+impl UnaryRig {
+    pub(crate) fn fixture_name(&self, rng: &mut StdRng) -> &'static str {
+        self.fixtures.choose(rng).expect("fixtures").0
+    }
+
+    /// A name a request could carry: a fixture, or one that is not there or not valid.
+    fn some_name(&self, rng: &mut StdRng) -> String {
+        if rng.random_bool(0.7) {
+            return self.fixture_name(rng).to_owned();
+        }
+        let names = [
+            "missing",
+            "",
+            "a\nb",
+            "\u{0}",
+            "t ",
+            "T",
+            "é/ü",
+            "\u{202e}t",
+        ];
+        match rng.random_range(0..=names.len()) {
+            i if i < names.len() => names[i].to_owned(),
+            _ => "n".repeat(*[256_usize, 257, 70_000].choose(rng).expect("lengths")),
+        }
+    }
+
+    pub(crate) fn descriptor(&self, rng: &mut StdRng, log: &mut Log) -> FlightDescriptor {
+        match rng.random_range(0..7) {
+            0..=2 => {
+                let name = self.some_name(rng);
+                log.push(format!("PATH {:?}", abbreviate(&name)));
+                path(&name)
+            }
+            3 => {
+                let name = self.fixture_name(rng);
+                log.push(format!("CMD naming {name}"));
+                crate::common::cmd(name, "create")
+            }
+            4 => {
+                let (name, codec) = (self.some_name(rng), read_codec(rng));
+                log.push(format!(
+                    "read CMD {:?} compression {codec}",
+                    abbreviate(&name)
+                ));
+                FlightDescriptor::new_cmd(format!(
+                    r#"{{"name": {}, "compression": {codec}}}"#,
+                    serde_json::Value::from(name)
+                ))
+            }
+            _ => {
+                let (label, descriptor) = odd_descriptor(rng, "create");
+                log.push(format!("descriptor: {label}"));
+                descriptor.unwrap_or_default()
+            }
+        }
+    }
+
+    /// A server-issued ticket, a bare name or a forged ticket, perhaps mutated.
+    /// The ticket, and the rows it must return if it was left intact.
+    pub(crate) async fn ticket(
+        &mut self,
+        rng: &mut StdRng,
+        log: &mut Log,
+    ) -> Checked<(Vec<u8>, Option<usize>)> {
+        let mut expected_rows = None;
+        let mut ticket = match rng.random_range(0..10) {
+            0..=4 => {
+                let name = self.fixture_name(rng);
+                // Tickets for plain replies, and for LZ4 or ZSTD compressed ones.
+                let (descriptor, how) = match rng.random_range(0..3) {
+                    0 => (path(name), "plain"),
+                    1 => (compressed_read(name, "lz4"), "lz4"),
+                    _ => (compressed_read(name, "zstd"), "zstd"),
+                };
+                let info = timed("GetFlightInfo", self.client.get_flight_info(descriptor))
+                    .await?
+                    .map_err(|e| Failure::new("fixture unreadable", e.to_string()))?;
+                let endpoint = info.endpoint.choose(rng).expect("an endpoint");
+                log.push(format!("issued {how} ticket of {name}"));
+                let ticket = endpoint.ticket.clone().expect("a ticket").ticket.to_vec();
+                expected_rows = issued_rows(&ticket);
+                ticket
+            }
+            5 | 6 => {
+                let name = self.some_name(rng);
+                log.push(format!("bare name {:?}", abbreviate(&name)));
+                expected_rows = self
+                    .fixtures
+                    .iter()
+                    .find(|(fixture, _)| *fixture == name)
+                    .map(|(_, batches)| batches.iter().map(RecordBatch::num_rows).sum());
+                name.into_bytes()
+            }
+            _ => {
+                let name = self.fixture_name(rng);
+                let forged = forged_ticket(rng, name);
+                log.push(format!(
+                    "forged ticket {:?}",
+                    abbreviate(&String::from_utf8_lossy(&forged))
+                ));
+                forged
+            }
+        };
+        if rng.random_bool(0.5) {
+            expected_rows = None;
+            if rng.random_bool(0.5) {
+                rewrite_number(rng, &mut ticket, log);
+            } else {
+                mutate_bytes(rng, &mut ticket, log, "ticket");
+            }
+        }
+        Ok((ticket, expected_rows))
+    }
+
+    pub(crate) fn action(&self, rng: &mut StdRng, log: &mut Log) -> Action {
+        let kind = *[
+            "drop",
+            "drop",
+            "status",
+            "ipc-export",
+            "ipc-export",
+            "ipc-release",
+            "move",
+            "move",
+            "copy",
+            "",
+            "DROP",
+            "drop ",
+            "list",
+        ]
+        .choose(rng)
+        .expect("actions");
+        let name = self.some_name(rng);
+        let column = ["c0", "c1", "s", "nope", ""].choose(rng).expect("columns");
+        let lease_seconds = [0_u64, 1, 86_400, 86_401, u64::MAX].choose(rng);
+        let move_device = *[1_i64, -1, 1 << 40].choose(rng).expect("devices");
+        let long_uuid = "GPU-".repeat(2000);
+        let move_uuid = *["GPU-x", "", long_uuid.as_str()]
+            .choose(rng)
+            .expect("uuids");
+        let lease = *["", "x", "0123456789abcdef", name.as_str()]
+            .choose(rng)
+            .expect("leases");
+        let bodies: Vec<(String, Vec<u8>)> = vec![
+            (
+                "name".into(),
+                json_body(serde_json::json!({ "name": name })),
+            ),
+            (
+                "name with extra".into(),
+                json_body(serde_json::json!({"name": name, "extra": true})),
+            ),
+            ("empty object".into(), b"{}".to_vec()),
+            ("empty".into(), Vec::new()),
+            (
+                "JSON array".into(),
+                json_body(serde_json::json!([name, "create"])),
+            ),
+            (
+                "name array".into(),
+                json_body(serde_json::json!({ "name": [name] })),
+            ),
+            ("bare name".into(), name.clone().into_bytes()),
+            ("null".into(), b"null".to_vec()),
+            (
+                "deep nesting".into(),
+                format!(
+                    r#"{{"name": {}}}"#,
+                    deep(
+                        *[127_usize, 129, 100_000].choose(rng).expect("depths"),
+                        "[",
+                        "]"
+                    )
+                )
+                .into_bytes(),
+            ),
+            (
+                "deep objects".into(),
+                deep(200, r#"{"a":"#, "}")
+                    .replace(r#":}"#, ":1}")
+                    .into_bytes(),
+            ),
+            (
+                "newlines".into(),
+                format!("\n{{\n\"name\"\n:\n{}\n}}\n\n", serde_json::json!(name)).into_bytes(),
+            ),
+            (
+                "non-UTF-8".into(),
+                b"{\"name\": \"t\xff\xfe\", \"lease\": \"\xc3\"}".to_vec(),
+            ),
+            (
+                "move to device 0".into(),
+                json_body(serde_json::json!({"name": name, "device": 0})),
+            ),
+            (
+                "move to a device out of range".into(),
+                json_body(serde_json::json!({"name": name, "device": move_device})),
+            ),
+            (
+                "move to a UUID".into(),
+                json_body(serde_json::json!({"name": name, "device": move_uuid})),
+            ),
+            (
+                "export columns".into(),
+                json_body(serde_json::json!({"name": name, "columns": [column, column]})),
+            ),
+            (
+                "export lease".into(),
+                json_body(serde_json::json!({
+                    "name": name,
+                    "lease_seconds": lease_seconds,
+                    "lease": "0123456789abcdef",
+                })),
+            ),
+            (
+                "negative lease".into(),
+                br#"{"name": "t", "lease_seconds": -1}"#.to_vec(),
+            ),
+            (
+                "float lease".into(),
+                br#"{"name": "t", "lease_seconds": 1e300}"#.to_vec(),
+            ),
+            (
+                "release".into(),
+                json_body(serde_json::json!({
+                    "lease": lease
+                })),
+            ),
+            ("release number".into(), br#"{"lease": 5}"#.to_vec()),
+            (
+                "export to a device".into(),
+                json_body(serde_json::json!({
+                    "name": name,
+                    "version": *[1_i64, 2, 3, -1].choose(rng).expect("versions"),
+                    "device": move_device,
+                    "copy": rng.random_bool(0.5),
+                })),
+            ),
+            (
+                "export to a UUID".into(),
+                json_body(serde_json::json!({
+                    "name": name,
+                    "version": 2,
+                    "device": move_uuid,
+                    "copy": true,
+                    "columns": [column],
+                })),
+            ),
+            (
+                "copy as".into(),
+                json_body(
+                    serde_json::json!({"name": name, "as": self.some_name(rng), "device": move_device}),
+                ),
+            ),
+            (
+                "export copy without a device".into(),
+                json_body(serde_json::json!({"name": name, "version": 2, "copy": true})),
+            ),
+        ];
+        let chosen = rng.random_range(0..bodies.len());
+        let (label, mut body) = bodies.into_iter().nth(chosen).expect("a body");
+        log.push(format!("action {kind:?} body {label}"));
+        if rng.random_bool(0.3) {
+            mutate_bytes(rng, &mut body, log, "body");
+        }
+        Action::new(kind, body)
+    }
+}
+
+fn json_body(value: serde_json::Value) -> Vec<u8> {
+    value.to_string().into_bytes()
+}
+
+fn abbreviate(text: &str) -> String {
+    if text.len() <= 40 {
+        text.to_owned()
+    } else {
+        format!(
+            "{}... ({} bytes)",
+            text.chars().take(20).collect::<String>(),
+            text.len()
+        )
+    }
+}
+
+/// A ticket in the server's format with fields a server never issues.
+fn forged_ticket(rng: &mut StdRng, name: &str) -> Vec<u8> {
+    let numbers = [
+        "0",
+        "1",
+        "63",
+        "64",
+        "250",
+        "251",
+        "18446744073709551615",
+        "18446744073709551616",
+        "-1",
+        "1e3",
+        "9223372036854775807",
+    ];
+    let mut number = || *numbers.choose(rng).expect("numbers");
+    let (version, tag, start, end) = (number(), number(), number(), number());
+    let body = match rng.random_range(0..7) {
+        0 => format!(r#"{{"name":"{name}","version":{version},"start":{start},"end":{end}}}"#),
+        6 => format!(
+            r#"{{"name":"{name}","version":{version},"tag":{tag},"start":{start},"end":{end}}}"#
+        ),
+        1 => format!(r#"{{"name":"{name}","version":{version},"start":{start}}}"#),
+        2 => {
+            format!(r#"{{"name":"{name}","version":{version},"start":{start},"end":{end},"x":0}}"#)
+        }
+        3 => format!(r#"{{"name":"","version":1,"start":{start},"end":{end}}}"#),
+        4 => format!(r#"["{name}",{version},{start},{end}]"#),
+        _ => String::new(),
+    };
+    let format_line = *["1", "0", "2", "", "1\r", "01"]
+        .choose(rng)
+        .expect("versions");
+    format!("\0gpu-flight-ticket/{format_line}\n{body}").into_bytes()
+}
+
+/// A GetFlightInfo descriptor whose tickets read `name` compressed with `codec`.
+fn compressed_read(name: &str, codec: &str) -> FlightDescriptor {
+    FlightDescriptor::new_cmd(serde_json::json!({"name": name, "compression": codec}).to_string())
+}
+
+/// A `compression` value for a read command, as JSON: a codec, or one the server must refuse.
+fn read_codec(rng: &mut StdRng) -> &'static str {
+    [
+        "\"lz4\"", "\"zstd\"", "null", "\"gzip\"", "\"LZ4\"", "1", "[]", "\"\"",
+    ]
+    .choose(rng)
+    .copied()
+    .unwrap_or("null")
+}
+
+/// The row range of a server-issued ticket (the JSON after the format line), as a count.
+fn issued_rows(ticket: &[u8]) -> Option<usize> {
+    let newline = ticket.iter().position(|&b| b == b'\n')?;
+    let body: serde_json::Value = serde_json::from_slice(&ticket[newline + 1..]).ok()?;
+    let (start, end) = (body["start"].as_u64()?, body["end"].as_u64()?);
+    usize::try_from(end.checked_sub(start)?).ok()
+}
+
+/// Replaces one run of digits with an edge value (row ranges and versions live in those).
+fn rewrite_number(rng: &mut StdRng, bytes: &mut Vec<u8>, log: &mut Log) {
+    let mut runs = Vec::new();
+    let mut start = None;
+    for (i, b) in bytes.iter().enumerate() {
+        match (b.is_ascii_digit(), start) {
+            (true, None) => start = Some(i),
+            (false, Some(s)) => {
+                runs.push(s..i);
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        runs.push(s..bytes.len());
+    }
+    let Some(run) = runs.choose(rng).cloned() else {
+        return log.push("ticket: no number to rewrite");
+    };
+    let value = *[
+        "0",
+        "1",
+        "18446744073709551615",
+        "18446744073709551616",
+        "9223372036854775808",
+        "4294967296",
+        "100000000000",
+        "65",
+    ]
+    .choose(rng)
+    .expect("values");
+    let old = String::from_utf8_lossy(&bytes[run.clone()]).into_owned();
+    bytes.splice(run, value.bytes());
+    log.push(format!("ticket: number {old} -> {value}"));
+}
