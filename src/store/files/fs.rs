@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::error::{FilesError, io_error};
 
-/// A fault for tests: the `step`-th file-system step (counted from 0 after
-/// [`DataDir::inject`]; a write, an fsync, a rename, a create, a truncation or a delete) fails. `torn` makes a
+/// A fault for tests: the `step`-th file-system step (counted from 0 after `DataDir::inject`;
+/// a write, an fsync, a rename, a create, a truncation or a delete) fails. `torn` makes a
 /// failing write put half its bytes on disk first; `crash` makes every later step fail too, as
 /// if the process had died there, so no cleanup runs.
 #[cfg(test)]
