@@ -1,7 +1,7 @@
 //! Reading segment files back: pins that keep a version's files on disk while it may be
-//! read, and the checked decoding of Arrow IPC files. Every read checks the file's size and
-//! CRC-32 against the catalog first, and a file that passes yet is malformed (only a forger
-//! makes one) is corruption, never a panic.
+//! read, and the checked decoding of Arrow IPC files. A read of rows checks the file's size
+//! and CRC-32 against the catalog first (a read of the schema alone, its size), and a file
+//! that passes yet is malformed (only a forger makes one) is corruption, never a panic.
 
 use std::collections::HashMap;
 use std::fs::File;
