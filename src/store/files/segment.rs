@@ -1,28 +1,26 @@
 //! Reading segment files back: pins that keep a version's files on disk while it may be
-//! read, the checked decoding of Arrow IPC files, and the names segment files are given.
+//! read, and the checked decoding of Arrow IPC files. A read of rows checks the file's size
+//! and CRC-32 against the catalog first (a read of the schema alone, its size), and a file
+//! that passes yet is malformed (only a forger makes one) is corruption, never a panic.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::panic::AssertUnwindSafe;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions};
+use arrow::array::RecordBatch;
 use arrow::buffer::{Buffer, MutableBuffer};
-use arrow::compute::concat;
-use arrow::datatypes::{DataType, Schema, SchemaRef};
-use arrow::error::ArrowError;
+use arrow::datatypes::SchemaRef;
 use arrow::ipc::reader::{FileDecoder, read_footer_length};
 use arrow::ipc::{Block, Footer, convert::try_fb_to_schema, root_as_footer};
 
-use super::{
-    FilesError, MANIFEST, Segment, TMP_SUFFIX, check_size, corrupt, crc, differs, io_error,
-};
-use crate::arrays;
-use crate::backend::dictionary;
+use super::check::check_size;
+use super::error::{FilesError, corrupt, crc, differs, io_error};
+use super::layout::{MANIFEST, segment_path};
+use super::manifest::Segment;
 
 /// The segment files of an open data directory, for loading datasets when they are needed
 /// rather than all at start. A file a [`PinnedSegment`] names is never deleted while it is
@@ -226,96 +224,4 @@ fn footer_schema(footer: &Footer<'_>) -> Result<SchemaRef, String> {
     Ok(Arc::new(
         try_fb_to_schema(ipc_schema).map_err(|e| e.to_string())?,
     ))
-}
-
-/// An IPC file holds one dictionary per field for all its batches, while each batch a put
-/// receives may carry its own. A column containing dictionaries is concatenated (top-level
-/// dictionaries merged to distinct values, as the backends concatenate them, so pandas can
-/// read the file) and sliced back, so the batches keep their boundaries and share one.
-/// Column `column` of `batches`, in one array; top-level dictionaries are merged to distinct
-/// values, as the backends concatenate them.
-fn concat_column(
-    schema: &Schema,
-    column: usize,
-    batches: &[RecordBatch],
-) -> Result<ArrayRef, ArrowError> {
-    let parts: Vec<&dyn Array> = batches.iter().map(|b| b.column(column).as_ref()).collect();
-    match schema.field(column).data_type() {
-        DataType::Dictionary(_, _) => {
-            dictionary::concat_on_host(&parts).map_err(|e| ArrowError::ComputeError(e.to_string()))
-        }
-        _ => concat(&parts),
-    }
-}
-
-/// `batches` (all of `schema`) joined into one batch: the rows of a merge, in order.
-pub(super) fn join(
-    schema: &SchemaRef,
-    batches: &[RecordBatch],
-) -> Result<Vec<RecordBatch>, ArrowError> {
-    if batches.len() < 2 {
-        return Ok(batches.to_vec());
-    }
-    let columns = (0..schema.fields().len())
-        .map(|column| concat_column(schema, column, batches))
-        .collect::<Result<Vec<_>, _>>()?;
-    let rows = batches.iter().map(RecordBatch::num_rows).sum();
-    let options = RecordBatchOptions::new().with_row_count(Some(rows));
-    Ok(vec![RecordBatch::try_new_with_options(
-        Arc::clone(schema),
-        columns,
-        &options,
-    )?])
-}
-
-pub(super) fn one_dictionary_per_field<'a>(
-    schema: &Schema,
-    batches: &'a [RecordBatch],
-) -> Result<Cow<'a, [RecordBatch]>, ArrowError> {
-    let is_dictionary = |t: &DataType| matches!(t, DataType::Dictionary(_, _));
-    let columns: Vec<usize> = (0..schema.fields().len())
-        .filter(|&i| arrays::contains(schema.field(i).data_type(), &is_dictionary))
-        .collect();
-    if columns.is_empty() || batches.len() < 2 {
-        return Ok(Cow::Borrowed(batches));
-    }
-    let mut arrays: Vec<Vec<ArrayRef>> = batches.iter().map(|b| b.columns().to_vec()).collect();
-    for &column in &columns {
-        let whole = concat_column(schema, column, batches)?;
-        let mut offset = 0;
-        for (batch, arrays) in batches.iter().zip(&mut arrays) {
-            arrays[column] = whole.slice(offset, batch.num_rows());
-            offset += batch.num_rows();
-        }
-    }
-    let shared = batches.iter().zip(arrays).map(|(batch, arrays)| {
-        let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-        RecordBatch::try_new_with_options(batch.schema(), arrays, &options)
-    });
-    Ok(Cow::Owned(shared.collect::<Result<_, _>>()?))
-}
-
-pub(super) fn segment_name(id: u64) -> String {
-    format!("seg-{id:020}.arrow")
-}
-
-/// The id of a segment file name, and whether it is the temporary one.
-pub(super) fn parse_file_name(name: &str) -> Option<(u64, bool)> {
-    let (name, tmp) = match name.strip_suffix(TMP_SUFFIX) {
-        Some(name) => (name, true),
-        None => (name, false),
-    };
-    let digits = name.strip_prefix("seg-")?.strip_suffix(".arrow")?;
-    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((digits.parse().ok()?, tmp))
-}
-
-/// The path of a segment named in a manifest, which is only trusted if it is a name we write.
-pub(super) fn segment_path(segments: &Path, file: &str) -> Result<PathBuf, String> {
-    match parse_file_name(file) {
-        Some((_, false)) => Ok(segments.join(file)),
-        _ => Err(format!("{file:?} is not a segment file name")),
-    }
 }

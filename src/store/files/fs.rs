@@ -1,15 +1,19 @@
-//! The file-system steps that change a data directory, each one a place where tests inject a
-//! fault.
+//! The file system as the data directory uses it. Every step that changes the disk after open
+//! goes through [`Fs`], where tests inject faults (a failed or torn write, fsync, rename,
+//! truncation or delete, or a crash from that step on); beside it are the few plain helpers:
+//! private files, directory fsyncs, and the removals open makes before any fault can be
+//! planned.
 
-use std::fs::{self, File};
+use std::fs::{self, File, OpenOptions};
 use std::io::{self, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::{FilesError, io_error, sync_dir};
+use super::error::{FilesError, io_error};
 
-/// A fault for tests: the `step`-th file-system step (counted from 0 after
-/// [`DataDir::inject`]; a write, an fsync, a rename, a create, a truncation or a delete) fails. `torn` makes a
+/// A fault for tests: the `step`-th file-system step (counted from 0 after `DataDir::inject`;
+/// a write, an fsync, a rename, a create, a truncation or a delete) fails. `torn` makes a
 /// failing write put half its bytes on disk first; `crash` makes every later step fail too, as
 /// if the process had died there, so no cleanup runs.
 #[cfg(test)]
@@ -94,7 +98,7 @@ impl Fs {
 
     pub(super) fn create(&self, path: &Path) -> io::Result<File> {
         self.check()?;
-        super::private_file().truncate(true).open(path)
+        private_file().truncate(true).open(path)
     }
 
     pub(super) fn write(&self, file: &mut File, buf: &[u8]) -> io::Result<usize> {
@@ -185,4 +189,34 @@ impl Write for Tracked<'_> {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// Creates `path` holding `text`, fsync'd.
+pub(super) fn write_file(fs: &Fs, path: &Path, text: &[u8]) -> Result<(), FilesError> {
+    let file = fs.create(path).map_err(io_error(path, "creating"))?;
+    let mut out = Tracked::new(file, fs);
+    out.write_all(text).map_err(io_error(path, "writing"))?;
+    fs.sync(&out.file).map_err(io_error(path, "syncing"))
+}
+
+/// Options that create a file only the server's user may read or write (dataset names and
+/// rows are in these files); the caller adds the access it needs.
+pub(super) fn private_file() -> OpenOptions {
+    let mut options = OpenOptions::new();
+    options.create(true).write(true).mode(0o600);
+    options
+}
+
+pub(super) fn remove_if_present(path: &Path) -> Result<(), FilesError> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_error(path, "deleting")(e)),
+        _ => Ok(()),
+    }
+}
+
+/// A rename or a new file's entry is durable only once its directory is.
+pub(super) fn sync_dir(dir: &Path) -> Result<(), FilesError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir, "syncing directory"))
 }
