@@ -13,7 +13,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::auth::{Loaded, Role};
 use crate::backend::{BackendChoice, DeviceInfo, GpuSelection};
 use crate::flight::FlightOptions;
-use crate::server::{ConnectionLimits, ListenAddr, ServeOptions};
+use crate::server::{ConnectionLimits, DoGetEncoder, ListenAddr, ServeOptions};
 use crate::store::{Durability, StoreOptions};
 
 /// The smallest `--memory-limit` (and non-zero `--host-memory-limit`) the server starts with.
@@ -255,6 +255,12 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_PROGRESS_SECONDS", default_value_t = 5,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub progress_seconds: u64,
+
+    /// How DoGet replies are encoded: `framed` (the server's own framing, without copying the
+    /// Arrow buffers) or `plain` (arrow-flight's encoder). Hidden: for measuring one against
+    /// the other.
+    #[arg(long, hide = true, value_enum, default_value = "framed")]
+    pub doget_encoder: DoGetEncoder,
 }
 
 impl ServeArgs {
@@ -304,6 +310,7 @@ impl ServeArgs {
             max_streams_per_connection: self.max_streams_per_connection,
             keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),
             keepalive_timeout: Duration::from_secs(self.keepalive_timeout_seconds),
+            doget_encoder: self.doget_encoder,
             // Files and the token file are read by `main`, which reports their errors.
             ..ServeOptions::default()
         }

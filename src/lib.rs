@@ -2,8 +2,8 @@
 //!
 //! Layers point one way: [`flight`] (the protocol) → [`store`] (catalog, puts, leases, memory
 //! budget) → [`backend`] (host or CUDA memory). [`server`] wires them to gRPC with TLS and
-//! connection limits; [`auth`] says who a caller is and what their role allows (the Flight
-//! router asks it before any handler runs); [`metrics`] counts calls and reads the store's
+//! connection limits; [`auth`] says who a caller is and what their role allows (the server's
+//! layers ask it before any handler runs); [`metrics`] counts calls and reads the store's
 //! state for Prometheus; [`consumer`] is the Rust side of `ipc-export` for processes on the
 //! server's node.
 

@@ -15,6 +15,15 @@ per connection through a bare socket (one write and one read copy, no framing): 
 server could do with these clients. The last column is the CPU each client process and the
 server kept busy during the best run, in cores (from /proc): a client near 1.0 is its own
 limit, whatever the server does. Nothing else should run on the machine meanwhile.
+
+`--doget-encoders framed,plain` starts one server per DoGet encoder (the hidden
+`--doget-encoder` flag: `framed`, the server's own framing that hands the socket the Arrow
+buffers without copying them, and `plain`, arrow-flight's encoder through the generated server),
+so one run measures both side by side; puts go to the first encoder's server only. The
+"server CPU s/GB" column is the CPU seconds each server spent per GB moved in the best run.
+
+    python3 examples/python/throughput.py --backends host,cuda --clients 8,16 --mib 1024 \
+        --ops get --doget-encoders framed,plain
 """
 
 import argparse
@@ -130,6 +139,10 @@ def main():
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--client", choices=["python", "rust"], default="python")
     parser.add_argument("--no-uds", action="store_true", help="skip gpu-flight over a Unix socket")
+    parser.add_argument("--doget-encoders", default="framed",
+                        help="DoGet encoders, comma-separated (framed, plain): one server each")
+    parser.add_argument("--no-raw", action="store_true",
+                        help="skip the raw-socket ceiling (it needs the Rust client, --rust-client)")
     parser.add_argument("--server", default=str(ROOT / "target" / "release" / "gpu-flight"))
     parser.add_argument("--rust-client", default=str(ROOT / "target" / "release" / "examples" / "flight_client"))
     parser.add_argument("--server-args", default="", help="more gpu-flight flags, e.g. '--max-message-bytes 8MiB'")
@@ -140,44 +153,56 @@ def main():
     clients = [int(n) for n in args.clients.split(",")]
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="gpu-flight-bench-"))
 
-    servers, targets = [], []  # targets: (label, location, is gpu-flight, server pid)
+    encoders = args.doget_encoders.split(",")
+    # targets: (label, location, is gpu-flight, server pid, takes puts)
+    servers, targets = [], []
     try:
-        builds = [("", args.server)] + [(f" ({pathlib.Path(b).name})", b) for b in args.compare.split(",") if b]
+        builds = [("", args.server, encoder) for encoder in encoders]
+        builds += [(f" ({pathlib.Path(b).name})", b, None) for b in args.compare.split(",") if b]
         for backend in args.backends.split(","):
-            for suffix, binary in builds:
+            for suffix, binary, encoder in builds:
                 sock = scratch / f"{backend}{len(servers)}.sock"
+                chosen = ["--doget-encoder", encoder] if encoder else []
                 server = Process([binary, "serve", "--backend", backend, "--listen", "127.0.0.1:0",
                                   "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB",
-                                  *shlex.split(args.server_args)],
+                                  *chosen, *shlex.split(args.server_args)],
                                  r"serving on (grpc://\S+) \(backend: (\w+)\)")
                 if server.match.group(2) != backend:
                     raise SystemExit(f"asked for backend {backend}, got {server.match.group(2)}")
                 servers.append(server)
-                targets.append((f"gpu-flight {backend}{suffix}", server.match.group(1), True, server.process.pid))
-                if not args.no_uds and not suffix:
-                    targets.append((f"gpu-flight {backend} uds", f"grpc+unix://{sock}", True, server.process.pid))
+                if encoder and len(encoders) > 1:
+                    suffix = f" {encoder}"
+                puts = encoder in (None, encoders[0])
+                targets.append((f"gpu-flight {backend}{suffix}", server.match.group(1), True, server.process.pid,
+                                puts))
+                if not args.no_uds and encoder == encoders[0]:
+                    targets.append((f"gpu-flight {backend}{suffix} uds", f"grpc+unix://{sock}", True,
+                                    server.process.pid, True))
         baseline = Process([sys.executable, str(ROOT / "examples" / "pyarrow_server.py")], r"serving on (grpc://\S+)")
         servers.append(baseline)
-        targets.append(("pyarrow", baseline.match.group(1), False, baseline.process.pid))
+        targets.append(("pyarrow", baseline.match.group(1), False, baseline.process.pid, True))
 
         print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {args.client} clients, "
               f"{args.mib} MiB per client, best of {args.repeat}; GB/s = 1e9 Arrow bytes/s; "
               f"server {args.server} {args.server_args}".rstrip()
-              + (f"; compare {args.compare}" if args.compare else ""), flush=True)
+              + (f"; compare {args.compare}" if args.compare else "")
+              + f"; DoGet encoders {args.doget_encoders}", flush=True)
         print("| table | op | clients | " + " | ".join(t[0] for t in targets)
               + " | raw TCP | raw UDS | gpu-flight (TCP) / pyarrow, / raw TCP "
-              + "| CPU cores busy: each client / server |")
-        print("|" + " --- |" * (len(targets) + 7))
+              + "| CPU cores busy: each client / server | server CPU s/GB |")
+        print("|" + " --- |" * (len(targets) + 8))
         raw = {}
         for table in args.tables.split(","):
-            for _, location, _, pid in targets:  # the dataset every DoGet client reads, once a server
+            for _, location, _, pid, _ in targets:  # the dataset every DoGet client reads, once a server
                 if not location.startswith("grpc+unix"):
                     run_together([client_argv("python", "put", location, f"bench-{table}", args, table)], pid)
             for op in args.ops.split(","):
                 for n in clients:
                     figures = []
-                    for label, location, ours, pid in targets:
-                        if op == "get":
+                    for label, location, ours, pid, puts in targets:
+                        if op == "put" and not puts:
+                            figures.append(None)  # the same server as the first encoder's
+                        elif op == "get":
                             argvs = [client_argv(args.client, "get", location, f"bench-{table}", args, table)] * n
                             figures.append(best(args, lambda: run_together(argvs, pid)))
                         else:
@@ -190,21 +215,30 @@ def main():
                                 return rate
                             figures.append(best(args, put_all))
                     if n not in raw:
-                        raw[n] = [best(args, lambda: raw_rate(args, n, address)) for address in
-                                  ("127.0.0.1:0", f"unix://{scratch / 'raw.sock'}")]
+                        raw[n] = [None, None] if args.no_raw else [
+                            best(args, lambda: raw_rate(args, n, address)) for address in
+                            ("127.0.0.1:0", f"unix://{scratch / 'raw.sock'}")]
                     tcp, uds = raw[n]
                     pyarrow = figures[-1]
-                    ratios = "; ".join(f"{label.removeprefix('gpu-flight ')} {f / pyarrow:.2f}x, {f / tcp:.0%}"
-                                       for (label, location, ours, _), f in zip(targets, figures)
+                    measured = [(t, f) for t, f in zip(targets, figures) if f is not None]
+                    ratios = "; ".join(f"{label.removeprefix('gpu-flight ')} {f / pyarrow:.2f}x"
+                                       + (f", {f / tcp:.0%}" if tcp else "")
+                                       for (label, location, ours, *_), f in measured
                                        if ours and not location.startswith("grpc+unix"))
                     cores = "; ".join(f"{label.removeprefix('gpu-flight ')} {f.client_cores:.2f} / {f.server_cores:.1f}"
-                                      for (label, *_), f in [*zip(targets, figures), (("raw TCP",), tcp)])
-                    print(f"| {table} | {op} | {n} | " + " | ".join(f"{f:.2f}" for f in figures)
-                          + f" | {tcp:.2f} | {uds:.2f} | {ratios} | {cores} |", flush=True)
+                                      for (label, *_), f in [*measured, *([(("raw TCP",), tcp)] if tcp else [])])
+                    per_gb = "; ".join(f"{label.removeprefix('gpu-flight ')} {f.server_cores / f:.2f}"
+                                       for (label, *_), f in measured)
+                    print(f"| {table} | {op} | {n} | " + " | ".join(number(f) for f in figures)
+                          + f" | {number(tcp)} | {number(uds)} | {ratios} | {cores} | {per_gb} |", flush=True)
     finally:
         for server in servers:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def number(rate):
+    return "-" if rate is None else f"{rate:.2f}"
 
 
 def drop_names(location, names, ours):

@@ -4,9 +4,10 @@
 //! token listed in the file (by its hash), or a session token that Flight's `Handshake` hands
 //! out for Basic credentials of a user in the file. Over mutual TLS, a call without that header
 //! may instead come from a client certificate the file names (`[[certificates]]`, matched by
-//! its subject CN or a subject alternative name). Each principal has one [`Role`]; the
-//! router checks it before a request's body is read, so a refused call costs nothing. Without
-//! a token file every caller is [`Principal::anonymous`], with every role.
+//! its subject CN or a subject alternative name). Each principal has one [`Role`]; what each
+//! method and action needs is one table ([`required_role`]), which the server checks before a
+//! request's body is read, so a refused call costs nothing. Without a token file every caller
+//! is [`Principal::anonymous`], with every role.
 //!
 //! The file is read again on SIGHUP ([`Authenticator::reload`]): revoked tokens stop working at
 //! once, and sessions follow their user (a user removed from the file loses their sessions; a
@@ -21,6 +22,7 @@
 mod certificate;
 mod file;
 mod limiter;
+mod roles;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -37,6 +39,7 @@ use file::Credentials;
 pub use file::{TokenFileError, hash_password, new_token};
 use limiter::FailureLimiter;
 pub use limiter::Origin;
+pub use roles::{Operation, required_role};
 
 /// What a principal may do. Each role includes the ones before it.
 #[derive(
@@ -62,7 +65,7 @@ impl fmt::Display for Role {
     }
 }
 
-/// The caller of one request, as the router found it.
+/// The caller of one request, as the server's authentication layer found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     pub name: Arc<str>,

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::descriptor::{DeviceRef, parse_json_object, parse_name};
 use super::ipc_export;
-use crate::auth::{Principal, Role};
+use crate::auth::{Operation, Principal};
 use crate::error::Error;
 use crate::store::{PersistenceStatus, PutMode, StoreStatus, TierStatus};
 
@@ -96,6 +96,20 @@ pub enum ActionRequest {
 }
 
 impl ActionRequest {
+    /// What the action asks to do, as the role table (`crate::auth::required_role`) reads it.
+    pub fn operation(&self) -> Operation<'static> {
+        let name = match self {
+            Self::Drop { .. } => "drop",
+            Self::Status => "status",
+            Self::IpcExport { .. } => "ipc-export",
+            Self::IpcRelease { .. } => "ipc-release",
+            Self::Move { .. } => "move",
+            Self::Copy { .. } => "copy",
+        };
+        let copy = matches!(self, Self::IpcExport { copy: true, .. });
+        Operation::Action { name, copy }
+    }
+
     /// What the action is about, for its call's log line.
     pub fn subject(&self) -> String {
         match self {
@@ -405,7 +419,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
             .leases
             .iter()
             .map(|lease| LeaseDocument {
-                lease: (viewer.role >= Role::Admin || *viewer.name == *lease.owner)
+                lease: (viewer.sees_everyone() || *viewer.name == *lease.owner)
                     .then(|| lease.id.clone()),
                 owner: lease.owner.clone(),
                 name: lease.dataset.clone(),
@@ -414,7 +428,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
                 device: lease.device,
                 bytes: lease.bytes,
                 replica_bytes: lease.replica_bytes,
-                expires_at: rfc3339(lease.expires_at),
+                expires_at: ipc_export::rfc3339(lease.expires_at),
                 in_catalog: lease.in_catalog,
             })
             .collect(),
@@ -424,7 +438,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
         puts: status
             .puts
             .iter()
-            .filter(|put| viewer.role >= Role::Admin || *viewer.name == *put.owner)
+            .filter(|put| viewer.sees_everyone() || *viewer.name == *put.owner)
             .map(|put| PutDocument {
                 name: put.name.clone(),
                 mode: put.mode,
@@ -444,14 +458,10 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
     to_value(&document)
 }
 
-/// RFC 3339 in UTC with milliseconds, as every timestamp the server reports.
-pub fn rfc3339(time: std::time::SystemTime) -> String {
-    chrono::DateTime::<chrono::Utc>::from(time).to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::Role;
 
     #[test]
     fn actions_parse() {

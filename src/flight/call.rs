@@ -1,7 +1,7 @@
 //! One Flight call as the operator sees it: who made it, what it touched, what it moved, how it
-//! ended. The router opens a [`Call`] for every request and puts it in the request's
-//! extensions; handlers add the dataset and rows, the router's bodies add bytes and the final
-//! status. When the last reference goes (the reply is done or dropped) the call is logged as
+//! ended. The server's accounting layer opens a [`Call`] for every request and puts it in the
+//! request's extensions; handlers add the dataset and rows, the layers' bodies add bytes and
+//! the final status. When the last reference goes (the reply is done or dropped) the call is logged as
 //! one structured line and counted in the metrics. Long calls also log a progress line every
 //! `--progress-seconds`.
 
@@ -11,14 +11,14 @@ use std::time::{Duration, Instant};
 
 use tonic::Code;
 
-use crate::flight::Peer;
 use crate::metrics::{CallFigures, Metrics};
 
 /// A call in progress; see the module doc.
 #[derive(Debug)]
 pub(crate) struct Call {
     method: &'static str,
-    peer: Option<Peer>,
+    /// Who is at the other end, as the connection names it.
+    peer: Option<String>,
     principal: Mutex<Option<Arc<str>>>,
     started: Instant,
     /// The dataset (or action) the call is about, once the handler knows it.
@@ -37,7 +37,7 @@ pub(crate) struct Call {
 impl Call {
     pub(crate) fn new(
         method: &'static str,
-        peer: Option<Peer>,
+        peer: Option<String>,
         progress_interval: Duration,
         metrics: Option<Arc<Metrics>>,
     ) -> Arc<Self> {
@@ -156,14 +156,14 @@ impl Drop for Call {
         }
         let subject = self.subject();
         let principal = self.principal();
-        let peer = self.peer.map(|p| p.to_string());
+        let peer = self.peer.as_deref();
         macro_rules! line {
             ($level:ident) => {
                 tracing::$level!(
                     method = self.method,
                     dataset = subject.as_deref().unwrap_or("-"),
                     principal = principal.as_deref().unwrap_or("-"),
-                    peer = peer.as_deref().unwrap_or("-"),
+                    peer = peer.unwrap_or("-"),
                     rows,
                     bytes_in = figures.bytes_in,
                     bytes_out = figures.bytes_out,

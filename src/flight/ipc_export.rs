@@ -149,7 +149,7 @@ pub fn document(
             .collect()
     };
     let lease = export.lease.id.clone();
-    let expires_at = super::action::rfc3339(export.lease.expires_at);
+    let expires_at = rfc3339(export.lease.expires_at);
     let schema = BASE64.encode(&message.0);
     let encoded = if version == VERSION_1 {
         let [partition] = export.partitions.as_slice() else {
@@ -273,4 +273,9 @@ impl ColumnDocument {
             .try_into()
             .map_err(|b: Vec<u8>| format!("a handle has 64 bytes, not {}", b.len()))
     }
+}
+
+/// RFC 3339 in UTC with milliseconds, as every timestamp the server reports.
+pub fn rfc3339(time: std::time::SystemTime) -> String {
+    chrono::DateTime::<chrono::Utc>::from(time).to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }

@@ -2,34 +2,39 @@
 //!
 //! Handlers are thin: parse the request (descriptor, ticket or action), call the store, encode
 //! the answer. Each returns `Result<_, Error>` internally and converts once, in
-//! `crate::error`, to the gRPC status a client sees.
+//! `crate::error`, to the gRPC status a client sees. The server serves them through
+//! arrow-flight's generated `FlightServiceServer`, behind layers (`crate::server`) that bound
+//! requests, authenticate callers, contain panics and account for each call: a handler finds
+//! the caller ([`Principal`]), its [`Call`] and, for `DoPut`, the [`Inbound`] ledger in the
+//! request's extensions.
 //!
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
-//! - `doget`: all of `DoGet`, from the ticket to the frames.
+//! - `read`: what a `DoGet` ticket reads; `doget`: the framed fast path that sends it without
+//!   copying (the `do_get` handler is the plain encoder, arrow-flight's).
 //! - `lifecycle`: shutdown, and the streams it waits for.
-//! - `router`: every method's entry: authentication and roles, message limits, clean stream
-//!   ends, panics, codes.
 //! - `call`: each call's log line, progress and metrics.
 
 pub mod action;
 mod call;
 mod decode;
 pub mod descriptor;
-mod doget;
+pub(crate) mod doget;
 pub mod ipc_export;
 mod lifecycle;
 mod put;
-mod router;
+mod read;
 pub mod ticket;
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
+use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::FlightService;
 use arrow_flight::{
     Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightEndpoint, FlightInfo,
@@ -39,18 +44,16 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::auth::{Auth, Principal, Role};
+use crate::auth::{Auth, Origin, Principal};
 use crate::backend::ExportDevice;
 use crate::error::Error;
-use crate::metrics::Metrics;
 use crate::store::{Dataset, ExportRequest, Store};
 use action::ActionRequest;
-use call::Call;
+pub(crate) use call::Call;
 pub use decode::MAX_BATCH_ROWS;
 use descriptor::ReadOptions;
-use doget::IpcMessage;
 pub use lifecycle::{Lifecycle, StreamGuard};
-pub use router::{ConnectionInfo, ConnectionStreams, FlightRouter, Peer};
+pub(crate) use put::Inbound;
 use ticket::{DatasetMetadata, EndpointMetadata};
 
 /// What Handshake answers on a server without authentication, where tokens are not checked.
@@ -96,36 +99,34 @@ impl Default for FlightOptions {
     }
 }
 
-/// Builds the gRPC service over `store`. Requests are bounded by `max_put_message_bytes`
-/// (`DoPut`) and `max_request_bytes` (everything else); replies by `max_message_bytes`.
-/// Callers are authenticated by `auth`; calls are counted in `metrics`, if any.
-pub fn make_server(
-    store: Store,
-    options: FlightOptions,
-    lifecycle: Lifecycle,
-    auth: Auth,
-    metrics: Option<Arc<Metrics>>,
-) -> FlightRouter {
-    FlightRouter::new(Service {
-        store,
-        options,
-        lifecycle,
-        auth,
-        metrics,
-    })
-}
-
+/// The Flight handlers over `store`: replies bounded by `options.max_message_bytes`, `Handshake`
+/// answered through `auth`, refusals once `lifecycle` shuts down.
 #[derive(Debug)]
-struct Service {
+pub(crate) struct Service {
     store: Store,
     options: FlightOptions,
     lifecycle: Lifecycle,
     auth: Auth,
-    metrics: Option<Arc<Metrics>>,
 }
 
-/// The caller, as the router authenticated them. A request without one did not come through
-/// the router, and is refused rather than trusted.
+impl Service {
+    pub(crate) fn new(
+        store: Store,
+        options: FlightOptions,
+        lifecycle: Lifecycle,
+        auth: Auth,
+    ) -> Self {
+        Self {
+            store,
+            options,
+            lifecycle,
+            auth,
+        }
+    }
+}
+
+/// The caller, as the server's authentication layer found them. A request without one did not
+/// come through that layer, and is refused rather than trusted.
 fn principal<T>(request: &Request<T>) -> Result<Principal, Error> {
     request
         .extensions()
@@ -134,7 +135,7 @@ fn principal<T>(request: &Request<T>) -> Result<Principal, Error> {
         .ok_or_else(|| Error::Internal("a request reached a handler unauthenticated".to_owned()))
 }
 
-/// The call's record, where the router opened one.
+/// The call's record, where the accounting layer opened one.
 fn call<T>(request: &Request<T>) -> Option<Arc<Call>> {
     request.extensions().get::<Arc<Call>>().cloned()
 }
@@ -223,9 +224,9 @@ impl Service {
         if let Some(call) = call {
             call.set_subject(request.subject());
         }
+        caller.authorize(request.operation())?;
         match request {
             ActionRequest::Drop { name } => {
-                caller.require(Role::Write, "the drop action")?;
                 let dropped = self.store.drop_dataset(&name).await?;
                 tracing::info!(dataset = ?name, bytes = dropped.memory_bytes, "dataset dropped");
                 action::to_value(&action::DropResult {
@@ -236,13 +237,11 @@ impl Service {
             }
             ActionRequest::Status => action::status_document(&self.store.status(), caller),
             ActionRequest::Move { name, device } => {
-                caller.require(Role::Write, "the move action")?;
                 let device = put::resolve_device(&self.store, device)?;
                 let summary = self.store.move_dataset(&name, device).await?;
                 action::to_value(&summary)
             }
             ActionRequest::Copy { name, copy, device } => {
-                caller.require(Role::Write, "the copy action")?;
                 let devices = self.store.backend().devices().len();
                 let device =
                     put::resolve_device(&self.store, action::copy_device(device, devices)?)?;
@@ -258,12 +257,6 @@ impl Service {
                 copy,
                 version,
             } => {
-                if copy {
-                    caller.require(
-                        Role::Write,
-                        "ipc-export with \"copy\": true, which allocates device memory,",
-                    )?;
-                }
                 let consumer = device
                     .map(|device| put::resolve_device(&self.store, device))
                     .transpose()?;
@@ -332,6 +325,18 @@ impl Service {
     }
 }
 
+/// The status a plain `DoGet` reply ends with: our own errors keep their codes (arrow-flight's
+/// conversion would make every one INTERNAL).
+fn reply_failure(error: FlightError) -> Status {
+    match error {
+        FlightError::ExternalError(error) => match error.downcast::<Error>() {
+            Ok(error) => Status::from(*error),
+            Err(error) => Status::from(Error::Internal(format!("reading the reply: {error}"))),
+        },
+        error => Status::from(Error::Internal(format!("encoding the reply: {error}"))),
+    }
+}
+
 fn one<T: Send + 'static>(item: T) -> Stream<T> {
     futures::stream::once(futures::future::ready(Ok(item))).boxed()
 }
@@ -359,10 +364,7 @@ impl FlightService for Service {
             .metadata()
             .get("authorization")
             .map(|value| value.as_bytes());
-        let origin = request
-            .extensions()
-            .get::<ConnectionInfo>()
-            .map(ConnectionInfo::origin);
+        let origin = request.extensions().get::<Origin>().copied();
         let (principal, token) = match &self.auth {
             Auth::Tokens(authenticator) => authenticator
                 .handshake(authorization, origin)
@@ -453,16 +455,33 @@ impl FlightService for Service {
         Ok(Response::new(result))
     }
 
+    /// The plain encoder: arrow-flight's, through the generated server. The server routes
+    /// `DoGet` to the framed fast path (`doget`) instead unless `--doget-encoder plain`.
     async fn do_get(
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
-        // The router serves DoGet with its own codec; this path gives the same stream to anyone
-        // using the generated service directly.
-        let messages = doget::stream(self, request.get_ref(), call(&request))?;
-        Ok(Response::new(
-            messages.map_ok(IpcMessage::into_flight_data).boxed(),
-        ))
+        let reading = read::open(self, request.get_ref(), call(&request))?;
+        let options = IpcWriteOptions::default()
+            .try_with_compression(reading.compression)
+            .map_err(|e| Error::Internal(format!("choosing the reply's compression: {e}")))?;
+        let running = reading.running;
+        let batches = reading
+            .batches
+            .map_err(|error| FlightError::ExternalError(Box::new(Error::from(error))));
+        let messages = FlightDataEncoderBuilder::new()
+            .with_schema(reading.schema)
+            .with_options(options)
+            .with_max_flight_data_size(self.options.max_message_bytes)
+            // Dictionary columns stay dictionaries, as they were stored.
+            .with_dictionary_handling(DictionaryHandling::Resend)
+            .build(batches)
+            .map_err(reply_failure)
+            // The reply counts as running until its last message: shutdown waits for it.
+            .inspect(move |_| {
+                let _running = &running;
+            });
+        Ok(Response::new(messages.boxed()))
     }
 
     async fn do_put(

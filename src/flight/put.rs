@@ -4,8 +4,9 @@
 //! next messages are received and decoded. When `depth` uploads are outstanding the loop waits
 //! for the oldest before reading more, which is the backpressure that bounds memory: gRPC flow
 //! control then slows the client. Every message was paid for against the memory budget as its
-//! bytes arrived (see `router`); that reservation follows the message until its batch is
-//! uploaded (or, for a dictionary, until the put ends).
+//! bytes arrived (by the server's request-limits layer, which leaves the charges in the
+//! request's [`Inbound`] ledger, in message order); that reservation follows the message until
+//! its batch is uploaded (or, for a dictionary, until the put ends).
 //!
 //! **A put commits only on a clean end**: the receiving task must report [`Received::End`],
 //! which it does only when the request stream ended with END_STREAM. A transport error, a reset,
@@ -16,7 +17,8 @@
 //! HTTP/2 frames and Arrow's copy of each body into aligned memory then proceed on different
 //! cores. If the put fails, the receiving task is aborted and its request stream dropped.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use arrow_flight::FlightData;
 use futures::stream::FuturesOrdered;
@@ -27,7 +29,6 @@ use super::FlightOptions;
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
-use super::router::Inbound;
 use crate::auth::Principal;
 use crate::error::Error;
 use crate::store::memory::Reservation;
@@ -36,6 +37,44 @@ use crate::task::AbortOnDrop;
 
 /// Messages received ahead of the decoder.
 const RECEIVE_AHEAD: usize = 4;
+
+/// What the layer reading a `DoPut` body learned that its handler needs: the reservations paid
+/// for each message, in arrival order, and why the body failed if it failed it. The layer
+/// fills it as bytes arrive; the handler drains it as it receives each message.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Inbound(Arc<Mutex<InboundState>>);
+
+#[derive(Debug, Default)]
+struct InboundState {
+    charges: VecDeque<Reservation>,
+    failure: Option<Error>,
+}
+
+impl Inbound {
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboundState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the charge of the next whole message.
+    pub(crate) fn push_charge(&self, charge: Reservation) {
+        self.lock().charges.push_back(charge);
+    }
+
+    /// Records why the body failed (the stream then reports a status that says less).
+    pub(crate) fn set_failure(&self, error: Error) {
+        self.lock().failure = Some(error);
+    }
+
+    /// The reservation for the next message the handler receives.
+    pub(crate) fn take_charge(&self) -> Option<Reservation> {
+        self.lock().charges.pop_front()
+    }
+
+    /// Why the body failed, if the layer failed it (rather than the transport).
+    pub(crate) fn take_failure(&self) -> Option<Error> {
+        self.lock().failure.take()
+    }
+}
 
 /// The store's number for a device a client named by number (checked by the store) or UUID.
 pub(super) fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Error> {
@@ -200,19 +239,20 @@ pub(crate) async fn receive(
     Ok(summary)
 }
 
-/// Why the request stream failed: what the router's body guard found (a limit, the budget, a
-/// stream that ended without END_STREAM), undecodable bytes, or else the transport.
+/// Why the request stream failed: what the layer reading the body found (a limit, the budget,
+/// a stream that ended without END_STREAM), else undecodable bytes, else the transport.
 fn stream_failure(inbound: &Inbound, status: Status) -> Error {
     if let Some(error) = inbound.take_failure() {
         return error;
     }
     match status.code() {
-        Code::InvalidArgument => Error::Undecodable(
-            status
-                .message()
-                .trim_start_matches("undecodable request: ")
-                .to_owned(),
-        ),
+        // With every failure of the body recorded above, an INTERNAL from the stream is what
+        // tonic's prost decoder says of a message that is not protobuf (its message is the
+        // decode error's own): the client's mistake.
+        Code::Internal => Error::Undecodable(format!(
+            "the request is not a valid FlightData protobuf message: {}",
+            status.message()
+        )),
         _ => Error::ClientGone(status.message().to_owned()),
     }
 }

@@ -14,7 +14,7 @@
 //!
 //! Each [`Connection`] closes itself when its client has not sent the HTTP/2 preface within the
 //! handshake timeout, or has had no open stream for the idle timeout. Streams are counted by the
-//! Flight router ([`ConnectionStreams`]), which finds them in each request's extensions through
+//! accounting layer ([`ConnectionStreams`]), which finds them in each request's extensions through
 //! tonic's `Connected` mechanism.
 
 use std::future::Future;
@@ -35,7 +35,7 @@ use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
 
 use super::listener::{Listener, Socket};
-use crate::flight::{ConnectionInfo, ConnectionStreams, Peer};
+use super::peer::{ConnectionInfo, ConnectionStreams, Peer};
 use crate::metrics::{ConnectionGauge, Metrics};
 
 /// Length of the HTTP/2 connection preface every client sends first.

@@ -18,8 +18,8 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
+use super::peer::Peer;
 use super::unix_authority::AuthorityRewriter;
-use crate::flight::Peer;
 
 /// The prefix of a Unix socket in `--listen`.
 const UNIX_SCHEME: &str = "unix://";

@@ -1,5 +1,10 @@
-//! The gRPC server: Flight plus the standard health service, with TLS, authentication (in
-//! the Flight router), connection limits and graceful shutdown.
+//! The gRPC server: Flight plus the standard health service, with TLS, connection limits and
+//! graceful shutdown.
+//!
+//! Connections come first (`listener`, `connection`, `tls`, `peer`); then each Flight request
+//! passes the layers that every method shares (`endpoint` assembles them: `accounting`,
+//! `authenticate`, `limits`, `panics`) before arrow-flight's generated server hands it to its
+//! handler.
 //!
 //! The health service answers without authentication, so that Kubernetes' gRPC probes work on
 //! a server that requires tokens; it tells nothing but whether the server is serving. Probes
@@ -18,17 +23,26 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tonic::transport::Server;
 
+mod accounting;
+mod authenticate;
 mod connection;
+mod endpoint;
+mod limits;
 mod listener;
+mod method;
+mod panics;
+mod peer;
 mod tls;
 mod unix_authority;
 
 pub use connection::ConnectionLimits;
+pub use endpoint::DoGetEncoder;
 pub use listener::{ListenAddr, Listener};
+pub use peer::{ConnectionInfo, ConnectionStreams, Peer};
 pub use tls::TlsFiles;
 
 use crate::auth::Auth;
-use crate::flight::{FlightOptions, Lifecycle, make_server};
+use crate::flight::{FlightOptions, Lifecycle};
 use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::task::AbortOnDrop;
@@ -72,6 +86,8 @@ pub struct ServeOptions {
     pub auth: Auth,
     /// Where calls and connections are counted.
     pub metrics: Option<Arc<Metrics>>,
+    /// How `DoGet` replies are encoded (`--doget-encoder`, hidden: for measuring).
+    pub doget_encoder: DoGetEncoder,
 }
 
 impl Default for ServeOptions {
@@ -86,6 +102,7 @@ impl Default for ServeOptions {
             tls: None,
             auth: Auth::Off,
             metrics: None,
+            doget_encoder: DoGetEncoder::default(),
         }
     }
 }
@@ -115,9 +132,10 @@ pub async fn run(
     let lifecycle = Lifecycle::default();
     let _reaper = AbortOnDrop(store.spawn_lease_reaper(LEASE_REAPER_PERIOD));
     let (health, health_service) = tonic_health::server::health_reporter();
-    let flight = make_server(
+    let flight = endpoint::flight(
         store,
         options.flight,
+        options.doget_encoder,
         lifecycle.clone(),
         options.auth,
         options.metrics.clone(),

@@ -26,8 +26,8 @@ use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 use tonic::transport::server::Connected;
 
 use super::connection::Connection;
+use super::peer::{ConnectionInfo, Peer};
 use crate::auth::ClientCertificate;
-use crate::flight::{ConnectionInfo, Peer};
 
 /// TLS as configured by its PEM files, read once at start.
 #[derive(Clone)]

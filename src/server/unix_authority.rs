@@ -27,7 +27,7 @@ use std::task::{Context, Poll, ready};
 use loona_hpack::Decoder;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use crate::flight::Peer;
+use super::peer::Peer;
 
 /// What every HTTP/2 client with prior knowledge sends first.
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";

@@ -19,7 +19,6 @@ use arrow::error::ArrowError;
 use arrow::ipc::CompressionType;
 use arrow::ipc::writer::{IpcWriteOptions, StreamEncoder};
 use arrow::record_batch::RecordBatch;
-use arrow_flight::FlightData;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
 use tonic::Status;
@@ -124,16 +123,17 @@ impl IpcMessage {
         &self.body
     }
 
-    /// The same message as a `FlightData` (concatenating the body).
-    pub(crate) fn into_flight_data(self) -> FlightData {
+    /// The same message as a `FlightData` (concatenating the body), as tests compare them.
+    #[cfg(test)]
+    pub(crate) fn into_flight_data(self) -> arrow_flight::FlightData {
         let mut body = Vec::with_capacity(self.body_len);
         for buffer in &self.body {
             body.extend_from_slice(buffer.as_slice());
         }
-        FlightData {
+        arrow_flight::FlightData {
             data_header: self.header,
             data_body: body.into(),
-            ..FlightData::default()
+            ..arrow_flight::FlightData::default()
         }
     }
 }

@@ -1,0 +1,102 @@
+//! What a `DoGet` ticket reads: the ticket parsed and checked against the dataset's current
+//! version, the rows read as a stream of record batches. Both reply encoders start here: the
+//! plain one (arrow-flight's encoder, in the `FlightService` handler) and the framed fast path
+//! (`doget`).
+
+use std::sync::Arc;
+
+use arrow::datatypes::SchemaRef;
+use arrow::ipc::CompressionType;
+use arrow::record_batch::RecordBatch;
+use arrow_flight::Ticket;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+use super::Service;
+use super::call::Call;
+use super::descriptor::ReadOptions;
+use super::lifecycle::StreamGuard;
+use super::ticket::{self, TicketRequest};
+use crate::error::Error;
+use crate::store::StoreError;
+
+/// The rows a ticket names, being read.
+pub(crate) struct Reading {
+    pub(crate) batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
+    pub(crate) schema: SchemaRef,
+    /// The IPC buffer compression the ticket asks for.
+    pub(crate) compression: Option<CompressionType>,
+    /// Counts the reply as a running stream ([`super::Lifecycle`]) until dropped, so that
+    /// shutdown waits for it: keep it as long as the reply.
+    pub(crate) running: StreamGuard,
+}
+
+impl std::fmt::Debug for Reading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reading")
+            .field("schema", &self.schema)
+            .field("compression", &self.compression)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Starts reading what `ticket` names: a dataset version and a row range (a bare name: the
+/// whole current version). The dataset reads the range as chunks, several in flight, so a
+/// device backend's copies to host memory overlap with encoding and sending.
+pub(crate) fn open(
+    service: &Service,
+    ticket: &Ticket,
+    call: Option<Arc<Call>>,
+) -> Result<Reading, Error> {
+    service.ensure_serving()?;
+    let request = ticket::decode(&ticket.ticket)?;
+    if let Some(call) = &call {
+        call.set_subject(request.name());
+    }
+    let (dataset, rows, read) = match request {
+        TicketRequest::Whole { name } => {
+            let dataset = service.store.get(&name)?;
+            let rows = 0..dataset.num_rows();
+            (dataset, rows, ReadOptions::default())
+        }
+        TicketRequest::Rows {
+            name,
+            version,
+            rows,
+            options,
+        } => {
+            let dataset = service.store.get(&name)?;
+            let current = dataset.version_id();
+            if current.number != version.number {
+                return Err(StoreError::StaleVersion {
+                    name,
+                    ticket: version.number,
+                    current: current.number,
+                }
+                .into());
+            }
+            if current.tag != version.tag {
+                return Err(StoreError::ForeignTicket { name }.into());
+            }
+            (dataset, rows, options)
+        }
+    };
+    tracing::debug!(dataset = dataset.name(), ?rows, "DoGet");
+    let options = &service.options;
+    let mut batches = dataset.read(rows, options.read_chunk_bytes, options.read_prefetch)?;
+    if let Some(call) = call {
+        batches = batches
+            .inspect(move |batch| {
+                if let Ok(batch) = batch {
+                    call.add_rows_out(batch.num_rows() as u64);
+                }
+            })
+            .boxed();
+    }
+    Ok(Reading {
+        batches,
+        schema: dataset.schema(),
+        compression: read.compression.map(Into::into),
+        running: service.lifecycle.track(),
+    })
+}
