@@ -267,15 +267,15 @@ async fn wait_for(condition: impl Fn() -> bool) {
 }
 
 /// The exposition's shape, without the values: every `# HELP`, `# TYPE` and `# UNIT` line as
-/// it is, and each sample's name and labels, sorted within its family (a family's label sets
-/// come in no fixed order).
+/// it is, and each sample's name, labels and whether its value is written as an integer or a
+/// float, sorted within its family (a family's label sets come in no fixed order).
 fn exposition_shape(text: &str) -> String {
     let mut shape = String::new();
-    let mut samples: Vec<&str> = Vec::new();
-    let mut flush = |shape: &mut String, samples: &mut Vec<&str>| {
+    let mut samples: Vec<String> = Vec::new();
+    let mut flush = |shape: &mut String, samples: &mut Vec<String>| {
         samples.sort_unstable();
         for sample in samples.drain(..) {
-            shape.push_str(sample);
+            shape.push_str(&sample);
             shape.push('\n');
         }
     };
@@ -286,8 +286,13 @@ fn exposition_shape(text: &str) -> String {
         if line.starts_with('#') {
             shape.push_str(line);
             shape.push('\n');
-        } else if let Some((name, _value)) = line.rsplit_once(' ') {
-            samples.push(name);
+        } else if let Some((name, value)) = line.rsplit_once(' ') {
+            let kind = if value.parse::<i64>().is_ok() {
+                "integer"
+            } else {
+                "float"
+            };
+            samples.push(format!("{name} {kind}"));
         }
     }
     flush(&mut shape, &mut samples);
