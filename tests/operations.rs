@@ -272,7 +272,7 @@ async fn wait_for(condition: impl Fn() -> bool) {
 fn exposition_shape(text: &str) -> String {
     let mut shape = String::new();
     let mut samples: Vec<String> = Vec::new();
-    let mut flush = |shape: &mut String, samples: &mut Vec<String>| {
+    let flush = |shape: &mut String, samples: &mut Vec<String>| {
         samples.sort_unstable();
         for sample in samples.drain(..) {
             shape.push_str(&sample);
