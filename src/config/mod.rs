@@ -1,0 +1,420 @@
+//! Command-line flags, each also readable from a `GPU_FLIGHT_*` environment variable, and what
+//! they make: the options of the store, the Flight service and the server.
+//!
+//! The checks that turn a configuration that cannot be what the operator meant into a refusal
+//! to start (naming the flag and why) or a warning, before anything listens, are in `checks`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use clap::builder::BoolishValueParser;
+use clap::{Args, Parser, Subcommand};
+
+use crate::auth::Role;
+use crate::backend::{BackendChoice, GpuSelection};
+use crate::flight::FlightOptions;
+use crate::server::{ConnectionLimits, ServeOptions};
+use crate::store::{Durability, StoreOptions};
+
+mod checks;
+
+pub use checks::{ConfigError, MIN_MEMORY_LIMIT, check_token_file, exposed_listener_warning};
+
+/// gpu-flight: an Arrow Flight server that keeps datasets in GPU memory (or host memory where
+/// there is no GPU).
+#[derive(Debug, Parser)]
+#[command(name = "gpu-flight", version, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Flags for `serve`, which is also what a bare `gpu-flight` does.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve Arrow Flight (the default).
+    Serve(Box<ServeArgs>),
+    /// Print an argon2 hash of the password read from standard input, for a `[[users]]`
+    /// entry of the `--auth-tokens` file.
+    HashPassword,
+    /// Print a `[[tokens]]` entry for the `--auth-tokens` file, with a new random bearer token
+    /// (the token itself goes to standard error: give it to the client; the file keeps only
+    /// its hash).
+    NewToken {
+        /// Who the token stands for, as logs and `status` show it.
+        #[arg(long)]
+        principal: String,
+        /// What the token may do.
+        #[arg(long, value_enum)]
+        role: RoleArg,
+    },
+}
+
+/// A role, as `new-token` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoleArg {
+    Read,
+    Write,
+    Admin,
+}
+
+impl From<RoleArg> for Role {
+    fn from(role: RoleArg) -> Self {
+        match role {
+            RoleArg::Read => Role::Read,
+            RoleArg::Write => Role::Write,
+            RoleArg::Admin => Role::Admin,
+        }
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines; coloured only on a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+impl Cli {
+    /// The serve flags, whichever way they were given; `Err` with the command otherwise.
+    pub fn into_serve_args(self) -> Result<ServeArgs, Box<Command>> {
+        match self.command {
+            Some(Command::Serve(args)) => Ok(*args),
+            Some(other) => Err(Box::new(other)),
+            None => Ok(self.serve),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on, `HOST:PORT` (a host name listens on every address it resolves
+    /// to; IPv6 in brackets), or a Unix socket, `unix:///path/to.sock`. Flight locations as
+    /// the server prints them work too: `grpc://HOST:PORT` (or `grpc+tcp://`),
+    /// `grpc+tls://HOST:PORT` (needs `--tls-cert`), `grpc+unix:///path/to.sock`. May be given more than once, or comma-separated in the
+    /// environment. Port 0 picks a free port (the chosen address is printed).
+    #[arg(long, env = "GPU_FLIGHT_LISTEN", default_value = "127.0.0.1:8815",
+          value_delimiter = ',', action = clap::ArgAction::Append)]
+    pub listen: Vec<String>,
+
+    /// Where datasets live: `auto` picks cuda where a driver and a device exist, else host.
+    #[arg(long, env = "GPU_FLIGHT_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+
+    /// The GPUs to keep datasets on: `all` (every GPU `CUDA_VISIBLE_DEVICES` leaves visible)
+    /// or CUDA ordinals such as `0,2,3`. Puts and endpoints number them 0, 1, … in this order.
+    #[arg(long, env = "GPU_FLIGHT_DEVICES", default_value = "all")]
+    pub devices: GpuSelection,
+
+    /// One GPU (a CUDA ordinal): the same as `--devices N`.
+    #[arg(long, env = "GPU_FLIGHT_DEVICE", conflicts_with = "devices")]
+    pub device: Option<u32>,
+
+    /// For tests of placement without GPUs: the host backend as this many devices, each with
+    /// a budget of its own (`--memory-limit` applies to each).
+    #[arg(long, env = "GPU_FLIGHT_HOST_DEVICES", default_value_t = 1, hide = true,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub host_devices: u32,
+
+    /// Most bytes of datasets each device may hold, e.g. `8GiB` or `1000000`; default: the
+    /// device's capacity. Beyond it, the least recently used datasets spill to host memory
+    /// (`--host-memory-limit`); a put fails with RESOURCE_EXHAUSTED only when both are full.
+    #[arg(long, env = "GPU_FLIGHT_MEMORY_LIMIT", value_parser = size)]
+    pub memory_limit: Option<ByteSize>,
+
+    /// Most bytes of datasets spilled to host memory, e.g. `64GiB`; `0` spills nothing.
+    /// Default: half of the host's memory (or of the container's limit, where lower) with
+    /// the CUDA backend; 0 with the host backend, whose datasets are in host memory already.
+    #[arg(long, env = "GPU_FLIGHT_HOST_MEMORY_LIMIT", value_parser = size)]
+    pub host_memory_limit: Option<ByteSize>,
+
+    /// Makes every committed dataset durable in this directory (Arrow IPC files and a
+    /// manifest), and serves what it holds after a restart, each dataset loaded when first
+    /// read. Without it nothing touches the disk.
+    #[arg(long, env = "GPU_FLIGHT_DATA_DIR")]
+    pub data_dir: Option<std::path::PathBuf>,
+
+    /// With --data-dir: `sync` acknowledges a put, copy or drop once it is on disk; `async`
+    /// at once, the disk following in commit order (a crash may lose the latest changes,
+    /// never tear one).
+    #[arg(long, env = "GPU_FLIGHT_DURABILITY", value_enum, default_value_t = Durability::Sync)]
+    pub durability: Durability,
+
+    /// Rows per endpoint in GetFlightInfo; clients read endpoints in parallel.
+    #[arg(long, env = "GPU_FLIGHT_ROWS_PER_ENDPOINT", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub rows_per_endpoint: u64,
+
+    /// Largest FlightData message DoGet sends (keep it under clients' 4 MiB gRPC default).
+    #[arg(long, env = "GPU_FLIGHT_MAX_MESSAGE_BYTES", default_value = "2MiB", value_parser = size)]
+    pub max_message_bytes: ByteSize,
+
+    /// Seconds running streams get to finish after SIGINT/SIGTERM before the server exits.
+    #[arg(long, env = "GPU_FLIGHT_SHUTDOWN_GRACE", default_value_t = 30)]
+    pub shutdown_grace_seconds: u64,
+
+    /// Largest DoPut message (one record batch, as pyarrow sends it); larger ones are refused
+    /// with RESOURCE_EXHAUSTED before they are received.
+    #[arg(long, env = "GPU_FLIGHT_MAX_PUT_MESSAGE_BYTES", default_value = "1GiB", value_parser = size)]
+    pub max_put_message_bytes: ByteSize,
+
+    /// Largest message of any other request (tickets, descriptors, action bodies); larger
+    /// ones are refused with INVALID_ARGUMENT.
+    #[arg(long, env = "GPU_FLIGHT_MAX_REQUEST_BYTES", default_value = "64KiB", value_parser = size)]
+    pub max_request_bytes: ByteSize,
+
+    /// Connections open at once; more are closed as soon as they are accepted.
+    #[arg(long, env = "GPU_FLIGHT_MAX_CONNECTIONS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+
+    /// Streams (calls) a client may have open at once on one connection.
+    #[arg(long, env = "GPU_FLIGHT_MAX_STREAMS_PER_CONNECTION", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_connection: u32,
+
+    /// Seconds a new connection has to start HTTP/2 before it is closed.
+    #[arg(long, env = "GPU_FLIGHT_HANDSHAKE_TIMEOUT_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout_seconds: u64,
+
+    /// Seconds a connection may stay open with no call in progress before it is closed
+    /// (clients reconnect by themselves).
+    #[arg(long, env = "GPU_FLIGHT_IDLE_TIMEOUT_SECONDS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout_seconds: u64,
+
+    /// Seconds between HTTP/2 pings on a connection.
+    #[arg(long, env = "GPU_FLIGHT_KEEPALIVE_INTERVAL_SECONDS", default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub keepalive_interval_seconds: u64,
+
+    /// Seconds a ping may go unanswered before the connection is dropped: its puts are
+    /// abandoned (nothing is committed) and its reads stopped.
+    #[arg(long, env = "GPU_FLIGHT_KEEPALIVE_TIMEOUT_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub keepalive_timeout_seconds: u64,
+
+    /// Serve TLS with this certificate chain (PEM); needs `--tls-key`.
+    #[arg(long, env = "GPU_FLIGHT_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of `--tls-cert`.
+    #[arg(long, env = "GPU_FLIGHT_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Mutual TLS: accept only clients with a certificate signed by a CA in this PEM file.
+    #[arg(long, env = "GPU_FLIGHT_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Require a bearer token on every call: a TOML file of tokens and users with their roles
+    /// (read, write, admin), read again on SIGHUP. See the README's Security section.
+    #[arg(long, env = "GPU_FLIGHT_AUTH_TOKENS")]
+    pub auth_tokens: Option<PathBuf>,
+
+    /// Hours a session token from Handshake (Basic credentials) stays valid.
+    #[arg(long, env = "GPU_FLIGHT_SESSION_HOURS", default_value_t = 12,
+          value_parser = clap::value_parser!(u64).range(1..=8760))]
+    pub session_hours: u64,
+
+    /// Listen on addresses other hosts can reach without `--auth-tokens` or
+    /// `--tls-client-ca`: anyone who can connect may then read, replace and drop every
+    /// dataset. Without this flag such a listen address is refused.
+    /// The variable takes 1/0, yes/no, true/false, on/off.
+    #[arg(long, env = "GPU_FLIGHT_ALLOW_UNAUTHENTICATED",
+          value_parser = BoolishValueParser::new())]
+    pub allow_unauthenticated: bool,
+
+    /// Serve Prometheus metrics over plain HTTP at `http://ADDR/metrics` (no authentication:
+    /// bind it where only the monitoring system can reach it).
+    #[arg(long, env = "GPU_FLIGHT_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+
+    /// Also serve the gRPC health service, and nothing else, in plain text on `HOST:PORT`: for
+    /// Kubernetes' gRPC probes, which can neither speak TLS nor send a token.
+    #[arg(long, env = "GPU_FLIGHT_HEALTH_LISTEN")]
+    pub health_listen: Option<String>,
+
+    /// Log line format. Colours are used only when standard error is a terminal.
+    #[arg(long, env = "GPU_FLIGHT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Seconds between progress lines of a long DoPut or DoGet.
+    #[arg(long, env = "GPU_FLIGHT_PROGRESS_SECONDS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub progress_seconds: u64,
+}
+
+impl ServeArgs {
+    /// The GPUs asked for: `--device N` alone, else `--devices`.
+    pub fn gpus(&self) -> GpuSelection {
+        match self.device {
+            Some(ordinal) => GpuSelection::Ordinals(vec![ordinal]),
+            None => self.devices.clone(),
+        }
+    }
+
+    pub fn store_options(&self) -> StoreOptions {
+        StoreOptions {
+            memory_limit: self.memory_limit.map(|b| b.as_u64()),
+            host_memory_limit: self.host_memory_limit.map(|b| b.as_u64()),
+            data_dir: self.data_dir.clone(),
+            durability: self.durability,
+        }
+    }
+
+    pub fn flight_options(&self) -> FlightOptions {
+        FlightOptions {
+            rows_per_endpoint: self.rows_per_endpoint,
+            max_message_bytes: bytes(self.max_message_bytes),
+            max_put_message_bytes: bytes(self.max_put_message_bytes),
+            max_request_bytes: bytes(self.max_request_bytes),
+            progress_interval: Duration::from_secs(self.progress_seconds),
+            ..FlightOptions::default()
+        }
+    }
+
+    /// Everything the server needs besides the listener and the store.
+    pub fn serve_options(&self) -> ServeOptions {
+        ServeOptions {
+            flight: self.flight_options(),
+            grace: Duration::from_secs(self.shutdown_grace_seconds),
+            connections: ConnectionLimits {
+                max_connections: usize::try_from(self.max_connections).unwrap_or(usize::MAX),
+                handshake_timeout: Duration::from_secs(self.handshake_timeout_seconds),
+                idle_timeout: Duration::from_secs(self.idle_timeout_seconds),
+                // A client that answers no ping for this long is gone; one that reads nothing
+                // for as long is too.
+                write_stall_timeout: Duration::from_secs(
+                    self.keepalive_interval_seconds + self.keepalive_timeout_seconds,
+                ),
+            },
+            max_streams_per_connection: self.max_streams_per_connection,
+            keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),
+            keepalive_timeout: Duration::from_secs(self.keepalive_timeout_seconds),
+            // Files and the token file are read by `launch::credentials`, which reports their
+            // errors.
+            ..ServeOptions::default()
+        }
+    }
+}
+
+/// Parses a size flag, with an error that says what a size looks like.
+fn size(text: &str) -> Result<ByteSize, String> {
+    text.trim().parse::<ByteSize>().map_err(|_| {
+        "expected a size such as 8GiB, 512MiB, 512MB or 1048576 (bytes); units: B, KB, MB, \
+         GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
+            .to_owned()
+    })
+}
+
+/// gRPC messages are at most 4 GiB (a 32-bit length prefix).
+fn bytes(size: ByteSize) -> usize {
+    usize::try_from(size.as_u64().min(u64::from(u32::MAX))).unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_invocation_serves_with_defaults() {
+        let args = Cli::parse_from(["gpu-flight"])
+            .into_serve_args()
+            .expect("serve");
+        assert_eq!(args.listen, ["127.0.0.1:8815"]);
+        assert!(args.auth_tokens.is_none() && !args.allow_unauthenticated);
+        assert_eq!(args.backend, BackendChoice::Auto);
+        assert_eq!(args.flight_options().max_message_bytes, 2 << 20);
+        let serve = args.serve_options();
+        assert_eq!(serve.flight.max_put_message_bytes, 1 << 30);
+        assert_eq!(serve.flight.max_request_bytes, 64 << 10);
+        assert_eq!(serve.connections.max_connections, 1000);
+        assert_eq!(serve.keepalive_interval, Duration::from_secs(20));
+    }
+
+    #[test]
+    fn serve_subcommand_and_sizes_parse() {
+        let args = Cli::parse_from([
+            "gpu-flight",
+            "serve",
+            "--memory-limit",
+            "1GiB",
+            "--backend",
+            "host",
+            "--max-message-bytes",
+            "1048576",
+        ])
+        .into_serve_args()
+        .expect("serve");
+        assert_eq!(args.store_options().memory_limit, Some(1 << 30));
+        assert_eq!(args.backend, BackendChoice::Host);
+        assert_eq!(args.flight_options().max_message_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn gpus_default_to_all_and_take_a_list_or_one() {
+        let gpus = |flags: &[&str]| {
+            Cli::try_parse_from(["gpu-flight", "serve"].iter().chain(flags))
+                .map_err(|e| e.to_string())
+                .and_then(|cli| cli.into_serve_args().map_err(|_| "no serve".to_owned()))
+                .map(|args| args.gpus())
+        };
+        assert_eq!(gpus(&[]), Ok(GpuSelection::All));
+        assert_eq!(
+            gpus(&["--devices", "0, 2,3"]),
+            Ok(GpuSelection::Ordinals(vec![0, 2, 3]))
+        );
+        assert_eq!(
+            gpus(&["--device", "1"]),
+            Ok(GpuSelection::Ordinals(vec![1]))
+        );
+        for bad in [
+            &["--devices", "0,0"][..],
+            &["--devices", "gpu0"],
+            &["--devices", ""],
+            &["--devices", "1", "--device", "2"],
+        ] {
+            assert!(gpus(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn listen_takes_names_and_repeats() {
+        let args = Cli::parse_from([
+            "gpu-flight",
+            "--listen",
+            "localhost:8815",
+            "--listen",
+            "[::1]:9000",
+        ])
+        .into_serve_args()
+        .expect("serve");
+        assert_eq!(args.listen, ["localhost:8815", "[::1]:9000"]);
+    }
+
+    #[test]
+    fn size_errors_say_what_a_size_is() {
+        let error = Cli::try_parse_from(["gpu-flight", "--memory-limit", "8 gigs"])
+            .expect_err("refused")
+            .to_string();
+        assert!(error.contains("8GiB") && error.contains("512MB"), "{error}");
+    }
+
+    #[test]
+    fn tls_key_needs_a_certificate() {
+        assert!(Cli::try_parse_from(["gpu-flight", "--tls-key", "k.pem"]).is_err());
+        assert!(Cli::try_parse_from(["gpu-flight", "--tls-client-ca", "ca.pem"]).is_err());
+    }
+
+    #[test]
+    fn zero_rows_per_endpoint_is_refused() {
+        assert!(Cli::try_parse_from(["gpu-flight", "--rows-per-endpoint", "0"]).is_err());
+    }
+}
