@@ -298,8 +298,7 @@ impl ServeArgs {
             max_streams_per_connection: self.max_streams_per_connection,
             keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),
             keepalive_timeout: Duration::from_secs(self.keepalive_timeout_seconds),
-            // Files and the token file are read by `launch::credentials`, which reports their
-            // errors.
+            // Files and the token file are read by `main`, which reports their errors.
             ..ServeOptions::default()
         }
     }
