@@ -14,6 +14,7 @@ pub mod config;
 pub mod consumer;
 pub mod error;
 pub mod flight;
+pub mod launch;
 pub mod metrics;
 pub mod server;
 pub mod store;

@@ -265,3 +265,75 @@ async fn wait_for(condition: impl Fn() -> bool) {
     }
     panic!("condition not met in 5 s");
 }
+
+/// The exposition's shape, without the values: every `# HELP`, `# TYPE` and `# UNIT` line as
+/// it is, and each sample's name, labels and whether its value is written as an integer or a
+/// float, sorted within its family (a family's label sets come in no fixed order).
+fn exposition_shape(text: &str) -> String {
+    let mut shape = String::new();
+    let mut samples: Vec<String> = Vec::new();
+    let flush = |shape: &mut String, samples: &mut Vec<String>| {
+        samples.sort_unstable();
+        for sample in samples.drain(..) {
+            shape.push_str(&sample);
+            shape.push('\n');
+        }
+    };
+    for line in text.lines() {
+        if line.starts_with("# HELP") || line.starts_with("# EOF") {
+            flush(&mut shape, &mut samples);
+        }
+        if line.starts_with('#') {
+            shape.push_str(line);
+            shape.push('\n');
+        } else if let Some((name, value)) = line.rsplit_once(' ') {
+            let kind = if value.parse::<i64>().is_ok() {
+                "integer"
+            } else {
+                "float"
+            };
+            samples.push(format!("{name} {kind}"));
+        }
+    }
+    flush(&mut shape, &mut samples);
+    shape
+}
+
+/// Names, help texts, types, units and label sets of every metric a scrape of a server holding
+/// a dataset shows, as dashboards and alerts rely on them: tests/golden/metrics.txt.
+#[tokio::test]
+async fn the_metrics_exposition_keeps_its_names_help_units_and_labels() {
+    let server = TestServer::start_with(
+        Arc::new(HostBackend::new()),
+        StoreOptions {
+            memory_limit: Some(64 << 20),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        },
+        ServeOptions::default(),
+    )
+    .await;
+    let mut client = server.client().await;
+    let batch = int64_batch(1_000, 2, 1);
+    put(&mut client, path("shaped"), vec![batch])
+        .await
+        .expect("put");
+    common::get_all(&mut client, "shaped").await.expect("get");
+    let _ = client
+        .list_actions()
+        .await
+        .expect("list")
+        .try_collect::<Vec<_>>()
+        .await;
+    let shape = exposition_shape(&server.metrics.encode().expect("encode"));
+    let golden = include_str!("golden/metrics.txt");
+    if shape != golden && std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(
+            concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/metrics.txt"),
+            &shape,
+        )
+        .expect("write the golden file");
+    }
+    assert_eq!(shape, golden, "the exposition changed:\n{shape}");
+    server.shutdown_and_wait().await;
+}
