@@ -33,7 +33,8 @@ use crate::flight::{FlightOptions, Lifecycle, Service, doget};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
-/// How `DoGet` replies are encoded; a hidden switch, kept for measuring one against the other.
+/// How `DoGet` replies are encoded: a hidden switch, kept for measuring one against the other
+/// (docs/performance-notes.md has the A/B that kept the framed path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DoGetEncoder {
     /// Framed by the server itself, handing hyper the Arrow buffers without copying them.
