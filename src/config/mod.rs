@@ -214,7 +214,7 @@ pub struct ServeArgs {
     pub tls_client_ca: Option<PathBuf>,
 
     /// Require a bearer token on every call: a TOML file of tokens and users with their roles
-    /// (read, write, admin), read again on SIGHUP. See the README's Security section.
+    /// (read, write, admin), read again on SIGHUP. See docs/operations.md, Security.
     #[arg(long, env = "GPU_FLIGHT_AUTH_TOKENS")]
     pub auth_tokens: Option<PathBuf>,
 

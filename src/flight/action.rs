@@ -33,19 +33,19 @@ pub const ACTIONS: &[(&str, &str)] = &[
          \"lease\" (optional: renew this lease), \"version\" (1, the default, or 2), \"device\" \
          (optional: the consumer's GPU, number or UUID), \"copy\" (optional: replicate onto it)}. \
          Result: a JSON document with the lease, schema, and per partition its device (UUID, PCI \
-         bus id), how to open it, and per column a CUDA IPC handle and buffer offsets (see the \
-         README). The memory stays valid until ipc-release or expiry.",
+         bus id), how to open it, and per column a CUDA IPC handle and buffer offsets (see \
+         docs/protocol.md). The memory stays valid until ipc-release or expiry.",
     ),
     (
         "move",
-        "Move a dataset to another device (see Placement in the README). Body: JSON {\"name\", \
+        "Move a dataset to another device (see Placement in docs/protocol.md). Body: JSON {\"name\", \
          \"device\": number or GPU UUID}. Result: JSON {\"name\", \"device\", \"moved_bytes\", \
          \"version\"}. Readers see the old version or the new one; the old memory returns when \
          they are done.",
     ),
     (
         "copy",
-        "Copy a dataset to a new name on a device (see Placement in the README). Body: JSON \
+        "Copy a dataset to a new name on a device (see Placement in docs/protocol.md). Body: JSON \
          {\"name\", \"as\" (the new name), \"device\": number or GPU UUID (optional on a \
          server with one device)}. Result: JSON {\"name\", \"as\", \"device\", \
          \"copied_bytes\", \"version\"}.",

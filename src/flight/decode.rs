@@ -9,7 +9,7 @@
 //! column gives it ([`check_layout`]) before Arrow reads it; Arrow then builds the arrays with
 //! full validation (offsets, UTF-8, dictionary keys), and [`check_values`] adds what Arrow does
 //! not check (decimal precision). A panic that still escapes Arrow is caught here and reported as a
-//! server bug, never as the client's: the fuzzer in `tests/fuzz.rs` holds that line.
+//! server bug, never as the client's: the fuzzer in `tests/fuzz/` holds that line.
 //!
 //! Compressed bodies (LZ4 frame or ZSTD, as pyarrow writes with `IpcWriteOptions(compression=)`)
 //! prefix each buffer with the length it decompresses to, and Arrow allocates that length before

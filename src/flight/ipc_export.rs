@@ -1,6 +1,6 @@
 //! The `ipc-export` document: how a co-located process finds and maps a dataset's columns.
 //!
-//! Version 2 (described in the README) is one JSON object: the lease, the Arrow IPC schema of
+//! Version 2 (described in docs/protocol.md) is one JSON object: the lease, the Arrow IPC schema of
 //! the exported columns, and each partition in row order: its rows, the device holding it (by
 //! UUID and PCI bus id, since ordinals depend on the consumer's `CUDA_VISIBLE_DEVICES`), how
 //! the consumer reaches it, and per column a CUDA IPC handle with the byte offset of every
