@@ -131,7 +131,6 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::MemoryExhausted { .. } | StoreError::TiersExhausted { .. } => {
             Code::ResourceExhausted
         }
-        StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
         StoreError::DiskFull(_) => Code::ResourceExhausted,

@@ -449,7 +449,7 @@ async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
     put(&store, "t", PutMode::Append, None, &[eighth(1)])
         .await
         .expect("append");
-    store.merges_settled().await;
+    store.compactions_settled().await;
     assert_eq!(
         store.status().leased_only_bytes,
         0,
@@ -461,7 +461,7 @@ async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
     put(&store, "t", PutMode::Append, None, &[eighth(2)])
         .await
         .expect("append");
-    store.merges_settled().await;
+    store.compactions_settled().await;
     let status = store.status();
     assert_eq!(status.merges, 1);
     assert_eq!(

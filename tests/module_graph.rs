@@ -207,7 +207,12 @@ fn tokens(code: &str) -> Vec<String> {
 
 /// Parses a path starting at `tokens[*at]` (after a leading `crate`, `super` or `self`),
 /// pushing every full path it names (a group `a::{b, c::d}` names two) onto `paths`.
-fn parse_path(tokens: &[String], at: &mut usize, prefix: Vec<String>, paths: &mut Vec<Vec<String>>) {
+fn parse_path(
+    tokens: &[String],
+    at: &mut usize,
+    prefix: Vec<String>,
+    paths: &mut Vec<Vec<String>>,
+) {
     let mut path = prefix;
     loop {
         if tokens.get(*at).map(String::as_str) != Some("::") {

@@ -20,29 +20,48 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use dashmap::mapref::entry::Entry;
 
-use super::dataset::StoredPartition;
-use super::put::Room;
-use super::{Dataset, Store, Tier};
+use super::catalog::Catalog;
+use super::compactor::{Compactor, Room};
+use super::dataset::Dataset;
+use super::stats::Stats;
+use super::tier::{StoredPartition, Tier};
 
 /// Dataset names with a merge task, each with whether an append committed since the task last
 /// looked at the dataset (so that it looks again).
-pub(super) type Running = HashMap<String, bool>;
+type Running = HashMap<String, bool>;
 
-impl Store {
+/// Background compactions of a catalog's appended partitions, through the one compactor.
+#[derive(Debug)]
+pub(crate) struct Background {
+    catalog: Arc<Catalog>,
+    compactor: Arc<Compactor>,
+    /// Names whose partitions a merge task is working on.
+    running: tokio::sync::watch::Sender<Running>,
+    stats: Arc<Stats>,
+}
+
+impl Background {
+    pub(crate) fn new(catalog: Arc<Catalog>, compactor: Arc<Compactor>, stats: Arc<Stats>) -> Self {
+        Self {
+            catalog,
+            compactor,
+            running: tokio::sync::watch::Sender::new(Running::new()),
+            stats,
+        }
+    }
+
     /// Starts merging `name`'s partitions in the background, or asks the task already doing
     /// so to look again once it is done.
-    pub(super) fn schedule_merge(&self, name: &str) {
+    pub(crate) fn schedule(self: &Arc<Self>, name: &str) {
         // Without a runtime there is nothing to run the task on; the next append will try.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let mut start = false;
-        self.inner
-            .merging
+        self.running
             .send_modify(|running| match running.get_mut(name) {
                 Some(again) => *again = true,
                 None => {
@@ -51,40 +70,39 @@ impl Store {
                 }
             });
         if start {
-            let store = self.clone();
+            let background = Arc::clone(self);
             let name = name.to_owned();
-            runtime.spawn(async move { store.merge_while_asked(name).await });
+            runtime.spawn(async move { background.merge_while_asked(name).await });
         }
     }
 
     /// Waits until no background merge is running or asked for. For tests and benchmarks,
     /// which look at partitions and copied bytes once the merges their appends started are
     /// done; serving never needs to wait for a merge.
-    pub async fn merges_settled(&self) {
-        let mut running = self.inner.merging.subscribe();
-        // The sender lives as long as the store, which `self` holds: this cannot fail.
+    pub(crate) async fn settled(&self) {
+        let mut running = self.running.subscribe();
+        // The sender lives as long as `self`: this cannot fail.
         let _ = running.wait_for(Running::is_empty).await;
     }
 
     /// Waits until no background merge of `name` is running or asked for.
-    pub(super) async fn merge_settled(&self, name: &str) {
-        let mut running = self.inner.merging.subscribe();
+    pub(crate) async fn settled_for(&self, name: &str) {
+        let mut running = self.running.subscribe();
         let _ = running
             .wait_for(|running| !running.contains_key(name))
             .await;
     }
 
-    async fn merge_while_asked(self, name: String) {
+    async fn merge_while_asked(self: Arc<Self>, name: String) {
         let mut task = Task {
-            store: &self,
+            background: &self,
             name: &name,
             finished: false,
         };
         loop {
             self.merge(&name).await;
             let mut again = false;
-            self.inner
-                .merging
+            self.running
                 .send_modify(|running| match running.get_mut(&name) {
                     Some(asked) if *asked => {
                         *asked = false;
@@ -107,7 +125,7 @@ impl Store {
         // Where the next pair may start: pairs before it were looked at already.
         let mut from = 0;
         loop {
-            let Ok(dataset) = self.get(name) else {
+            let Ok(dataset) = self.catalog.get(name) else {
                 return;
             };
             let Some(at) = next_pair(dataset.partitions(), from) else {
@@ -122,6 +140,7 @@ impl Store {
             // Not held through the copy: a drop meanwhile frees the rest of the dataset now.
             drop(dataset);
             let merged = match self
+                .compactor
                 .compact(&schema, inputs.clone(), device, Room::Free)
                 .await
             {
@@ -144,7 +163,7 @@ impl Store {
             let rows = merged.num_rows();
             match self.publish(name, at, &inputs, merged) {
                 Some(version) => {
-                    self.inner.merges.fetch_add(1, Ordering::Relaxed);
+                    Stats::add(&self.stats.background_compactions, 1);
                     tracing::debug!(
                         dataset = name,
                         version,
@@ -173,7 +192,7 @@ impl Store {
         inputs: &[StoredPartition],
         merged: StoredPartition,
     ) -> Option<u64> {
-        let Entry::Occupied(mut entry) = self.inner.catalog.entry(name.to_owned()) else {
+        let Entry::Occupied(mut entry) = self.catalog.entry(name) else {
             return None;
         };
         let current = entry.get();
@@ -222,9 +241,9 @@ fn next_pair(partitions: &[StoredPartition], from: usize) -> Option<usize> {
 
 /// A running merge task: removes its name from the running ones if it ends without saying
 /// it is done (it panicked, or the runtime is shutting down), so that
-/// [`Store::merges_settled`] does not wait for it forever.
+/// [`Background::settled`] does not wait for it forever.
 struct Task<'a> {
-    store: &'a Store,
+    background: &'a Background,
     name: &'a str,
     finished: bool,
 }
@@ -232,7 +251,7 @@ struct Task<'a> {
 impl Drop for Task<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            self.store.inner.merging.send_modify(|running| {
+            self.background.running.send_modify(|running| {
                 running.remove(self.name);
             });
         }
@@ -248,7 +267,7 @@ mod tests {
     use super::*;
     use crate::backend::HostBackend;
     use crate::store::testing::{GatedBackend, batch, put};
-    use crate::store::{PutMode, StoreOptions};
+    use crate::store::{PutMode, Store, StoreOptions};
 
     /// The values of column `x` of `batches`, in order.
     fn values(batches: &[RecordBatch]) -> Vec<i64> {
@@ -314,7 +333,7 @@ mod tests {
         assert_eq!(store.get("t").expect("t").num_partitions(), 2);
 
         release.notify_one();
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let status = store.status();
         assert_eq!(status.merges, 1);
         assert_eq!(
@@ -341,7 +360,7 @@ mod tests {
 
         started.notified().await;
         release.notify_one();
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let after = store.get("t").expect("t");
         assert_eq!(after.num_partitions(), 1, "merged");
         assert_eq!(
@@ -370,7 +389,7 @@ mod tests {
                 store.remove("t").expect("drop");
             }
             release.notify_one();
-            store.merges_settled().await;
+            store.compactions_settled().await;
             let status = store.status();
             assert_eq!(
                 (status.concatenations, status.merges),
@@ -403,7 +422,7 @@ mod tests {
         commit(&store, PutMode::Append, vec![batch(2000..2100)]).await;
         let version = store.get("t").expect("t").version();
         release.notify_one();
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let dataset = store.get("t").expect("t");
         assert_eq!(store.status().merges, 1);
         assert_eq!(dataset.version(), version);
@@ -446,7 +465,7 @@ mod tests {
         pending.commit().await.expect("other");
         commit(&store, PutMode::Create, vec![first]).await;
         commit(&store, PutMode::Append, vec![second]).await;
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let status = store.status();
         assert_eq!(status.tiers.spills, 0, "{:?}", status.tiers);
         assert_eq!((status.merges, status.concatenations), (0, 0));
@@ -456,7 +475,7 @@ mod tests {
         // With room, the next append's merges run.
         store.remove("other").expect("drop");
         commit(&store, PutMode::Append, vec![batch(2000..3000)]).await;
-        store.merges_settled().await;
+        store.compactions_settled().await;
         assert!(store.status().merges >= 1);
         let dataset = store.get("t").expect("t");
         assert!(dataset.num_partitions() < 3);
@@ -480,7 +499,7 @@ mod tests {
                 .await
                 .expect("append");
         }
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let dataset = store.get("t").expect("dataset");
         assert_eq!(dataset.num_rows(), (appends * rows) as u64);
         let total = dataset.data_bytes();
