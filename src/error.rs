@@ -146,10 +146,10 @@ fn backend_code(error: &BackendError) -> Code {
             Code::ResourceExhausted
         }
         BackendError::UnsupportedType { .. } => Code::InvalidArgument,
-        BackendError::CannotConcatenate { .. } | BackendError::NotExportable { .. } => {
+        BackendError::CannotCompact { .. } | BackendError::NotExportable { .. } => {
             Code::FailedPrecondition
         }
-        BackendError::RowsOutOfRange { .. } | BackendError::Device(_) => Code::Internal,
+        BackendError::OutsidePartition { .. } | BackendError::Device(_) => Code::Internal,
     }
 }
 

@@ -69,14 +69,11 @@ async fn an_export_describes_every_partition_on_its_device() {
             (rows, 1, Access::Local)
         ]
     );
-    assert_eq!(
-        export.partitions[2].export.device.uuid,
-        PretendGpus::uuid(1)
-    );
+    assert_eq!(export.partitions[2].gpu.uuid, PretendGpus::uuid(1));
     let handles: std::collections::HashSet<[u8; 64]> = export
         .partitions
         .iter()
-        .map(|p| p.export.columns[0].handle)
+        .map(|p| p.columns[0].handle)
         .collect();
     assert_eq!(handles.len(), 3, "each partition its own memory");
 
@@ -224,7 +221,7 @@ async fn a_renewal_keeps_the_terms_it_was_granted() {
         export
             .partitions
             .iter()
-            .map(|p| p.export.columns[0].handle)
+            .map(|p| p.columns[0].handle)
             .collect()
     };
     assert_eq!(handles(&renewed), handles(&granted), "the same replica");

@@ -100,7 +100,7 @@ impl Compactor {
 
     /// Compacts partitions of `device` into one, reserving its memory first (as `room` allows): the inputs stay reserved until they are dropped, so the
     /// budget covers the transient peak. Partitions are returned unchanged where the compact
-    /// copy does not fit beside them, or the backend cannot concatenate them (a merged
+    /// copy does not fit beside them, or the backend cannot compact them (a merged
     /// dictionary its keys cannot index).
     pub(crate) async fn compact_always(
         &self,
@@ -120,11 +120,10 @@ impl Compactor {
             return Ok(partitions);
         }
         let data: Vec<_> = residents.iter().map(|r| Arc::clone(&r.data)).collect();
-        let size = match backend.concatenated_size(&data) {
+        let size = match backend.compacted_size(&data) {
             Ok(size) => size,
             Err(
-                error @ (BackendError::UnsupportedType { .. }
-                | BackendError::CannotConcatenate { .. }),
+                error @ (BackendError::UnsupportedType { .. } | BackendError::CannotCompact { .. }),
             ) => {
                 tracing::info!(%error, "dataset kept in its uploaded batches");
                 return Ok(partitions);
@@ -169,7 +168,7 @@ impl Compactor {
         };
         let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
         let started = std::time::Instant::now();
-        let compacted = backend.concatenate(data).await?;
+        let compacted = backend.compact(data).await?;
         drop(residents);
         let stats = &self.stats;
         Stats::add(&stats.compactions, 1);

@@ -20,7 +20,7 @@ use super::memory::{ARRAY_OVERHEAD, charge};
 use super::relocate::Mover;
 use super::tier::{Resident, StoredPartition, Tiers};
 use crate::arrays::type_array_count;
-use crate::backend::{Backend, BackendError, PartitionExport};
+use crate::backend::{Backend, BackendError, ExportDevice, ExportedColumn};
 
 /// What `ipc-export` asks for.
 #[derive(Debug, Clone)]
@@ -80,14 +80,18 @@ pub struct Export {
     pub partitions: Vec<ExportedPartition>,
 }
 
-/// One partition of an export.
+/// One partition of an export: where it is, how a consumer reaches it, and its columns.
 #[derive(Debug, Clone)]
 pub struct ExportedPartition {
     pub rows: u64,
-    /// The device holding these columns (the consumer's, for a replica).
+    /// The device holding these columns (the consumer's, for a replica), as this store
+    /// numbers its devices.
     pub device: u32,
     pub access: Access,
-    pub export: PartitionExport,
+    /// That device as a consumer identifies it, whatever its `CUDA_VISIBLE_DEVICES`.
+    pub gpu: ExportDevice,
+    /// The exported columns, in the order the export lists them.
+    pub columns: Vec<ExportedColumn>,
 }
 
 /// Grants and renews `ipc-export` leases.
@@ -274,11 +278,13 @@ impl Exporter {
                     }
                     (None, _) => (Arc::clone(held), &columns, Access::Local),
                 };
+                let (gpu, columns) = stored.data.export(columns)?;
                 Ok(ExportedPartition {
                     rows: stored.data.num_rows() as u64,
                     device: stored.reservation.device(),
                     access,
-                    export: stored.data.export(columns)?,
+                    gpu,
+                    columns,
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?;

@@ -30,7 +30,9 @@ use super::files::{PinnedSegment, Segment, SegmentFiles};
 use super::memory::{Reservation, stored_charge};
 use super::stats::Stats;
 use super::tier::{Resident, Slot, StoredPartition, Tier, Tiers};
-use crate::backend::{Backend, BackendError, Partition, PartitionExport, SpilledPartition};
+use crate::backend::{
+    Backend, BackendError, ExportDevice, ExportedColumn, Partition, SpilledPartition,
+};
 
 /// A partition held only in segment files: a dataset as the data directory holds it. Cheap
 /// to clone: the segments are shared.
@@ -224,7 +226,10 @@ impl Partition for DiskPartition {
         .boxed()
     }
 
-    fn export(&self, _columns: &[usize]) -> Result<PartitionExport, BackendError> {
+    fn export(
+        &self,
+        _columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError> {
         Err(BackendError::NotExportable {
             backend: "disk tier",
         })

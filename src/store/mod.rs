@@ -62,10 +62,10 @@ pub use lease::{Lease, LeaseTerms};
 pub use memory::ARRAY_OVERHEAD;
 pub use options::{Durability, PutMode, StoreOptions, default_host_memory_limit};
 pub use progress::PutProgress;
-pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
+pub use put::{PendingPut, PutSummary, Upload};
 pub use relocate::{CopySummary, MoveSummary};
 pub use status::{DeviceStatus, LeaseStatus, PersistenceStatus, StoreStatus, TierStatus};
-pub use tier::Tier;
+pub use tier::{StoredPartition, Tier};
 
 use crate::backend::Backend;
 use background::Background;

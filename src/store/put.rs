@@ -121,11 +121,7 @@ pub struct PendingPut {
 }
 
 /// An upload running in the backend; resolve it and pass the result to [`PendingPut::add`].
-pub type Upload = BoxFuture<'static, Result<UploadedPartition, StoreError>>;
-
-/// A partition uploaded for a pending put.
-#[derive(Debug)]
-pub struct UploadedPartition(StoredPartition);
+pub type Upload = BoxFuture<'static, Result<StoredPartition, StoreError>>;
 
 impl PendingPut {
     pub fn name(&self) -> &str {
@@ -194,7 +190,7 @@ impl PendingPut {
             .map_err(StoreError::from)
             .map_ok(move |data| {
                 drop(message);
-                UploadedPartition(tiers.hold(data, reservation, data_bytes))
+                tiers.hold(data, reservation, data_bytes)
             })
             .boxed();
         Ok(Some(upload))
@@ -246,8 +242,8 @@ impl PendingPut {
     }
 
     /// Adds a finished upload to the put.
-    pub fn add(&mut self, uploaded: UploadedPartition) {
-        self.partitions.push(uploaded.0);
+    pub fn add(&mut self, uploaded: StoredPartition) {
+        self.partitions.push(uploaded);
     }
 
     /// Compacts the put's partitions and makes them visible in one catalog operation (after

@@ -80,8 +80,8 @@ impl Backend for GatedBackend {
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         self.host.upload(device, batch)
     }
-    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
-        self.host.concatenated_size(partitions)
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        self.host.compacted_size(partitions)
     }
     fn copied_size(
         &self,
@@ -103,11 +103,11 @@ impl Backend for GatedBackend {
             copy
         }
     }
-    fn concatenate(
+    fn compact(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let concatenated = self.host.concatenate(partitions);
+        let concatenated = self.host.compact(partitions);
         if self.gate_copies {
             concatenated
         } else {

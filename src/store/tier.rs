@@ -53,9 +53,10 @@ pub enum Tier {
 }
 
 /// A partition of a dataset: its place in the memory tiers, which every dataset version
-/// including it shares.
+/// including it shares. Opaque outside the store, where it is what an upload of a put
+/// resolves to.
 #[derive(Clone)]
-pub(crate) struct StoredPartition {
+pub struct StoredPartition {
     pub(crate) slot: Arc<Slot>,
     /// Bytes of Arrow buffers the partition's rows hold (what clients transfer); what it is
     /// charged may be more, by the backend's allocation granularity.
