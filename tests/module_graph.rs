@@ -393,9 +393,9 @@ fn one_cycle(graph: &BTreeMap<String, BTreeSet<String>>, component: &[String]) -
     component.to_vec()
 }
 
-#[test]
-#[ignore = "until the store's and flight's cycles are gone"]
-fn no_file_of_src_depends_on_itself() {
+/// Every import cycle among the files of `src/`, each as one cycle through it and the files
+/// it joins.
+fn import_cycles() -> Vec<(Vec<String>, Vec<String>)> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
@@ -433,23 +433,51 @@ fn no_file_of_src_depends_on_itself() {
         graph.get("store/put.rs").is_some_and(|e| !e.is_empty()),
         "the graph was read: store/put.rs names other files"
     );
-    let found = cycles(&graph);
-    let described: Vec<String> = found
+    cycles(&graph)
+        .into_iter()
+        .map(|component| (one_cycle(&graph, &component), component))
+        .collect()
+}
+
+/// `cycles` as lines of a message, each also printed.
+fn describe(cycles: &[(Vec<String>, Vec<String>)]) -> String {
+    let lines: Vec<String> = cycles
         .iter()
-        .map(|component| {
-            format!(
-                "{} (files {})",
-                one_cycle(&graph, component).join(" → "),
-                component.join(", ")
-            )
-        })
+        .map(|(cycle, files)| format!("{} (files {})", cycle.join(" → "), files.join(", ")))
         .collect();
-    for cycle in &described {
-        eprintln!("import cycle: {cycle}");
+    for line in &lines {
+        eprintln!("import cycle: {line}");
     }
+    lines.join("\n")
+}
+
+#[test]
+#[ignore = "until flight's cycles are gone"]
+fn no_file_of_src_depends_on_itself() {
+    let cycles = import_cycles();
+    let described = describe(&cycles);
     assert!(
-        described.is_empty(),
-        "files of src/ that depend on themselves through others:\n{}",
-        described.join("\n")
+        cycles.is_empty(),
+        "files of src/ that depend on themselves through others:\n{described}"
+    );
+}
+
+/// Until the whole crate passes the test above: the store and the layers below it have no
+/// cycle, so that none comes back while flight's are being removed.
+#[test]
+fn the_store_and_the_layers_below_it_have_no_import_cycle() {
+    let below_flight = |file: &String| {
+        ["store/", "backend/", "arrays/", "task.rs"]
+            .iter()
+            .any(|prefix| file.starts_with(prefix))
+    };
+    let cycles: Vec<_> = import_cycles()
+        .into_iter()
+        .filter(|(_, files)| files.iter().any(below_flight))
+        .collect();
+    let described = describe(&cycles);
+    assert!(
+        cycles.is_empty(),
+        "files of the store or below that depend on themselves through others:\n{described}"
     );
 }

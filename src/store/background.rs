@@ -1,22 +1,22 @@
-//! Background merges: the partitions appends add are merged with their neighbours after the
-//! commit, on a task of their own, so that an append costs what it adds and not the dataset.
+//! Background compaction: the partitions appends add are compacted with their neighbours after
+//! the commit, on a task of their own, so that an append costs what it adds and not the dataset.
 //!
-//! Neighbours on one device are merged while they are of comparable size (the newer no larger
+//! Neighbours on one device are compacted while they are of comparable size (the newer no larger
 //! than the older and at least half of it), oldest pair first. That is the order in which
-//! merging after each append, one append at a time, would merge them: every merge at least
+//! compacting after each append, one append at a time, would take them: every compaction at least
 //! doubles the newer's bytes and grows the older's by half, so over n appends a byte is copied
-//! O(log n) times and the dataset keeps O(log n) partitions, whether the merges keep up with
+//! O(log n) times and the dataset keeps O(log n) partitions, whether the compactions keep up with
 //! the appends or catch up later.
 //!
-//! A merge changes how rows are held, not which rows a version has: the merged dataset keeps
+//! A compaction changes how rows are held, not which rows a version has: the compacted dataset keeps
 //! its version number, so tickets issued for it stay valid and the persistence writer (which
 //! follows versions) has nothing to write. Readers holding the version from before keep the
-//! partitions they started on. A merge is published only if its inputs are still where they
+//! partitions they started on. A compaction is published only if its inputs are still where they
 //! were in the dataset the catalog holds; after a replace, a drop or a move it is discarded.
 //! Its copy is paid for only from memory free at the time: it never spills other partitions.
 //!
 //! One task runs per dataset name at a time; an append that commits while it runs asks it to
-//! look once more rather than starting another. The task ends when nothing is left to merge.
+//! look once more rather than starting another. The task ends when nothing is left to compact.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,7 +29,7 @@ use super::dataset::Dataset;
 use super::stats::Stats;
 use super::tier::{StoredPartition, Tier};
 
-/// Dataset names with a merge task, each with whether an append committed since the task last
+/// Dataset names with a compaction task, each with whether an append committed since the task last
 /// looked at the dataset (so that it looks again).
 type Running = HashMap<String, bool>;
 
@@ -38,7 +38,7 @@ type Running = HashMap<String, bool>;
 pub(crate) struct Background {
     catalog: Arc<Catalog>,
     compactor: Arc<Compactor>,
-    /// Names whose partitions a merge task is working on.
+    /// Names whose partitions a compaction task is working on.
     running: tokio::sync::watch::Sender<Running>,
     stats: Arc<Stats>,
 }
@@ -53,7 +53,7 @@ impl Background {
         }
     }
 
-    /// Starts merging `name`'s partitions in the background, or asks the task already doing
+    /// Starts compacting `name`'s partitions in the background, or asks the task already doing
     /// so to look again once it is done.
     pub(crate) fn schedule(self: &Arc<Self>, name: &str) {
         // Without a runtime there is nothing to run the task on; the next append will try.
@@ -72,20 +72,20 @@ impl Background {
         if start {
             let background = Arc::clone(self);
             let name = name.to_owned();
-            runtime.spawn(async move { background.merge_while_asked(name).await });
+            runtime.spawn(async move { background.compact_while_asked(name).await });
         }
     }
 
-    /// Waits until no background merge is running or asked for. For tests and benchmarks,
-    /// which look at partitions and copied bytes once the merges their appends started are
-    /// done; serving never needs to wait for a merge.
+    /// Waits until no background compaction is running or asked for. For tests and
+    /// benchmarks, which look at partitions and copied bytes once the compactions their
+    /// appends started are done; serving never needs to wait for one.
     pub(crate) async fn settled(&self) {
         let mut running = self.running.subscribe();
         // The sender lives as long as `self`: this cannot fail.
         let _ = running.wait_for(Running::is_empty).await;
     }
 
-    /// Waits until no background merge of `name` is running or asked for.
+    /// Waits until no background compaction of `name` is running or asked for.
     pub(crate) async fn settled_for(&self, name: &str) {
         let mut running = self.running.subscribe();
         let _ = running
@@ -93,14 +93,14 @@ impl Background {
             .await;
     }
 
-    async fn merge_while_asked(self: Arc<Self>, name: String) {
+    async fn compact_while_asked(self: Arc<Self>, name: String) {
         let mut task = Task {
             background: &self,
             name: &name,
             finished: false,
         };
         loop {
-            self.merge(&name).await;
+            self.compact(&name).await;
             let mut again = false;
             self.running
                 .send_modify(|running| match running.get_mut(&name) {
@@ -119,9 +119,9 @@ impl Background {
         }
     }
 
-    /// Merges `name`'s comparable neighbours until none are left, or there is no room for
+    /// Compacts `name`'s comparable neighbours until none are left, or there is no room for
     /// the next one.
-    async fn merge(&self, name: &str) {
+    async fn compact(&self, name: &str) {
         // Where the next pair may start: pairs before it were looked at already.
         let mut from = 0;
         loop {
@@ -139,29 +139,29 @@ impl Background {
             let schema = dataset.schema();
             // Not held through the copy: a drop meanwhile frees the rest of the dataset now.
             drop(dataset);
-            let merged = match self
+            let compacted = match self
                 .compactor
                 .compact(&schema, inputs.clone(), device, Room::Free)
                 .await
             {
-                Ok(merged) => merged,
+                Ok(compacted) => compacted,
                 // Such as an input spilled since it was looked at: later pairs may still be
-                // merged, and this one at the next look.
+                // compacted, and this one at the next look.
                 Err(error) => {
-                    tracing::info!(dataset = name, %error, "a background merge failed");
+                    tracing::info!(dataset = name, %error, "a background compaction failed");
                     from = at + 1;
                     continue;
                 }
             };
-            let Ok([merged]) = <[StoredPartition; 1]>::try_from(merged) else {
+            let Ok([compacted]) = <[StoredPartition; 1]>::try_from(compacted) else {
                 // No room for the copy, or the backend keeps these apart: later pairs may
-                // still be merged.
+                // still be compacted.
                 from = at + 1;
                 continue;
             };
-            let bytes = merged.data_bytes;
-            let rows = merged.num_rows();
-            match self.publish(name, at, &inputs, merged) {
+            let bytes = compacted.data_bytes;
+            let rows = compacted.num_rows();
+            match self.publish(name, at, &inputs, compacted) {
                 Some(version) => {
                     Stats::add(&self.stats.background_compactions, 1);
                     tracing::debug!(
@@ -169,20 +169,23 @@ impl Background {
                         version,
                         rows,
                         bytes,
-                        "appended partitions merged"
+                        "appended partitions compacted"
                     );
-                    // The merged partition may now be comparable with the one before it.
+                    // The compacted partition may now be comparable with the one before it.
                     from = at.saturating_sub(1);
                 }
                 None => {
-                    tracing::debug!(dataset = name, "a merge discarded: the dataset changed");
+                    tracing::debug!(
+                        dataset = name,
+                        "a compaction discarded: the dataset changed"
+                    );
                     from = 0;
                 }
             }
         }
     }
 
-    /// Replaces `inputs`, at `at` in `name`'s partitions, with `merged` (their rows, in one
+    /// Replaces `inputs`, at `at` in `name`'s partitions, with `compacted` (their rows, in one
     /// partition), keeping the dataset's version. Returns that version, or `None` where the
     /// dataset no longer holds `inputs` there.
     fn publish(
@@ -190,7 +193,7 @@ impl Background {
         name: &str,
         at: usize,
         inputs: &[StoredPartition],
-        merged: StoredPartition,
+        compacted: StoredPartition,
     ) -> Option<u64> {
         let Entry::Occupied(mut entry) = self.catalog.entry(name) else {
             return None;
@@ -207,7 +210,7 @@ impl Background {
         }
         let mut kept = Vec::with_capacity(partitions.len() + 1 - inputs.len());
         kept.extend_from_slice(&partitions[..at]);
-        kept.push(merged);
+        kept.push(compacted);
         kept.extend_from_slice(&partitions[at + inputs.len()..]);
         let version = current.version_id();
         let dataset = Dataset::new(
@@ -222,7 +225,7 @@ impl Background {
     }
 }
 
-/// The first pair of neighbours at or after `from` worth merging: on one device, and of
+/// The first pair of neighbours at or after `from` worth compacting: on one device, and of
 /// comparable size.
 fn next_pair(partitions: &[StoredPartition], from: usize) -> Option<usize> {
     partitions
@@ -239,7 +242,7 @@ fn next_pair(partitions: &[StoredPartition], from: usize) -> Option<usize> {
         .map(|position| from + position)
 }
 
-/// A running merge task: removes its name from the running ones if it ends without saying
+/// A running compaction task: removes its name from the running ones if it ends without saying
 /// it is done (it panicked, or the runtime is shutting down), so that
 /// [`Background::settled`] does not wait for it forever.
 struct Task<'a> {

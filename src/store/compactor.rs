@@ -1,6 +1,6 @@
 //! The compactor: the one place partitions are joined into fewer, contiguous ones. A put's
 //! batches at commit, a move's copies on their target, the pieces of a spilled or loaded
-//! partition brought back onto a device, and (through `merge`) appended partitions in the
+//! partition brought back onto a device, and (through `background`) appended partitions in the
 //! background are all compacted here, paid for on the device before the backend copies, and
 //! counted in the store's [`Stats`].
 
@@ -26,7 +26,7 @@ pub(crate) enum Room {
     /// Spills other partitions to the host tier: the copy is part of a request (a put, a
     /// move, a restore) that asked for it.
     Spill,
-    /// Only memory free now: a background merge is an optimisation, and must not evict
+    /// Only memory free now: a background compaction is an optimisation, and must not evict
     /// other datasets' partitions for itself.
     Free,
 }
@@ -98,10 +98,11 @@ impl Compactor {
         self.compact_always(partitions, device, room).await
     }
 
-    /// Compacts partitions of `device` into one, reserving its memory first (as `room` allows): the inputs stay reserved until they are dropped, so the
-    /// budget covers the transient peak. Partitions are returned unchanged where the compact
-    /// copy does not fit beside them, or the backend cannot compact them (a merged
-    /// dictionary its keys cannot index).
+    /// Compacts partitions of `device` into one, reserving its memory first (as `room`
+    /// allows): the inputs stay reserved until they are dropped, so the budget covers the
+    /// transient peak. Partitions are returned unchanged where the compacted copy does not
+    /// fit beside them, or the backend cannot compact them (a merged dictionary its keys
+    /// cannot index).
     pub(crate) async fn compact_always(
         &self,
         partitions: Vec<StoredPartition>,
@@ -177,8 +178,8 @@ impl Compactor {
         Ok(vec![self.tiers.hold(compacted, reservation, data_bytes)])
     }
 
-    /// `pieces` (consecutive rows of one schema) uploaded onto `device` and concatenated
-    /// there into one compact partition. Room for `peak` bytes is made first; each piece is
+    /// `pieces` (consecutive rows of one schema) uploaded onto `device` and compacted
+    /// there into one partition. Room for `peak` bytes is made first; each piece is
     /// paid for before it is uploaded.
     pub(crate) async fn upload_pieces(
         &self,

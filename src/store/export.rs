@@ -156,7 +156,7 @@ impl Exporter {
         }
         let mut dataset = self.catalog.get(&request.name)?;
         if request.one_partition && dataset.num_partitions() > 1 {
-            // Appends leave their partitions to a background merge, which may make the
+            // Appends leave their partitions to a background compaction, which may make the
             // dataset compact: let it run (again, should memory have been freed since),
             // rather than refuse a dataset just appended to.
             self.background.schedule(&request.name);

@@ -519,7 +519,7 @@ impl Loader {
             .iter()
             .map(|piece| stored_charge(self.backend.as_ref(), piece))
             .sum::<Result<u64, _>>()?;
-        // Room for the pieces and, where there are several, their concatenation beside them.
+        // Room for the pieces and, where there are several, their compacted copy beside them.
         let peak = if pieces.len() > 1 { 2 * total } else { total };
         let pieces = futures::stream::iter(pieces).map(Ok).boxed();
         self.compactor
@@ -560,7 +560,7 @@ mod tests {
         store.close().await;
         drop(store);
 
-        // Two segments, so loading onto the device ends in a concatenation, which waits.
+        // Two segments, so loading onto the device ends in a compaction, which waits.
         let backend = GatedBackend::new(HostBackend::new(), false);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::open(Arc::new(backend), options)
@@ -569,7 +569,7 @@ mod tests {
         let dataset = store.get("t").expect("t");
         let mut reading = dataset.read(0..1100, 1 << 20, 2).expect("a stream");
         tokio::select! {
-            _ = reading.next() => panic!("the read went past the waiting concatenation"),
+            _ = reading.next() => panic!("the read went past the waiting compaction"),
             () = started.notified() => {}
         }
         // The reader goes away mid-load (a cancelled DoGet); the load finishes all the same.

@@ -249,7 +249,7 @@ impl PendingPut {
     /// Compacts the put's partitions and makes them visible in one catalog operation (after
     /// the dataset's, for `append`), or fails leaving the catalog untouched. An append copies
     /// only its own batches here, so that its cost follows what it adds, not the dataset: the
-    /// dataset's partitions are merged afterwards, in the background (`merge`).
+    /// dataset's partitions are compacted afterwards, in the background (`background`).
     pub async fn commit(self) -> Result<PutSummary, StoreError> {
         let (Some(schema), Some(schema_charge)) = (self.schema, self.schema_charge) else {
             return Err(StoreError::MissingSchema);
@@ -366,7 +366,7 @@ mod tests {
     use crate::store::{Store, StoreOptions};
 
     /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts
-    /// them they may be in the host tier, which is not the backend's to concatenate (on the
+    /// them they may be in the host tier, which is not the backend's to compact (on the
     /// cuda backend a soak saw INTERNAL "a partition from another backend").
     #[tokio::test]
     async fn partitions_spilled_before_their_compaction_are_left_as_they_are() {

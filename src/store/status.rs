@@ -30,13 +30,14 @@ pub struct StoreStatus {
     pub leased_only_bytes: u64,
     /// Puts being received, oldest first.
     pub puts: Vec<Arc<PutProgress>>,
-    /// Compactions of batches into one partition (at commit, and background merges of
+    /// Compactions of batches into one partition (at commit, and background compactions of
     /// appended partitions), and the time they took.
     pub concatenations: u64,
     /// Arrow bytes the compactions copied.
     pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
-    /// Background merges of appended partitions, published (each also a concatenation).
+    /// Background compactions of appended partitions, published (each also counted in
+    /// `concatenations`). Both keep the names `status` and the metrics have always shown.
     pub merges: u64,
     pub tiers: TierStatus,
     /// Under `--data-dir`: what the disk holds and owes.
@@ -178,7 +179,7 @@ pub(crate) fn status(
         };
         let mut lease_status = Vec::new();
         // By address, so that memory several leases hold counts once. Partitions, not
-        // versions: an append's version shares its base's partitions, and a background merge
+        // versions: an append's version shares its base's partitions, and a background compaction
         // changes a version's partitions but not its number.
         let mut leased_only = std::collections::HashMap::new();
         let mut replicas = 0;

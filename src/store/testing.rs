@@ -1,4 +1,4 @@
-//! What the store's unit tests share: batches, puts, and a backend that holds concatenations
+//! What the store's unit tests share: batches, puts, and a backend that holds compactions
 //! and copies until the test lets them go on.
 
 use std::sync::Arc;
@@ -31,9 +31,9 @@ pub(super) async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>)
     pending
 }
 
-/// The host backend, but concatenation (or, with `gate_copies`, copying) waits for
+/// The host backend, but compaction (or, with `gate_copies`, copying) waits for
 /// `release` (after saying it started), so a test can act while a commit or a background
-/// merge is compacting.
+/// compaction is running.
 #[derive(Debug)]
 pub(super) struct GatedBackend {
     host: HostBackend,
@@ -107,11 +107,11 @@ impl Backend for GatedBackend {
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let concatenated = self.host.compact(partitions);
+        let compacted = self.host.compact(partitions);
         if self.gate_copies {
-            concatenated
+            compacted
         } else {
-            self.gate(concatenated)
+            self.gate(compacted)
         }
     }
 }
