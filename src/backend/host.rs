@@ -212,7 +212,7 @@ fn has_dictionary(data_type: &DataType) -> bool {
     crate::arrays::contains(data_type, &|t| matches!(t, DataType::Dictionary(_, _)))
 }
 
-/// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already
+/// `batch` in buffers of its own (see [`crate::arrays::owned`]): columns whose buffers are already
 /// allocations of their own are kept, the others copied.
 fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let copy_failed =

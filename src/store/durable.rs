@@ -535,8 +535,8 @@ async fn merger(
 }
 
 /// The run of `segments` to merge next, if any: the first that merging neighbours of
-/// comparable size would join, as the in-memory merges do (`merge`). Going from the oldest,
-/// each segment is stacked on the runs before it, and the newest run joins the one before it
+/// comparable size would join, as background compactions in memory do (`background`). Going
+/// from the oldest, each segment is stacked on the runs before it, and the newest run joins the one before it
 /// while it is no larger and at least half as large, both are below [`MERGE_BELOW`], or
 /// either holds no rows (a schema-only segment). A byte is thus rewritten O(log n) times over
 /// n appends, and a dataset keeps O(log n) small segments.
