@@ -16,19 +16,21 @@
 //!   processes have mapped outlives `drop` and `replace` until the lease ends.
 //!
 //! [`Store`] is a thin facade over components, each owning its state and handed the ones it
-//! uses (`Arc`s) when it is built, in one order; a file imports only files before it:
+//! uses (`Arc`s) when it is built, in one order; a file imports only files before it (checked
+//! by `tests/module_graph.rs`), and none imports this one:
 //!
-//! 1. `error`, `options`, `stats` (every counter), `memory` (budgets and reservations),
+//! 1. `files` (the data directory's formats and filesystem; nothing else of the store);
+//! 2. `error`, `options`, `stats` (every counter), `memory` (budgets, reservations, charges),
 //!    `progress` (puts in flight);
-//! 2. `tier` ([`Tier`]s, each partition's place in them, spilling): over `memory`;
-//! 3. `compactor` (the one place partitions are compacted): over `tier`;
-//! 4. `load` (bringing partitions back from the disk and host tiers): over `compactor`;
-//! 5. `dataset` (an immutable version, and reading it): over `load`;
-//! 6. `durable` (the persistence writer over `files`, which holds the on-disk formats);
-//! 7. `catalog` (names, versions, damaged datasets; opening `--data-dir`): over `durable`;
-//! 8. `background` (compacting appended partitions after their commit), `put`, `relocate`
-//!    (moves and copies), `lease` and `export` (`ipc-export`), `status`: over `catalog`;
-//! 9. this facade, which builds them and delegates.
+//! 3. `tier`: [`Tier`]s, each partition's place in them, the budgets, spilling;
+//! 4. `compactor`: the one place partitions are compacted (puts, moves, loads, background);
+//! 5. `load`: partitions back into memory from the disk tier, and onto devices from the host;
+//! 6. `dataset`: an immutable version, and reading it;
+//! 7. `durable`: persistence, the writer of the catalog's changes into `files`;
+//! 8. `catalog`: names, versions and damaged datasets, opened from `--data-dir`;
+//! 9. `background` (compacting appended partitions after their commit), then `put`,
+//!    `relocate` (moves and copies), `lease`, `export` (`ipc-export`) and `status`;
+//! 10. this facade, which builds them and delegates.
 
 mod background;
 mod catalog;

@@ -12,6 +12,9 @@
 //! With `--data-dir`, a dataset the server started with is in a third tier, the disk, until
 //! it is first read (see `load`).
 //!
+//! [`Tiers`] owns the devices' budgets and the host tier's: it reserves on a device, spilling
+//! there to make room, and says where a put's message is paid for.
+//!
 //! A partition's place is a [`Slot`] shared by every dataset version that includes it (appends
 //! share their base's partitions), so a spill frees the memory once for all of them. What a
 //! slot holds is a [`Resident`]: the data and the reservation that pays for it, swapped as a
