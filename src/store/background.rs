@@ -26,8 +26,8 @@ use dashmap::mapref::entry::Entry;
 use super::catalog::Catalog;
 use super::compactor::{Compactor, Room};
 use super::dataset::Dataset;
+use super::slot::{StoredPartition, Tier};
 use super::stats::Stats;
-use super::tier::{StoredPartition, Tier};
 
 /// Dataset names with a compaction task, each with whether an append committed since the task last
 /// looked at the dataset (so that it looks again).

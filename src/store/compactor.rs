@@ -13,8 +13,9 @@ use futures::{StreamExt, TryStreamExt};
 
 use super::error::StoreError;
 use super::memory::{charge, stored_charge};
+use super::slot::{StoredPartition, Tier};
 use super::stats::Stats;
-use super::tier::{StoredPartition, Tier, Tiers};
+use super::tier::Tiers;
 use crate::backend::{Backend, BackendError};
 
 /// Pieces a restore or load uploads at once.

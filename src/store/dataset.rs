@@ -16,7 +16,7 @@ use futures::{StreamExt, TryStreamExt};
 use super::error::StoreError;
 use super::load::readable;
 use super::memory::Reservation;
-use super::tier::{Slot, StoredPartition, Tier};
+use super::slot::{Slot, StoredPartition, Tier};
 
 /// Bytes of a dataset in each tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

@@ -18,7 +18,8 @@ use super::lease::{Lease, LeaseTerms, Leases};
 use super::load::Loader;
 use super::memory::{ARRAY_OVERHEAD, charge};
 use super::relocate::Mover;
-use super::tier::{Resident, StoredPartition, Tiers};
+use super::slot::{Resident, StoredPartition};
+use super::tier::Tiers;
 use crate::arrays::type_array_count;
 use crate::backend::{Backend, BackendError, ExportDevice, ExportedColumn};
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::dataset::Dataset;
 use super::error::StoreError;
-use super::tier::{Resident, StoredPartition};
+use super::slot::{Resident, StoredPartition};
 
 /// One consumer's hold on an exported dataset.
 #[derive(Debug, Clone)]

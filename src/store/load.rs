@@ -28,8 +28,9 @@ use super::compactor::Compactor;
 use super::error::StoreError;
 use super::files::{PinnedSegment, Segment, SegmentFiles};
 use super::memory::{Reservation, stored_charge};
+use super::slot::{Resident, Slot, StoredPartition, Tier};
 use super::stats::Stats;
-use super::tier::{Resident, Slot, StoredPartition, Tier, Tiers};
+use super::tier::Tiers;
 use crate::backend::{
     Backend, BackendError, ExportDevice, ExportedColumn, Partition, SpilledPartition,
 };

@@ -22,7 +22,8 @@
 //! 1. `files` (the data directory's formats and filesystem; nothing else of the store);
 //! 2. `error`, `options`, `stats` (every counter), `memory` (budgets, reservations, charges),
 //!    `progress` (puts in flight);
-//! 3. `tier`: [`Tier`]s, each partition's place in them, the budgets, spilling;
+//! 3. `slot` (a partition's place: its [`Tier`] and what pays for it there), then `tier` (the
+//!    budgets of the tiers, reserving on a device, spilling);
 //! 4. `compactor`: the one place partitions are compacted (puts, moves, loads, background);
 //! 5. `load`: partitions back into memory from the disk tier, and onto devices from the host;
 //! 6. `dataset`: an immutable version, and reading it;
@@ -47,6 +48,7 @@ mod options;
 mod progress;
 mod put;
 mod relocate;
+mod slot;
 mod stats;
 mod status;
 #[cfg(test)]
@@ -66,8 +68,8 @@ pub use options::{Durability, PutMode, StoreOptions, default_host_memory_limit};
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload};
 pub use relocate::{CopySummary, MoveSummary};
+pub use slot::{StoredPartition, Tier};
 pub use status::{DeviceStatus, LeaseStatus, PersistenceStatus, StoreStatus, TierStatus};
-pub use tier::{StoredPartition, Tier};
 
 use crate::backend::Backend;
 use background::Background;

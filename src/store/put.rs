@@ -18,7 +18,8 @@ use super::error::StoreError;
 use super::memory::{Reservation, stored_charge};
 use super::options::PutMode;
 use super::progress::{InFlight, Registered};
-use super::tier::{StoredPartition, Tiers};
+use super::slot::StoredPartition;
+use super::tier::Tiers;
 use crate::arrays::{batch_bytes, schema_bytes};
 use crate::backend::Backend;
 
@@ -361,8 +362,8 @@ mod tests {
     use super::*;
     use crate::backend::HostBackend;
     use crate::store::compactor::Room;
+    use crate::store::slot::Tier;
     use crate::store::testing::{GatedBackend, batch, put};
-    use crate::store::tier::Tier;
     use crate::store::{Store, StoreOptions};
 
     /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts

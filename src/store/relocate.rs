@@ -21,7 +21,8 @@ use super::error::StoreError;
 use super::load::Loader;
 use super::memory::Reservation;
 use super::options::PutMode;
-use super::tier::{Resident, StoredPartition, Tier, Tiers};
+use super::slot::{Resident, StoredPartition, Tier};
+use super::tier::Tiers;
 use crate::arrays::schema_bytes;
 use crate::backend::{Backend, BackendError};
 

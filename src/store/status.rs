@@ -7,8 +7,9 @@ use super::catalog::{Catalog, Damaged};
 use super::lease::Leases;
 use super::options::Durability;
 use super::progress::{InFlight, PutProgress};
+use super::slot::Slot;
 use super::stats::Stats;
-use super::tier::{Slot, Tiers};
+use super::tier::Tiers;
 use crate::backend::{Backend, DeviceInfo};
 
 /// A snapshot of what the store holds, for the `status` action.

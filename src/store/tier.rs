@@ -15,16 +15,10 @@
 //! [`Tiers`] owns the devices' budgets and the host tier's: it reserves on a device, spilling
 //! there to make room, and says where a put's message is paid for.
 //!
-//! A partition's place is a [`Slot`] shared by every dataset version that includes it (appends
-//! share their base's partitions), so a spill frees the memory once for all of them. What a
-//! slot holds is a [`Resident`]: the data and the reservation that pays for it, swapped as a
-//! whole. Readers, exports and copies clone the `Arc<Resident>` they work on, so a spill never
-//! frees memory under them: the old resident's memory (and its charge) goes when the last of
-//! them is done. Such held partitions are not spilled at all, since that would free nothing.
+//! Each partition's place in the tiers is a `Slot` (see `slot`); a partition held by a reader,
+//! an export or a copy is not spilled, since that would free nothing.
 
-use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use arrow::record_batch::RecordBatch;
@@ -32,6 +26,7 @@ use futures::{StreamExt, TryStreamExt};
 
 use super::error::StoreError;
 use super::memory::{MemoryBudget, Reservation, charge};
+use super::slot::{Resident, Slot, StoredPartition, Tier};
 use super::stats::Stats;
 use crate::backend::{Backend, BackendError, Partition, SpilledPartition, spilled};
 
@@ -43,137 +38,6 @@ const SPILL_PIECE_BYTES: u64 = 64 << 20;
 /// most this many pieces of staging memory are held: 320 MiB, well inside the pool.
 const SPILL_READS_AHEAD: usize = 2;
 const SPILL_COPIES: usize = 3;
-
-/// Where a partition's data lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    /// On this device, where it can be exported.
-    Device(u32),
-    /// Spilled to host memory, or loaded there from the data directory.
-    Host,
-    /// Only in the data directory's files, not loaded since the server started.
-    Disk,
-}
-
-/// A partition of a dataset: its place in the memory tiers, which every dataset version
-/// including it shares. Opaque outside the store, where it is what an upload of a put
-/// resolves to.
-#[derive(Clone)]
-pub struct StoredPartition {
-    pub(crate) slot: Arc<Slot>,
-    /// Bytes of Arrow buffers the partition's rows hold (what clients transfer); what it is
-    /// charged may be more, by the backend's allocation granularity.
-    pub(crate) data_bytes: u64,
-}
-
-impl StoredPartition {
-    /// The device the partition was stored on, where it is restored to if spilled: the one
-    /// whose rows `GetFlightInfo` places it on.
-    pub(crate) fn device(&self) -> u32 {
-        self.slot.home()
-    }
-
-    /// Where its data is now.
-    pub(crate) fn tier(&self) -> Tier {
-        self.slot.resident().tier
-    }
-
-    pub(crate) fn num_rows(&self) -> usize {
-        self.slot.resident().data.num_rows()
-    }
-
-    /// Bytes its tier is charged for it now.
-    pub(crate) fn memory_bytes(&self) -> u64 {
-        self.slot.resident().reservation.bytes()
-    }
-}
-
-impl fmt::Debug for StoredPartition {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoredPartition")
-            .field("resident", &self.slot.resident())
-            .field("data_bytes", &self.data_bytes)
-            .finish()
-    }
-}
-
-/// A partition's data and what pays for it, in one tier.
-pub(crate) struct Resident {
-    pub(crate) data: Arc<dyn Partition>,
-    pub(crate) reservation: Reservation,
-    pub(crate) tier: Tier,
-}
-
-impl fmt::Debug for Resident {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Resident")
-            .field("tier", &self.tier)
-            .field("rows", &self.data.num_rows())
-            .field("bytes", &self.reservation.bytes())
-            .finish()
-    }
-}
-
-/// One partition's place in the tiers.
-#[derive(Debug)]
-pub(crate) struct Slot {
-    resident: RwLock<Arc<Resident>>,
-    /// The device the partition was stored on: where a restore brings it back.
-    home: u32,
-    /// When it was last read or exported, on [`tick`]'s clock.
-    last_used: AtomicU64,
-    /// Held by whoever moves the partition between tiers, so that one move runs at a time.
-    moving: tokio::sync::Mutex<()>,
-    /// For a partition the data directory holds as it is (one loaded from there, or one
-    /// whose put the writer has made durable): its rows on disk, where it goes back rather
-    /// than be copied when memory is needed.
-    on_disk: OnceLock<Arc<dyn Partition>>,
-}
-
-/// A clock for least-recently-used order: any counter all slots share will do.
-fn tick() -> u64 {
-    static CLOCK: AtomicU64 = AtomicU64::new(0);
-    CLOCK.fetch_add(1, Ordering::Relaxed)
-}
-
-impl Slot {
-    /// What the partition holds now.
-    pub(crate) fn resident(&self) -> Arc<Resident> {
-        Arc::clone(&self.resident.read().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    /// Marks the partition as just used, for the spill order.
-    pub(crate) fn touch(&self) {
-        self.last_used.store(tick(), Ordering::Relaxed);
-    }
-
-    pub(crate) fn home(&self) -> u32 {
-        self.home
-    }
-
-    /// Records that the data directory now holds the partition's rows as they are, in
-    /// `files`: when its memory is needed it goes back there instead of being copied.
-    pub(crate) fn held_on_disk(&self, files: Arc<dyn Partition>) {
-        let _ = self.on_disk.set(files);
-    }
-
-    /// Held by whoever moves the partition between tiers.
-    pub(crate) fn moving(&self) -> &tokio::sync::Mutex<()> {
-        &self.moving
-    }
-
-    pub(crate) fn replace(&self, resident: Arc<Resident>) -> Arc<Resident> {
-        let mut current = self.resident.write().unwrap_or_else(|p| p.into_inner());
-        std::mem::replace(&mut *current, resident)
-    }
-
-    /// Whether moving it out of `tier` would free anything: no reader, export or copy holds
-    /// the resident.
-    fn movable_from(&self, tier: Tier) -> bool {
-        let resident = self.resident.read().unwrap_or_else(|p| p.into_inner());
-        resident.tier == tier && Arc::strong_count(&resident) == 1
-    }
-}
 
 /// The memory tiers: the devices' budget, the host tier's, what the disk tier holds, and
 /// every partition that may move between them.
@@ -270,20 +134,7 @@ impl Tiers {
         reservation: Reservation,
         data_bytes: u64,
     ) -> StoredPartition {
-        let slot = Arc::new(Slot {
-            home,
-            last_used: AtomicU64::new(tick()),
-            moving: tokio::sync::Mutex::new(()),
-            on_disk: match tier {
-                Tier::Disk => OnceLock::from(Arc::clone(&data)),
-                _ => OnceLock::new(),
-            },
-            resident: RwLock::new(Arc::new(Resident {
-                data,
-                reservation,
-                tier,
-            })),
-        });
+        let slot = Arc::new(Slot::new(tier, home, data, reservation));
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         // Forget dropped partitions now and then, so the list follows what is stored.
         if slots.len() >= 64 && slots.len().is_power_of_two() {
@@ -302,12 +153,12 @@ impl Tiers {
         let mut candidates: Vec<Arc<Slot>> = slots
             .iter()
             .filter_map(Weak::upgrade)
-            .filter(|slot| (!on_disk || slot.on_disk.get().is_some()) && slot.movable_from(tier))
+            .filter(|slot| (!on_disk || slot.on_disk().is_some()) && slot.movable_from(tier))
             .collect();
         drop(slots);
         // Readers touch slots while this sorts: each key is read once, so the order is one
         // snapshot's (a key read per comparison can change mid-sort, and sort panics).
-        candidates.sort_by_cached_key(|slot| slot.last_used.load(Ordering::Relaxed));
+        candidates.sort_by_cached_key(|slot| slot.last_used());
         candidates
     }
 }
@@ -487,7 +338,7 @@ impl Tiers {
             }
             let moved = slot.resident().reservation.bytes();
             free = free.saturating_add(moved);
-            if slot.on_disk.get().is_none() {
+            if slot.on_disk().is_none() {
                 to_host = to_host.saturating_add(moved);
             }
         }
@@ -511,7 +362,7 @@ impl Tiers {
     /// where the data directory holds it as it is. `Ok(false)` when another move of it is
     /// under way or it is no longer on a device.
     async fn spill(&self, slot: &Slot) -> Result<bool, StoreError> {
-        let Ok(_moving) = slot.moving.try_lock() else {
+        let Ok(_moving) = slot.moving().try_lock() else {
             return Ok(false);
         };
         let resident = slot.resident();
@@ -585,7 +436,7 @@ impl Tiers {
     /// directory holds it as it is: nothing is copied, the memory is freed. The caller holds
     /// the slot's `moving` lock. Returns whether it did.
     fn evict(&self, slot: &Slot, resident: &Resident) -> bool {
-        let Some(on_disk) = slot.on_disk.get() else {
+        let Some(on_disk) = slot.on_disk() else {
             return false;
         };
         let file_bytes = on_disk.bytes();
@@ -611,7 +462,7 @@ impl Tiers {
             if tiers.host_limit().saturating_sub(tiers.host_used()) >= bytes {
                 return;
             }
-            let Ok(_moving) = slot.moving.try_lock() else {
+            let Ok(_moving) = slot.moving().try_lock() else {
                 continue;
             };
             let resident = slot.resident();
@@ -625,7 +476,7 @@ impl Tiers {
 #[cfg(test)]
 mod tests {
     use std::panic::AssertUnwindSafe;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
     use crate::backend::{Backend, HostBackend};
