@@ -141,7 +141,7 @@ async fn main() {
         for _ in 0..args.repeat.max(1) {
             let start = Instant::now();
             let compact = backend
-                .concatenate(partitions.clone())
+                .compact(partitions.clone())
                 .await
                 .expect("concatenate");
             let wall = start.elapsed().as_secs_f64();

@@ -199,7 +199,7 @@ async fn appends(args: &Args) {
     }
     let seconds = started.elapsed().as_secs_f64();
     // Merges run in the background; their copies are counted once they are all done.
-    store.merges_settled().await;
+    store.compactions_settled().await;
     let settled = started.elapsed().as_secs_f64() - seconds;
     let dataset = store.get("log").expect("log");
     let appended = dataset.data_bytes();

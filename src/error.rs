@@ -131,7 +131,6 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::MemoryExhausted { .. } | StoreError::TiersExhausted { .. } => {
             Code::ResourceExhausted
         }
-        StoreError::NoSuchDevice { .. } => Code::Internal,
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
         StoreError::DiskFull(_) => Code::ResourceExhausted,
@@ -147,10 +146,10 @@ fn backend_code(error: &BackendError) -> Code {
             Code::ResourceExhausted
         }
         BackendError::UnsupportedType { .. } => Code::InvalidArgument,
-        BackendError::CannotConcatenate { .. } | BackendError::NotExportable { .. } => {
+        BackendError::CannotCompact { .. } | BackendError::NotExportable { .. } => {
             Code::FailedPrecondition
         }
-        BackendError::RowsOutOfRange { .. } | BackendError::Device(_) => Code::Internal,
+        BackendError::OutsidePartition { .. } | BackendError::Device(_) => Code::Internal,
     }
 }
 

@@ -83,7 +83,7 @@ async fn concatenate(backend: &Arc<dyn Backend>, inputs: &[RecordBatch]) -> Reco
     for input in inputs {
         partitions.push(backend.upload(0, input.clone()).await.expect("upload"));
     }
-    let compact = backend.concatenate(partitions).await.expect("concatenate");
+    let compact = backend.compact(partitions).await.expect("concatenate");
     let rows = compact.num_rows();
     compact.read(0, rows).await.expect("read back")
 }

@@ -676,7 +676,7 @@ async fn appended_dictionaries_are_merged(make: MakeBackend) {
         .expect("append");
     // Issued while the merge may still be running: the merge keeps the version.
     let info = client.get_flight_info(path("cats")).await.expect("info");
-    server.store.merges_settled().await;
+    server.store.compactions_settled().await;
     assert_eq!(
         server.store.get("cats").expect("dataset").num_partitions(),
         1
@@ -787,7 +787,7 @@ async fn puts_end_compacted(make: MakeBackend) {
     put(&mut client, cmd("t", "append"), more.clone())
         .await
         .expect("append");
-    server.store.merges_settled().await;
+    server.store.compactions_settled().await;
     assert_eq!(server.store.get("t").expect("dataset").num_partitions(), 2);
     let all: Vec<_> = batches.into_iter().chain(more).collect();
     assert_same_data(&all, &get_all(&mut client, "t").await.expect("get"));

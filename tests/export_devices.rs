@@ -69,14 +69,11 @@ async fn an_export_describes_every_partition_on_its_device() {
             (rows, 1, Access::Local)
         ]
     );
-    assert_eq!(
-        export.partitions[2].export.device.uuid,
-        PretendGpus::uuid(1)
-    );
+    assert_eq!(export.partitions[2].gpu.uuid, PretendGpus::uuid(1));
     let handles: std::collections::HashSet<[u8; 64]> = export
         .partitions
         .iter()
-        .map(|p| p.export.columns[0].handle)
+        .map(|p| p.columns[0].handle)
         .collect();
     assert_eq!(handles.len(), 3, "each partition its own memory");
 
@@ -224,7 +221,7 @@ async fn a_renewal_keeps_the_terms_it_was_granted() {
         export
             .partitions
             .iter()
-            .map(|p| p.export.columns[0].handle)
+            .map(|p| p.columns[0].handle)
             .collect()
     };
     assert_eq!(handles(&renewed), handles(&granted), "the same replica");
@@ -449,7 +446,7 @@ async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
     put(&store, "t", PutMode::Append, None, &[eighth(1)])
         .await
         .expect("append");
-    store.merges_settled().await;
+    store.compactions_settled().await;
     assert_eq!(
         store.status().leased_only_bytes,
         0,
@@ -461,7 +458,7 @@ async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
     put(&store, "t", PutMode::Append, None, &[eighth(2)])
         .await
         .expect("append");
-    store.merges_settled().await;
+    store.compactions_settled().await;
     let status = store.status();
     assert_eq!(status.merges, 1);
     assert_eq!(

@@ -537,7 +537,13 @@ impl Partition for PanickingPartition {
     fn export(
         &self,
         columns: &[usize],
-    ) -> Result<gpu_flight::backend::PartitionExport, BackendError> {
+    ) -> Result<
+        (
+            gpu_flight::backend::ExportDevice,
+            Vec<gpu_flight::backend::ExportedColumn>,
+        ),
+        BackendError,
+    > {
         self.0.export(columns)
     }
     fn as_any(&self) -> &dyn std::any::Any {
@@ -566,16 +572,16 @@ impl Backend for PanickingReads {
             .map(|uploaded| uploaded.map(|p| Arc::new(PanickingPartition(p)) as Arc<dyn Partition>))
             .boxed()
     }
-    fn concatenated_size(&self, _partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
-        Err(BackendError::CannotConcatenate {
+    fn compacted_size(&self, _partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        Err(BackendError::CannotCompact {
             reason: "not in this test".to_owned(),
         })
     }
-    fn concatenate(
+    fn compact(
         &self,
         _partitions: Vec<Arc<dyn Partition>>,
     ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        unreachable!("concatenated_size refuses")
+        unreachable!("compacted_size refuses")
     }
     fn copied_size(
         &self,

@@ -474,7 +474,7 @@ async fn background_merges_keep_the_version_and_write_nothing() {
     };
     let version = store.get("log").expect("log").version();
     let (segments, written, _) = disk(&store);
-    store.merges_settled().await;
+    store.compactions_settled().await;
     assert!(store.status().merges > 0, "the appends were merged");
     assert_eq!(store.get("log").expect("log").version(), version);
     assert_eq!(
@@ -488,7 +488,7 @@ async fn background_merges_keep_the_version_and_write_nothing() {
         .await
         .expect("append");
     assert_eq!(disk(&store).0, segments + 1);
-    store.merges_settled().await;
+    store.compactions_settled().await;
     store.close().await;
     drop(store);
 

@@ -45,7 +45,7 @@ impl MergedDictionary {
 }
 
 /// Merges `dictionaries` (the values of one column's batches) for keys of type `key_type`.
-/// Fails with `CannotConcatenate` when the merged dictionary has more values than the keys
+/// Fails with `CannotCompact` when the merged dictionary has more values than the keys
 /// can index.
 pub(crate) fn merge(
     dictionaries: &[ArrayRef],
@@ -54,7 +54,7 @@ pub(crate) fn merge(
     let first = dictionaries
         .first()
         .ok_or_else(|| BackendError::Device("no dictionaries to merge".to_owned()))?;
-    let cannot = |reason: String| BackendError::CannotConcatenate { reason };
+    let cannot = |reason: String| BackendError::CannotCompact { reason };
     let converter =
         RowConverter::new(vec![SortField::new(first.data_type().clone())]).map_err(|e| {
             cannot(format!(
@@ -230,7 +230,7 @@ mod tests {
         ));
         let error = merge(&[many, more], &DataType::Int8).expect_err("200 values, int8 keys");
         assert!(
-            matches!(error, BackendError::CannotConcatenate { .. }),
+            matches!(error, BackendError::CannotCompact { .. }),
             "{error}"
         );
     }

@@ -16,13 +16,6 @@ pub struct ExportDevice {
     pub pci_bus_id: String,
 }
 
-/// A partition's exported columns.
-#[derive(Debug, Clone)]
-pub struct PartitionExport {
-    pub device: ExportDevice,
-    pub columns: Vec<ExportedColumn>,
-}
-
 /// One column: the allocation holding all its buffers (children's and dictionary's too).
 #[derive(Debug, Clone)]
 pub struct ExportedColumn {

@@ -27,8 +27,8 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 
 use super::{
-    Backend, BackendError, DeviceInfo, Partition, PartitionExport, check_rows, dictionary,
-    downcast_all, downcast_one,
+    Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, check_rows,
+    dictionary, downcast_all, downcast_one,
 };
 use crate::arrays::batch_bytes;
 use crate::arrays::{owned, owns_its_buffers};
@@ -128,7 +128,7 @@ impl Backend for HostBackend {
                 .any(|f| has_dictionary(f.data_type()))
     }
 
-    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         Ok(partitions.iter().map(|p| p.bytes()).sum())
     }
 
@@ -172,7 +172,7 @@ impl Backend for HostBackend {
 
     /// Arrow's own concatenation, except for dictionary columns, whose dictionaries are merged
     /// (see `dictionary`). It is the host reference the CUDA kernel is checked against.
-    fn concatenate(
+    fn compact(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
@@ -212,7 +212,7 @@ fn has_dictionary(data_type: &DataType) -> bool {
     crate::arrays::contains(data_type, &|t| matches!(t, DataType::Dictionary(_, _)))
 }
 
-/// `batch` in buffers of its own (see [`super::owned`]): columns whose buffers are already
+/// `batch` in buffers of its own (see [`crate::arrays::owned`]): columns whose buffers are already
 /// allocations of their own are kept, the others copied.
 fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let copy_failed =
@@ -267,7 +267,10 @@ impl Partition for HostPartition {
         futures::future::ready(result).boxed()
     }
 
-    fn export(&self, _columns: &[usize]) -> Result<PartitionExport, BackendError> {
+    fn export(
+        &self,
+        _columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError> {
         Err(BackendError::NotExportable { backend: "host" })
     }
 

@@ -23,9 +23,7 @@ use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
 pub use cuda::{CudaBackend, FragmentCopies};
-pub use export::{
-    BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, PartitionExport,
-};
+pub use export::{BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn};
 pub use host::{HostBackend, host_memory_bytes};
 pub use spilled::SpilledPartition;
 
@@ -54,19 +52,25 @@ pub enum BackendError {
         backend: &'static str,
         data_type: String,
     },
-    /// These partitions cannot be concatenated (e.g. their merged dictionary outgrows the key
-    /// type); the store then keeps them as they are.
+    /// These partitions cannot be compacted into one (e.g. their merged dictionary outgrows
+    /// the key type); the store then keeps them as they are. (The message keeps the word it
+    /// was first sent with.)
     #[error("cannot concatenate: {reason}")]
-    CannotConcatenate { reason: String },
+    CannotCompact { reason: String },
     /// The data is in host memory, which another process cannot map.
     #[error(
         "the dataset is in host memory (the {backend} backend), which other processes cannot \
          map; read it with DoGet, or run the server with --backend cuda"
     )]
     NotExportable { backend: &'static str },
-    /// A row range outside the partition: a bug in the caller, never client input.
-    #[error("rows {offset}..{end} are outside a partition of {rows} rows", end = offset + len)]
-    RowsOutOfRange {
+    /// A row range outside the partition: a bug in the caller, never client input (a client's
+    /// range outside a dataset is the store's `RowsOutOfRange`, checked before any partition
+    /// is read).
+    #[error(
+        "rows {offset}..{end} are outside a partition of {rows} rows",
+        end = offset.saturating_add(*len)
+    )]
+    OutsidePartition {
         offset: usize,
         len: usize,
         rows: usize,
@@ -131,22 +135,22 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         false
     }
 
-    /// Whether a commit concatenates these partitions of a dataset with `schema` into one. A
+    /// Whether a commit compacts these partitions of a dataset with `schema` into one. A
     /// device backend always does: its compact layout is what `ipc-export` publishes and what
     /// reads fastest. Others may serve partitions as they are, and save the copy.
     fn compacts(&self, _schema: &Schema, _partitions: &[Arc<dyn Partition>]) -> bool {
         true
     }
 
-    /// Bytes [`Backend::concatenate`] of these partitions will allocate, so the store can
-    /// reserve them first. `UnsupportedType` when this backend cannot concatenate them.
-    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError>;
+    /// Bytes [`Backend::compact`] of these partitions will allocate, so the store can
+    /// reserve them first. `UnsupportedType` when this backend cannot compact them.
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError>;
 
-    /// Concatenates `partitions` (all of one schema, uploaded by this backend) into one
-    /// compact partition: each column's buffers contiguous in one allocation (its own, or one
+    /// Compacts `partitions` (all of one schema, uploaded by this backend, in row order) into
+    /// one partition: each column's buffers contiguous in one allocation (its own, or one
     /// shared by the dataset's small columns), dictionaries merged. The inputs are left as
     /// they are; the caller frees them by dropping them.
-    fn concatenate(
+    fn compact(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
@@ -211,11 +215,14 @@ pub trait Partition: Send + Sync + fmt::Debug {
         len: usize,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
 
-    /// Describes columns `columns` for another process on this machine to map zero-copy:
-    /// IPC handles and buffer offsets. Every device write to them has completed (uploads and
+    /// Describes columns `columns` for another process on this machine to map zero-copy: the
+    /// GPU holding them, and per column an IPC handle and buffer offsets. Every device write to them has completed (uploads and
     /// concatenations synchronize before they return). `NotExportable` where the memory
     /// cannot be shared.
-    fn export(&self, columns: &[usize]) -> Result<PartitionExport, BackendError>;
+    fn export(
+        &self,
+        columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError>;
 
     /// For a backend to recognise its own partitions.
     fn as_any(&self) -> &dyn std::any::Any;
@@ -386,7 +393,7 @@ fn plain(error: &BackendError) -> String {
 pub(crate) fn check_rows(offset: usize, len: usize, rows: usize) -> Result<(), BackendError> {
     match offset.checked_add(len) {
         Some(end) if end <= rows => Ok(()),
-        _ => Err(BackendError::RowsOutOfRange { offset, len, rows }),
+        _ => Err(BackendError::OutsidePartition { offset, len, rows }),
     }
 }
 

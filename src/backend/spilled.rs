@@ -15,7 +15,7 @@ use futures::future::BoxFuture;
 use arrow::array::make_array;
 use arrow::record_batch::RecordBatchOptions;
 
-use super::{BackendError, Partition, PartitionExport, check_rows};
+use super::{BackendError, ExportDevice, ExportedColumn, Partition, check_rows};
 use crate::arrays::batch_bytes;
 use crate::arrays::owned;
 
@@ -132,7 +132,10 @@ impl Partition for SpilledPartition {
         futures::future::ready(self.slice(offset, len)).boxed()
     }
 
-    fn export(&self, _columns: &[usize]) -> Result<PartitionExport, BackendError> {
+    fn export(
+        &self,
+        _columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError> {
         Err(BackendError::NotExportable {
             backend: "host tier",
         })

@@ -15,7 +15,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BufferKind, ExportDevice, ExportedArray, PartitionExport};
+use crate::backend::{BufferKind, ExportDevice, ExportedArray, ExportedColumn};
 use crate::error::Error;
 use crate::store::{Access, Dataset, Export, ExportedPartition};
 
@@ -137,10 +137,10 @@ pub fn document(
     let options = IpcWriteOptions::default();
     let message = IpcMessage::try_from(SchemaAsIpc::new(&exported_schema, &options))
         .map_err(|e| Error::Internal(format!("encoding the exported schema: {e}")))?;
-    let columns = |export: &PartitionExport| -> Vec<ColumnDocument> {
+    let columns = |exported: &[ExportedColumn]| -> Vec<ColumnDocument> {
         fields
             .iter()
-            .zip(&export.columns)
+            .zip(exported)
             .map(|(field, column)| ColumnDocument {
                 handle: BASE64.encode(column.handle),
                 allocation_bytes: column.allocation_bytes,
@@ -162,17 +162,17 @@ pub fn document(
             version,
             lease,
             expires_at,
-            device: device_document(None, &partition.export.device),
+            device: device_document(None, &partition.gpu),
             num_rows: dataset.num_rows(),
             schema,
-            columns: columns(&partition.export),
+            columns: columns(&partition.columns),
         })
     } else {
         let partition_document = |partition: &ExportedPartition| PartitionDocument {
             num_rows: partition.rows,
-            device: device_document(Some(partition.device), &partition.export.device),
+            device: device_document(Some(partition.device), &partition.gpu),
             access: partition.access,
-            columns: columns(&partition.export),
+            columns: columns(&partition.columns),
         };
         serde_json::to_value(ExportDocument {
             version: VERSION,

@@ -1,18 +1,29 @@
-//! The catalog: names to datasets, and dataset versions; opening a store (loading what
-//! `--data-dir` holds) and dropping datasets.
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+//! The catalog: names to datasets, dataset versions, and datasets found damaged; opening it
+//! from what `--data-dir` holds, and every change to it queued for the disk in the order it
+//! was made.
+//!
+//! The catalog is a `DashMap`: lookups from many concurrent `DoGet`s never contend on one
+//! lock, and no shard lock is ever held across an `.await`. A change holds the name's entry
+//! while it queues its job for the persistence writer, so the writer sees a name's versions
+//! in commit order.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
+use super::dataset::{Dataset, Version};
 use super::durable::{self, Done, Durable, Job, Persisted};
+use super::error::StoreError;
+use super::files::{DatasetEntry, FilesError};
+use super::load::Loader;
 use super::memory::MemoryBudget;
-use super::{Dataset, Inner, PutMode, Store, StoreError, StoreOptions, lease};
-use crate::backend::Backend;
+use super::options::{Durability, PutMode};
+use super::stats::Stats;
+use super::tier::Tiers;
 
 /// A dataset of the data directory whose files failed the checks at start: listed by `status`,
 /// read as DATA_LOSS, and kept on disk until it is dropped or replaced.
@@ -34,48 +45,33 @@ pub struct Dropped {
     pub memory_bytes: u64,
 }
 
-impl Store {
-    pub fn new(backend: Arc<dyn Backend>, options: StoreOptions) -> Self {
-        let limits = backend
-            .devices()
-            .iter()
-            .map(|device| match (options.memory_limit, device.total_bytes) {
-                (Some(limit), Some(total)) => Some(limit.min(total)),
-                (Some(limit), None) => Some(limit),
-                (None, _) => device.default_limit_bytes.or(device.total_bytes),
-            })
-            .collect();
-        let host_limit = options
-            .host_memory_limit
-            .unwrap_or_else(|| super::default_host_memory_limit(backend.as_ref()));
+/// Names to datasets, and what reaches the disk of their changes.
+#[derive(Debug)]
+pub(crate) struct Catalog {
+    datasets: DashMap<String, Arc<Dataset>>,
+    /// Datasets of the data directory whose files were found damaged at start: not served,
+    /// kept on disk until dropped or replaced.
+    damaged: DashMap<String, Damaged>,
+    next_version: AtomicU64,
+    /// The persistence writer, under `--data-dir`.
+    durable: Option<Durable>,
+}
+
+impl Default for Catalog {
+    fn default() -> Self {
         Self {
-            inner: Arc::new(Inner {
-                budget: MemoryBudget::new(limits),
-                backend,
-                catalog: DashMap::new(),
-                damaged: DashMap::new(),
-                next_version: AtomicU64::new(1),
-                leases: lease::Leases::default(),
-                tiers: super::tier::Tiers::new(host_limit),
-                durable: std::sync::OnceLock::new(),
-                puts: Arc::default(),
-                concatenations: AtomicU64::new(0),
-                concatenated_bytes: AtomicU64::new(0),
-                concatenation_nanos: AtomicU64::new(0),
-                merging: tokio::sync::watch::Sender::new(Default::default()),
-                merges: AtomicU64::new(0),
-            }),
+            datasets: DashMap::new(),
+            damaged: DashMap::new(),
+            next_version: AtomicU64::new(1),
+            durable: None,
         }
     }
+}
 
-    pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.inner.backend
-    }
-
+impl Catalog {
     /// The dataset named `name`.
-    pub fn get(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
-        self.inner
-            .catalog
+    pub(crate) fn get(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+        self.datasets
             .get(name)
             .map(|entry| Arc::clone(entry.value()))
             .ok_or_else(|| self.missing(name))
@@ -83,7 +79,7 @@ impl Store {
 
     /// Why `name` is not in the catalog: damaged on disk, or unknown.
     fn missing(&self, name: &str) -> StoreError {
-        match self.inner.damaged.get(name) {
+        match self.damaged.get(name) {
             Some(damaged) => StoreError::Damaged {
                 name: name.to_owned(),
                 reason: damaged.reason.clone(),
@@ -95,9 +91,8 @@ impl Store {
     }
 
     /// Datasets of the data directory found damaged at start, sorted by name.
-    pub fn damaged(&self) -> Vec<(String, Damaged)> {
+    pub(crate) fn damaged(&self) -> Vec<(String, Damaged)> {
         let mut damaged: Vec<_> = self
-            .inner
             .damaged
             .iter()
             .map(|entry| (entry.key().clone(), entry.value().clone()))
@@ -108,10 +103,10 @@ impl Store {
 
     /// Whether a put of `mode` may commit under `name`: over a damaged dataset only a
     /// `replace` may (a `create` would hide it, an `append` build on rows it cannot read).
-    pub(super) fn check_damage(&self, name: &str, mode: PutMode) -> Result<(), StoreError> {
+    pub(crate) fn check_damage(&self, name: &str, mode: PutMode) -> Result<(), StoreError> {
         match mode {
             PutMode::Replace => Ok(()),
-            PutMode::Create | PutMode::Append => match self.inner.damaged.get(name) {
+            PutMode::Create | PutMode::Append => match self.damaged.get(name) {
                 Some(damaged) => Err(StoreError::Damaged {
                     name: name.to_owned(),
                     reason: damaged.reason.clone(),
@@ -123,15 +118,37 @@ impl Store {
 
     /// A change that replaced `name` is durable: a damaged dataset of that name is gone from
     /// the disk too.
-    pub(super) fn replaced_on_disk(&self, name: &str) {
-        self.inner.damaged.remove(name);
+    pub(crate) fn replaced_on_disk(&self, name: &str) {
+        self.damaged.remove(name);
+    }
+
+    /// Whether a dataset is named `name`.
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.datasets.contains_key(name)
+    }
+
+    /// `name`'s entry, held while a change to it is made and queued for the disk.
+    pub(crate) fn entry(&self, name: &str) -> Entry<'_, String, Arc<Dataset>> {
+        self.datasets.entry(name.to_owned())
+    }
+
+    /// Every dataset, in no order.
+    pub(crate) fn all(&self) -> Vec<Arc<Dataset>> {
+        self.datasets
+            .iter()
+            .map(|entry| Arc::clone(entry.value()))
+            .collect()
+    }
+
+    /// The persistence writer, under `--data-dir`.
+    pub(crate) fn durable(&self) -> Option<&Durable> {
+        self.durable.as_ref()
     }
 
     /// Datasets whose names start with `prefix`, sorted by name.
-    pub fn list(&self, prefix: &str) -> Vec<Arc<Dataset>> {
+    pub(crate) fn list(&self, prefix: &str) -> Vec<Arc<Dataset>> {
         let mut datasets: Vec<_> = self
-            .inner
-            .catalog
+            .datasets
             .iter()
             .filter(|entry| entry.key().starts_with(prefix))
             .map(|entry| Arc::clone(entry.value()))
@@ -141,19 +158,19 @@ impl Store {
     }
 
     /// Removes `name` from the catalog. Its memory returns once running reads finish. Under
-    /// `--data-dir` its files go too, once the disk catches up: see [`Store::drop_dataset`].
-    pub fn remove(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+    /// `--data-dir` its files go too, once the disk catches up: see [`Catalog::drop_dataset`].
+    pub(crate) fn remove(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
         self.remove_queued(name).map(|(dataset, _)| dataset)
     }
 
-    /// [`Store::remove`], acknowledged as `--durability` says: under `sync`, once the
+    /// [`Catalog::remove`], acknowledged as `--durability` says: under `sync`, once the
     /// dataset is gone from the disk too. A dataset found damaged at start is dropped too
     /// (its files with it).
-    pub async fn drop_dataset(&self, name: &str) -> Result<Dropped, StoreError> {
+    pub(crate) async fn drop_dataset(&self, name: &str) -> Result<Dropped, StoreError> {
         // The name's entry is held while the drop is queued, vacant or not: a put committing
         // under the name meanwhile queues its write before or after the drop, never between
         // the check and the queueing (which would drop what it made durable).
-        let (dropped, persisted, damaged) = match self.inner.catalog.entry(name.to_owned()) {
+        let (dropped, persisted, damaged) = match self.datasets.entry(name.to_owned()) {
             Entry::Occupied(entry) => {
                 let persisted = self.persist(|done| Job::Remove {
                     name: name.to_owned(),
@@ -168,7 +185,7 @@ impl Store {
                 (dropped, persisted, None)
             }
             Entry::Vacant(_held) => {
-                let Some((_, damaged)) = self.inner.damaged.remove(name) else {
+                let Some((_, damaged)) = self.damaged.remove(name) else {
                     return Err(StoreError::NotFound {
                         name: name.to_owned(),
                     });
@@ -188,9 +205,9 @@ impl Store {
         if let Err(error) = durable::wait(persisted).await {
             // Still on disk: still damaged, for a retry to drop.
             if let Some(damaged) = damaged
-                && !self.inner.catalog.contains_key(name)
+                && !self.datasets.contains_key(name)
             {
-                self.inner.damaged.insert(name.to_owned(), damaged);
+                self.damaged.insert(name.to_owned(), damaged);
             }
             return Err(error);
         }
@@ -198,7 +215,7 @@ impl Store {
     }
 
     fn remove_queued(&self, name: &str) -> Result<(Arc<Dataset>, Persisted), StoreError> {
-        match self.inner.catalog.entry(name.to_owned()) {
+        match self.datasets.entry(name.to_owned()) {
             Entry::Occupied(entry) => {
                 let persisted = self.persist(|done| Job::Remove {
                     name: name.to_owned(),
@@ -214,17 +231,24 @@ impl Store {
 
     /// Queues a change for the disk under `--data-dir`; the caller holds the catalog entry
     /// it changed, so changes to a name reach the disk in the order they were made.
-    pub(super) fn persist(&self, job: impl FnOnce(Done) -> Job) -> Persisted {
-        self.inner
-            .durable
-            .get()
-            .and_then(|durable| durable.queue(job))
+    pub(crate) fn persist(&self, job: impl FnOnce(Done) -> Job) -> Persisted {
+        self.durable.as_ref().and_then(|durable| durable.queue(job))
+    }
+
+    /// Queues all of `dataset` for the disk (see [`Catalog::persist`]).
+    pub(crate) fn persist_whole(&self, dataset: &Arc<Dataset>) -> Persisted {
+        self.persist(|done| Job::Write {
+            dataset: Arc::clone(dataset),
+            base: None,
+            rows: 0..dataset.num_rows(),
+            done,
+        })
     }
 
     /// Puts `name` back as it was before a change (version `version`) the disk refused,
     /// unless something changed it since, and queues that state for the disk again.
-    pub(super) fn undo(&self, name: &str, version: u64, previous: Option<Arc<Dataset>>) {
-        if let Entry::Occupied(mut entry) = self.inner.catalog.entry(name.to_owned())
+    pub(crate) fn undo(&self, name: &str, version: u64, previous: Option<Arc<Dataset>>) {
+        if let Entry::Occupied(mut entry) = self.datasets.entry(name.to_owned())
             && entry.get().version() == version
         {
             match previous {
@@ -240,7 +264,7 @@ impl Store {
                 }
                 // Over a dataset found damaged at start, the disk still holds that one: the
                 // refused change never replaced it there.
-                None if self.inner.damaged.contains_key(name) => {
+                None if self.damaged.contains_key(name) => {
                     entry.remove();
                 }
                 None => {
@@ -256,26 +280,27 @@ impl Store {
 
     /// Under `--data-dir`, waits until every change committed so far is on disk, and closes
     /// the directory: later changes stay in memory only. For a clean shutdown.
-    pub async fn close(&self) {
-        if let Some(durable) = self.inner.durable.get() {
+    pub(crate) async fn close(&self) {
+        if let Some(durable) = &self.durable {
             durable.close().await;
         }
     }
 
-    /// A store over `backend` that, with `options.data_dir`, serves every dataset the
-    /// directory holds and then makes every commit durable there. Only the manifest and each
-    /// dataset's schema are read now; rows are loaded when they are first needed (`disk`), so
-    /// the store is ready at once whatever the directory holds. Fails, naming the file, where
-    /// the directory cannot be read or a file the manifest names is missing or of another
-    /// size: a server never starts without data it was trusted with.
-    pub async fn open(
-        backend: Arc<dyn Backend>,
-        options: StoreOptions,
+    /// The catalog of data directory `root`: every dataset it holds, on disk (homed on the
+    /// devices of `tiers`, loaded by `loader`), and then every commit made durable there as
+    /// `durability` says. Only the manifest and each dataset's schema are read now; rows are
+    /// loaded when they are first needed (`load`), so the catalog is ready at once whatever
+    /// the directory holds. Fails, naming the file, where the directory cannot be read or a
+    /// file the manifest names is missing or of another size: a server never starts without
+    /// data it was trusted with.
+    pub(crate) async fn open(
+        root: PathBuf,
+        durability: Durability,
+        tiers: &Tiers,
+        loader: &Arc<Loader>,
+        stats: Arc<Stats>,
     ) -> Result<Self, StoreError> {
-        let store = Self::new(backend, options.clone());
-        let Some(root) = options.data_dir else {
-            return Ok(store);
-        };
+        let mut store = Self::default();
         let started = std::time::Instant::now();
         let (dir, manifest) = durable::open(root.clone()).await?;
         let files = dir.segment_files();
@@ -285,28 +310,28 @@ impl Store {
         let entries: Vec<_> = manifest
             .datasets
             .iter()
-            .filter(|(name, _)| !store.inner.damaged.contains_key(*name))
+            .filter(|(name, _)| !store.damaged.contains_key(*name))
             .map(|(name, entry)| (name.clone(), entry.segments.clone()))
             .collect();
         // Numbers go on from the highest on disk, so none repeats within this run; the tags
         // tell them from versions of earlier runs, other servers or copies of the directory.
         let highest = manifest.datasets.values().map(|e| e.version).max();
-        store.inner.next_version.store(
+        store.next_version.store(
             highest.map_or(1, |v| v.saturating_add(1)),
             Ordering::Relaxed,
         );
-        let versions: HashMap<String, super::Version> = manifest
+        let versions: HashMap<String, Version> = manifest
             .datasets
             .iter()
             .map(|(name, entry)| {
                 let version = match entry.tag {
-                    Some(tag) => super::Version {
+                    Some(tag) => Version {
                         number: entry.version,
                         tag,
                     },
                     // Written before versions had tags: a tag of this run's, until the
                     // dataset is next written (tickets of earlier runs had none either).
-                    None => super::Version::new(entry.version),
+                    None => Version::new(entry.version),
                 };
                 (name.clone(), version)
             })
@@ -320,7 +345,7 @@ impl Store {
                     .map(|(name, segments)| {
                         let schema = match segments.first() {
                             Some(first) => files.pin(first).read_schema(),
-                            None => Err(super::files::FilesError::Corrupt {
+                            None => Err(FilesError::Corrupt {
                                 path: manifest_path.clone(),
                                 reason: format!("dataset {name:?} has no segments"),
                             }),
@@ -334,7 +359,7 @@ impl Store {
         };
         // Placed like puts, on the device with the most room, counting what is placed there
         // already as if it were loaded.
-        let budget = &store.inner.budget;
+        let budget: &Arc<MemoryBudget> = tiers.budget();
         let mut planned = vec![0u64; budget.devices().max(1) as usize];
         let mut loaded = HashMap::new();
         for (name, segments, schema) in schemas {
@@ -360,7 +385,7 @@ impl Store {
             let schema_charge = budget
                 .try_reserve(device as u32, crate::arrays::schema_bytes(&schema))
                 .map_err(context)?;
-            let partitions = match store.disk_partitions(&files, &schema, &segments, device as u32)
+            let partitions = match loader.disk_partitions(&files, &schema, &segments, device as u32)
             {
                 Ok(partitions) => partitions,
                 Err(error) => {
@@ -382,30 +407,30 @@ impl Store {
                 partitions,
                 Arc::new(schema_charge),
             );
-            store.inner.catalog.insert(name.clone(), Arc::new(dataset));
+            store.datasets.insert(name.clone(), Arc::new(dataset));
             loaded.insert(name, version.number);
         }
         tracing::info!(
             data_dir = %root.display(),
             datasets = loaded.len(),
-            damaged = store.inner.damaged.len(),
-            bytes = store.inner.tiers.disk_used(),
+            damaged = store.damaged.len(),
+            bytes = tiers.disk_used(),
             seconds = started.elapsed().as_secs_f64(),
             "data directory opened; datasets load as they are read"
         );
-        let durable = Durable::start(
+        store.durable = Some(Durable::start(
             dir,
             manifest,
             loaded,
-            options.durability,
-            Arc::downgrade(&store.inner),
-        );
-        let _ = store.inner.durable.set(durable);
+            durability,
+            Arc::downgrade(loader),
+            stats,
+        ));
         Ok(store)
     }
 
     /// Keeps `name` out of the catalog, as damaged for `reason` (which names the file).
-    fn quarantine(&self, name: &str, entry: &super::files::DatasetEntry, reason: String) {
+    fn quarantine(&self, name: &str, entry: &DatasetEntry, reason: String) {
         tracing::error!(
             dataset = ?name,
             %reason,
@@ -420,7 +445,7 @@ impl Store {
             .segments
             .iter()
             .fold(0u64, |n, s| n.saturating_add(s.bytes));
-        self.inner.damaged.insert(
+        self.damaged.insert(
             name.to_owned(),
             Damaged {
                 reason,
@@ -431,7 +456,7 @@ impl Store {
     }
 
     /// A version number no dataset of this store holds, with a tag of its own.
-    pub(super) fn next_version(&self) -> super::Version {
-        super::Version::new(self.inner.next_version.fetch_add(1, Ordering::Relaxed))
+    pub(crate) fn next_version(&self) -> Version {
+        Version::new(self.next_version.fetch_add(1, Ordering::Relaxed))
     }
 }

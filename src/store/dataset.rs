@@ -5,7 +5,6 @@
 //! stream already reading finishes with the data it started on; the memory is returned when the
 //! last reader is done. `append` builds a new `Dataset` that shares the old partitions.
 
-use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -14,50 +13,10 @@ use arrow::record_batch::RecordBatch;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 
-use super::StoreError;
+use super::error::StoreError;
+use super::load::readable;
 use super::memory::Reservation;
-use super::tier::{Slot, Tier};
-
-/// A partition of a dataset: its place in the memory tiers, which every dataset version
-/// including it shares.
-#[derive(Clone)]
-pub(crate) struct StoredPartition {
-    pub(crate) slot: Arc<Slot>,
-    /// Bytes of Arrow buffers the partition's rows hold (what clients transfer); what it is
-    /// charged may be more, by the backend's allocation granularity.
-    pub(crate) data_bytes: u64,
-}
-
-impl StoredPartition {
-    /// The device the partition was stored on, where it is restored to if spilled: the one
-    /// whose rows `GetFlightInfo` places it on.
-    pub(crate) fn device(&self) -> u32 {
-        self.slot.home()
-    }
-
-    /// Where its data is now.
-    pub(crate) fn tier(&self) -> Tier {
-        self.slot.resident().tier
-    }
-
-    pub(crate) fn num_rows(&self) -> usize {
-        self.slot.resident().data.num_rows()
-    }
-
-    /// Bytes its tier is charged for it now.
-    pub(crate) fn memory_bytes(&self) -> u64 {
-        self.slot.resident().reservation.bytes()
-    }
-}
-
-impl fmt::Debug for StoredPartition {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoredPartition")
-            .field("resident", &self.slot.resident())
-            .field("data_bytes", &self.data_bytes)
-            .finish()
-    }
-}
+use super::slot::{Slot, StoredPartition, Tier};
 
 /// Bytes of a dataset in each tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -247,7 +206,7 @@ impl Dataset {
             if let Some(slot) = chunks.next_slot()
                 && slot.resident().tier == Tier::Disk
             {
-                slot.readable().await?;
+                readable(&slot).await?;
             }
             Ok::<_, StoreError>(chunks.next().map(|chunk| (chunk, chunks)))
         });
@@ -258,7 +217,7 @@ impl Dataset {
                 async move {
                     // Held until the read is done, so that a spill meanwhile frees nothing
                     // under it.
-                    let resident = slot.readable().await?;
+                    let resident = readable(&slot).await?;
                     let batch = resident.data.read(chunk.offset, chunk.len).await;
                     drop(resident);
                     batch.map_err(StoreError::from)

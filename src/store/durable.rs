@@ -22,16 +22,20 @@
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use futures::TryStreamExt;
 use tokio::sync::{mpsc, oneshot};
 
+use super::dataset::Dataset;
+use super::error::StoreError;
 use super::files::{
-    Change, DataDir, DatasetEntry, FilesError, Manifest, PinnedSegment, Segment, SegmentWriter,
+    Change, DataDir, DatasetEntry, FilesError, Manifest, PinnedSegment, Segment, SegmentFiles,
+    SegmentWriter,
 };
-use super::{Dataset, StoreError};
+use super::load::{DiskPartition, Loader};
+use super::options::Durability;
+use super::stats::Stats;
 
 /// Most Arrow bytes in one segment file: what the writer holds in host memory at once.
 const SEGMENT_BYTES: u64 = 256 << 20;
@@ -40,26 +44,14 @@ const SEGMENT_BYTES: u64 = 256 << 20;
 /// [`plan_merge`]); the loader joins such files as it reads them too.
 const MERGE_BELOW: u64 = 1 << 20;
 
-/// When a commit is acknowledged under `--data-dir`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Durability {
-    /// Once it is on disk (fsync'd): an acknowledged put survives a crash.
-    #[default]
-    Sync,
-    /// At once; the disk catches up in commit order. A crash may lose the latest commits,
-    /// never tear one.
-    Async,
-}
-
 /// Where a job reports its outcome, when its commit waits for it.
-pub(super) type Done = Option<oneshot::Sender<Result<(), StoreError>>>;
+pub(crate) type Done = Option<oneshot::Sender<Result<(), StoreError>>>;
 
 /// A queued job's outcome, when the commit must wait for it (`--durability sync`).
-pub(super) type Persisted = Option<oneshot::Receiver<Result<(), StoreError>>>;
+pub(crate) type Persisted = Option<oneshot::Receiver<Result<(), StoreError>>>;
 
 /// A catalog change to make durable.
-pub(super) enum Job {
+pub(crate) enum Job {
     /// `dataset` is now the version of its name; `base` is the version it appended `rows`
     /// to, if it was an append.
     Write {
@@ -76,45 +68,35 @@ pub(super) enum Job {
 
 /// The handle commits queue their jobs on.
 #[derive(Debug)]
-pub(super) struct Durable {
+pub(crate) struct Durable {
     /// Taken (closing the queue) by [`Durable::close`].
     jobs: std::sync::Mutex<Option<mpsc::UnboundedSender<Job>>>,
     writer: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-    pub(super) durability: Durability,
-    pub(super) root: PathBuf,
-    pub(super) counters: Arc<Counters>,
-}
-
-/// What the writer did, for `status`.
-#[derive(Debug, Default)]
-pub(super) struct Counters {
-    pub(super) written_bytes: AtomicU64,
-    pub(super) segments: AtomicU64,
-    pub(super) failures: AtomicU64,
-    /// Jobs queued and not yet done.
-    pub(super) pending: AtomicU64,
+    pub(crate) durability: Durability,
+    pub(crate) root: PathBuf,
+    stats: Arc<Stats>,
 }
 
 impl Durable {
     /// Starts the writer over `dir`, whose catalog open returned as `_manifest`; `loaded`
     /// maps each name to the in-memory version its entry was loaded as. The writer follows
     /// the directory's own catalog, which its commits change.
-    pub(super) fn start(
+    pub(crate) fn start(
         dir: DataDir,
         _manifest: Manifest,
         loaded: HashMap<String, u64>,
         durability: Durability,
-        store: std::sync::Weak<super::Inner>,
+        loader: Weak<Loader>,
+        stats: Arc<Stats>,
     ) -> Self {
         let (jobs, receiver) = mpsc::unbounded_channel();
         let root = dir.root().to_path_buf();
-        let counters = Arc::new(Counters::default());
         let writer = Writer {
             files: dir.segment_files(),
-            store,
+            loader,
             dir: Some(dir),
             persisted: loaded,
-            counters: Arc::clone(&counters),
+            stats: Arc::clone(&stats),
             to_merge: BTreeSet::new(),
             merging: None,
         };
@@ -124,12 +106,12 @@ impl Durable {
             writer: std::sync::Mutex::new(Some(writer)),
             durability,
             root,
-            counters,
+            stats,
         }
     }
 
     /// Queues `job`. Returns a receiver for its outcome where the caller must wait for it.
-    pub(super) fn queue(&self, make: impl FnOnce(Done) -> Job) -> Persisted {
+    pub(crate) fn queue(&self, make: impl FnOnce(Done) -> Job) -> Persisted {
         let (sender, receiver) = match self.durability {
             Durability::Sync => {
                 let (sender, receiver) = oneshot::channel();
@@ -142,7 +124,7 @@ impl Durable {
             .as_ref()
             .is_some_and(|jobs| jobs.send(make(sender)).is_ok());
         if sent {
-            self.counters.pending.fetch_add(1, Ordering::Relaxed);
+            Stats::add(&self.stats.pending_writes, 1);
         } else {
             // Only after `close`, or when the runtime is going away.
             tracing::warn!("the persistence writer has stopped; a change was not written");
@@ -152,7 +134,7 @@ impl Durable {
 
     /// Stops taking changes and waits until every one queued is on disk, and the data
     /// directory is closed (its lock released).
-    pub(super) async fn close(&self) {
+    pub(crate) async fn close(&self) {
         drop(self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take());
         let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(writer) = writer
@@ -164,7 +146,7 @@ impl Durable {
 }
 
 /// Waits for a job's outcome (nothing to wait for under `async`).
-pub(super) async fn wait(receiver: Persisted) -> Result<(), StoreError> {
+pub(crate) async fn wait(receiver: Persisted) -> Result<(), StoreError> {
     match receiver {
         None => Ok(()),
         Some(receiver) => receiver.await.unwrap_or_else(|_| {
@@ -180,15 +162,16 @@ struct Writer {
     dir: Option<DataDir>,
     /// Name to the in-memory version its catalog entry holds.
     persisted: HashMap<String, u64>,
-    counters: Arc<Counters>,
+    stats: Arc<Stats>,
     /// Names whose segments may hold a run to merge.
     to_merge: BTreeSet<String>,
     /// The name whose run the merger is writing: one merge at a time.
     merging: Option<String>,
     /// The segment files, pinned for partitions whose rows they hold (`held_on_disk`).
-    files: Arc<super::files::SegmentFiles>,
-    /// The store, for the partitions it holds on disk; a writer outliving it marks none.
-    store: std::sync::Weak<super::Inner>,
+    files: Arc<SegmentFiles>,
+    /// The store's loader, for the partitions it holds on disk; a writer outliving it marks
+    /// none.
+    loader: Weak<Loader>,
 }
 
 /// A run of a dataset's segments to write as one, pinned while it is read.
@@ -255,9 +238,11 @@ impl Writer {
             }
             Job::Remove { name, done } => (self.remove(&name).await, done),
         };
-        self.counters.pending.fetch_sub(1, Ordering::Relaxed);
+        self.stats
+            .pending_writes
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         if let Err(error) = &result {
-            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+            Stats::add(&self.stats.write_failures, 1);
             tracing::warn!(%error, "a change was not made durable");
         }
         if let Some(done) = done {
@@ -386,10 +371,8 @@ impl Writer {
             let segment = self
                 .blocking(move |dir| dir.write_segment(&schema, &batches))
                 .await?;
-            self.counters
-                .written_bytes
-                .fetch_add(segment.bytes, Ordering::Relaxed);
-            self.counters.segments.fetch_add(1, Ordering::Relaxed);
+            Stats::add(&self.stats.written_bytes, segment.bytes);
+            Stats::add(&self.stats.segments_written, 1);
             written.push(segment);
             start = end;
         }
@@ -401,10 +384,9 @@ impl Writer {
     /// [`MERGE_BELOW`] bytes, as held by the data directory: a put made durable can leave
     /// memory like a dataset loaded from disk.
     fn held_on_disk(&self, dataset: &Dataset, rows: Range<u64>, written: &[Segment]) {
-        let Some(inner) = self.store.upgrade() else {
+        let Some(loader) = self.loader.upgrade() else {
             return;
         };
-        let store = super::Store { inner };
         let mut segments = written.iter().filter(|s| s.rows > 0);
         let mut first = 0u64;
         for partition in dataset.partitions() {
@@ -427,7 +409,7 @@ impl Writer {
                 if pins.iter().any(|pin| pin.segment().bytes < MERGE_BELOW) {
                     continue;
                 }
-                if let Ok(disk) = super::disk::DiskPartition::new(dataset.schema(), pins, &store) {
+                if let Ok(disk) = DiskPartition::new(dataset.schema(), pins, &loader) {
                     partition.slot.held_on_disk(Arc::new(disk));
                 }
             }
@@ -553,8 +535,8 @@ async fn merger(
 }
 
 /// The run of `segments` to merge next, if any: the first that merging neighbours of
-/// comparable size would join, as the in-memory merges do (`merge`). Going from the oldest,
-/// each segment is stacked on the runs before it, and the newest run joins the one before it
+/// comparable size would join, as background compactions in memory do (`background`). Going
+/// from the oldest, each segment is stacked on the runs before it, and the newest run joins the one before it
 /// while it is no larger and at least half as large, both are below [`MERGE_BELOW`], or
 /// either holds no rows (a schema-only segment). A byte is thus rewritten O(log n) times over
 /// n appends, and a dataset keeps O(log n) small segments.
@@ -601,7 +583,7 @@ fn plan_merge(segments: &[Segment]) -> Option<Range<usize>> {
 }
 
 /// Opens `root` and reads what it holds, on a blocking thread.
-pub(super) async fn open(root: PathBuf) -> Result<(DataDir, Manifest), StoreError> {
+pub(crate) async fn open(root: PathBuf) -> Result<(DataDir, Manifest), StoreError> {
     tokio::task::spawn_blocking(move || DataDir::open(&root))
         .await
         .map_err(|e| StoreError::Persist(format!("opening the data directory failed: {e}")))?

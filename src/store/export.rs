@@ -10,12 +10,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::dataset::StoredPartition;
-use super::lease::{Lease, LeaseTerms};
-use super::tier::Resident;
-use super::{ARRAY_OVERHEAD, Dataset, Store, StoreError, charge, lease};
+use super::background::Background;
+use super::catalog::Catalog;
+use super::dataset::Dataset;
+use super::error::StoreError;
+use super::lease::{Lease, LeaseTerms, Leases};
+use super::load::Loader;
+use super::memory::{ARRAY_OVERHEAD, charge};
+use super::relocate::Mover;
+use super::slot::{Resident, StoredPartition};
+use super::tier::Tiers;
 use crate::arrays::type_array_count;
-use crate::backend::{BackendError, PartitionExport};
+use crate::backend::{Backend, BackendError, ExportDevice, ExportedColumn};
 
 /// What `ipc-export` asks for.
 #[derive(Debug, Clone)]
@@ -75,30 +81,62 @@ pub struct Export {
     pub partitions: Vec<ExportedPartition>,
 }
 
-/// One partition of an export.
+/// One partition of an export: where it is, how a consumer reaches it, and its columns.
 #[derive(Debug, Clone)]
 pub struct ExportedPartition {
     pub rows: u64,
-    /// The device holding these columns (the consumer's, for a replica).
+    /// The device holding these columns (the consumer's, for a replica), as this store
+    /// numbers its devices.
     pub device: u32,
     pub access: Access,
-    pub export: PartitionExport,
+    /// That device as a consumer identifies it, whatever its `CUDA_VISIBLE_DEVICES`.
+    pub gpu: ExportDevice,
+    /// The exported columns, in the order the export lists them.
+    pub columns: Vec<ExportedColumn>,
 }
 
-impl Store {
+/// Grants and renews `ipc-export` leases.
+#[derive(Debug)]
+pub(crate) struct Exporter {
+    backend: Arc<dyn Backend>,
+    tiers: Arc<Tiers>,
+    loader: Arc<Loader>,
+    catalog: Arc<Catalog>,
+    background: Arc<Background>,
+    mover: Arc<Mover>,
+    leases: Arc<Leases>,
+}
+
+impl Exporter {
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        tiers: Arc<Tiers>,
+        loader: Arc<Loader>,
+        catalog: Arc<Catalog>,
+        background: Arc<Background>,
+        mover: Arc<Mover>,
+        leases: Arc<Leases>,
+    ) -> Self {
+        Self {
+            backend,
+            tiers,
+            loader,
+            catalog,
+            background,
+            mover,
+            leases,
+        }
+    }
+
     /// Exports columns of a dataset for zero-copy use by other processes, under a new or
     /// renewed lease. Fails, granting nothing and keeping no replica, where the dataset cannot
     /// be exported.
-    pub async fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
-        let inner = &self.inner;
+    pub(crate) async fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
         if let Some(device) = request.consumer {
-            let devices = inner.budget.devices();
-            if device >= devices {
-                return Err(StoreError::UnknownDevice { device, devices });
-            }
+            self.tiers.budget().check_device(device)?;
         }
         if let Some(id) = &request.renew {
-            let lease = inner
+            let lease = self
                 .leases
                 .renew(id, &request.name, request.duration, |lease| {
                     let terms = &lease.terms;
@@ -117,14 +155,14 @@ impl Store {
                 })?;
             return self.describe(lease);
         }
-        let mut dataset = self.get(&request.name)?;
+        let mut dataset = self.catalog.get(&request.name)?;
         if request.one_partition && dataset.num_partitions() > 1 {
-            // Appends leave their partitions to a background merge, which may make the
+            // Appends leave their partitions to a background compaction, which may make the
             // dataset compact: let it run (again, should memory have been freed since),
             // rather than refuse a dataset just appended to.
-            self.schedule_merge(&request.name);
-            self.merge_settled(&request.name).await;
-            dataset = self.get(&request.name)?;
+            self.background.schedule(&request.name);
+            self.background.settled_for(&request.name).await;
+            dataset = self.catalog.get(&request.name)?;
         }
         let names = match request.columns {
             Some(names) => names,
@@ -138,9 +176,9 @@ impl Store {
         let columns = column_indices(&dataset, &names)?;
         check_partitions(&dataset, request.one_partition)?;
         // Where the memory cannot be exported at all (host memory), say so before copying.
-        if inner.backend.holds_host_memory() {
+        if self.backend.holds_host_memory() {
             return Err(BackendError::NotExportable {
-                backend: inner.backend.name(),
+                backend: self.backend.name(),
             }
             .into());
         }
@@ -149,12 +187,12 @@ impl Store {
         let mut held = Vec::with_capacity(dataset.num_partitions());
         for partition in dataset.partitions() {
             partition.slot.touch();
-            held.push(self.restore(partition).await?);
+            held.push(self.loader.restore(partition).await?);
         }
         if let Some(first) = held.first() {
             first.data.export(&columns)?;
         }
-        let peer_access = inner.backend.peer_access();
+        let peer_access = self.backend.peer_access();
         let mut replicas = Vec::with_capacity(dataset.num_partitions());
         for (partition, resident) in dataset.partitions().iter().zip(&held) {
             let holder = partition.device();
@@ -191,7 +229,7 @@ impl Store {
         };
         let lease = Lease::new(dataset, terms, request.duration, request.owner);
         let export = self.describe(lease)?;
-        inner.leases.insert(export.lease.clone());
+        self.leases.insert(export.lease.clone());
         Ok(export)
     }
 
@@ -204,8 +242,7 @@ impl Store {
         columns: &[usize],
         device: u32,
     ) -> Result<StoredPartition, StoreError> {
-        let inner = &self.inner;
-        let bytes = inner.backend.copied_size(&partition.data, columns)?;
+        let bytes = self.backend.copied_size(&partition.data, columns)?;
         let rows = partition.data.num_rows() as u64;
         let schema = dataset.schema();
         let arrays: u64 = columns
@@ -213,8 +250,9 @@ impl Store {
             .map(|&c| type_array_count(schema.field(c).data_type()))
             .sum();
         let cost = charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(arrays));
-        let reservation = self.reserve_on(device, cost).await?;
+        let reservation = self.tiers.reserve_on(device, cost).await?;
         let replica = self
+            .mover
             .copy_partition(partition, columns, device, reservation, bytes)
             .await?;
         tracing::debug!(bytes, device, "partition replicated for an export");
@@ -241,11 +279,13 @@ impl Store {
                     }
                     (None, _) => (Arc::clone(held), &columns, Access::Local),
                 };
+                let (gpu, columns) = stored.data.export(columns)?;
                 Ok(ExportedPartition {
                     rows: stored.data.num_rows() as u64,
                     device: stored.reservation.device(),
                     access,
-                    export: stored.data.export(columns)?,
+                    gpu,
+                    columns,
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
@@ -254,22 +294,6 @@ impl Store {
             columns,
             partitions,
         })
-    }
-
-    /// Ends lease `id`. Memory that only the lease held is freed.
-    pub fn release(&self, id: &str) -> Result<Lease, StoreError> {
-        self.inner
-            .leases
-            .release(id)
-            .ok_or_else(|| StoreError::LeaseNotFound {
-                lease: id.to_owned(),
-            })
-    }
-
-    /// Starts the task that ends expired leases, checking every `period`. It stops by itself
-    /// when the store is dropped.
-    pub fn spawn_lease_reaper(&self, period: Duration) -> tokio::task::JoinHandle<()> {
-        lease::spawn_reaper(Arc::downgrade(&self.inner), period)
     }
 }
 

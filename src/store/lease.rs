@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use super::dataset::StoredPartition;
-use super::tier::Resident;
-use super::{Dataset, StoreError};
+use super::dataset::Dataset;
+use super::error::StoreError;
+use super::slot::{Resident, StoredPartition};
 
 /// One consumer's hold on an exported dataset.
 #[derive(Debug, Clone)]
@@ -60,7 +60,7 @@ impl LeaseTerms {
 }
 
 impl Lease {
-    pub(super) fn new(
+    pub(crate) fn new(
         dataset: Arc<Dataset>,
         terms: LeaseTerms,
         duration: Duration,
@@ -102,7 +102,7 @@ fn new_lease_id() -> String {
 
 /// The live leases of a store.
 #[derive(Debug, Default)]
-pub(super) struct Leases {
+pub(crate) struct Leases {
     leases: Mutex<HashMap<String, Lease>>,
 }
 
@@ -112,13 +112,13 @@ impl Leases {
     }
 
     /// Starts `lease`.
-    pub(super) fn insert(&self, lease: Lease) {
+    pub(crate) fn insert(&self, lease: Lease) {
         self.lock().insert(lease.id.clone(), lease);
     }
 
     /// Extends lease `id`, which must be on dataset `name` and pass `check`, to end
     /// `duration` from now. A lease that fails either is left as it was.
-    pub(super) fn renew(
+    pub(crate) fn renew(
         &self,
         id: &str,
         name: &str,
@@ -150,12 +150,12 @@ impl Leases {
     }
 
     /// Ends lease `id`; `None` if it had already ended.
-    pub(super) fn release(&self, id: &str) -> Option<Lease> {
+    pub(crate) fn release(&self, id: &str) -> Option<Lease> {
         self.lock().remove(id)
     }
 
     /// Ends every lease whose time is up; returns them (dropping them may free memory).
-    pub(super) fn expire(&self, now: Instant) -> Vec<Lease> {
+    pub(crate) fn expire(&self, now: Instant) -> Vec<Lease> {
         let mut leases = self.lock();
         let expired: Vec<String> = leases
             .iter()
@@ -166,27 +166,24 @@ impl Leases {
     }
 
     /// The live leases, soonest to expire first.
-    pub(super) fn list(&self) -> Vec<Lease> {
+    pub(crate) fn list(&self) -> Vec<Lease> {
         let mut leases: Vec<Lease> = self.lock().values().cloned().collect();
         leases.sort_by_key(|l| l.deadline);
         leases
     }
 }
 
-/// Ends expired leases of `store` every `period` until the store is gone.
-pub(super) fn spawn_reaper(
-    store: Weak<super::Inner>,
-    period: Duration,
-) -> tokio::task::JoinHandle<()> {
+/// Ends expired `leases` every `period` until they are gone (with their store).
+pub(crate) fn spawn_reaper(leases: Weak<Leases>, period: Duration) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticks.tick().await;
-            let Some(inner) = store.upgrade() else {
+            let Some(live) = leases.upgrade() else {
                 return;
             };
-            for lease in inner.leases.expire(Instant::now()) {
+            for lease in live.expire(Instant::now()) {
                 tracing::info!(
                     lease = %lease.id,
                     dataset = lease.dataset.name(),
@@ -209,7 +206,7 @@ mod tests {
         Arc::new(Dataset::new(
             name.to_owned(),
             Arc::new(Schema::empty()),
-            crate::store::Version::new(1),
+            crate::store::dataset::Version::new(1),
             Vec::new(),
             schema_charge,
         ))

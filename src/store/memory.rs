@@ -1,4 +1,5 @@
-//! Memory accounting: a byte budget per device, and RAII reservations against it.
+//! Memory accounting: a byte budget per device, RAII reservations against it, and what a
+//! batch is charged.
 //!
 //! Every byte a dataset (or a put still in flight) holds is covered by a [`Reservation`]. The
 //! reservation is released when it is dropped, so a put that fails or a client that vanishes
@@ -8,7 +9,31 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::StoreError;
+use arrow::record_batch::RecordBatch;
+
+use super::error::StoreError;
+use crate::arrays::array_count;
+use crate::backend::Backend;
+
+/// What each array of a stored batch costs beyond its buffers (headers, `Arc`s, allocator
+/// rounding): a batch of ten thousand one-row columns is not ten thousand bytes.
+pub const ARRAY_OVERHEAD: u64 = 256;
+
+/// What a partition of `rows` rows whose backend memory is `bytes` is charged: never less than
+/// one bit a row. Null columns and zero-column batches hold no bytes yet may declare any
+/// number of rows, and reading, planning and listing a dataset all do work per row; charging
+/// the rows makes the memory limit bound that work too.
+pub(crate) fn charge(bytes: u64, rows: u64) -> u64 {
+    bytes.max(rows.div_ceil(8))
+}
+
+/// What keeping `batch` in `backend` is charged: its stored size (at least a bit a row) and
+/// an overhead per array. Paid before the batch is uploaded anywhere.
+pub(crate) fn stored_charge(backend: &dyn Backend, batch: &RecordBatch) -> Result<u64, StoreError> {
+    let stored = backend.stored_size(batch)?;
+    Ok(charge(stored, batch.num_rows() as u64)
+        .saturating_add(ARRAY_OVERHEAD.saturating_mul(array_count(batch))))
+}
 
 /// Byte budgets for each device of the backend.
 #[derive(Debug)]
@@ -101,10 +126,34 @@ impl MemoryBudget {
         self.devices.len() as u32
     }
 
+    /// Fails for a device the backend does not have.
+    pub fn check_device(&self, device: u32) -> Result<(), StoreError> {
+        self.device(device).map(|_| ())
+    }
+
+    /// The device with the most free memory (the lowest number on a tie).
+    pub fn freest_device(&self) -> u32 {
+        (0..self.devices())
+            .rev()
+            .max_by_key(|&d| self.free(d))
+            .unwrap_or(0)
+    }
+
+    /// Every device, the one with the most free memory first (the lower ordinal on a tie).
+    pub fn freest_devices(&self) -> Vec<u32> {
+        let mut devices: Vec<u32> = (0..self.devices().max(1)).collect();
+        // Free bytes change as other puts reserve: read each once (see `spill_candidates`).
+        devices.sort_by_cached_key(|&d| std::cmp::Reverse(self.free(d)));
+        devices
+    }
+
     fn device(&self, device: u32) -> Result<&DeviceBudget, StoreError> {
         self.devices
             .get(device as usize)
-            .ok_or(StoreError::NoSuchDevice { device })
+            .ok_or(StoreError::UnknownDevice {
+                device,
+                devices: self.devices(),
+            })
     }
 }
 
@@ -226,7 +275,10 @@ mod tests {
         let budget = MemoryBudget::new(vec![None]);
         assert!(matches!(
             budget.try_reserve(3, 1),
-            Err(StoreError::NoSuchDevice { device: 3 })
+            Err(StoreError::UnknownDevice {
+                device: 3,
+                devices: 1
+            })
         ));
     }
 }

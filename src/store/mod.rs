@@ -10,325 +10,373 @@
 //!   upload, so a put beyond the memory limit fails without disturbing other datasets.
 //! - **Snapshot reads.** Datasets are immutable; readers hold an `Arc`, so `drop`, `replace` and
 //!   `append` never cut a running stream short.
-//! - **Tiers.** A partition lives on its device or, spilled there when the device needs room
-//!   for something else, in host memory (`tier`); reads serve it where it is, `ipc-export`
-//!   brings it back first.
-//! - **Leases.** An `ipc-export` lease holds its dataset like a reader does (`lease`), so
-//!   memory other processes have mapped outlives `drop` and `replace` until the lease ends.
+//! - **Tiers.** A partition lives on its device, spilled to host memory when the device needs
+//!   room, or (under `--data-dir`) only on disk until it is read.
+//! - **Leases.** An `ipc-export` lease holds its dataset like a reader does, so memory other
+//!   processes have mapped outlives `drop` and `replace` until the lease ends.
 //!
-//! The catalog is a `DashMap`: lookups from many concurrent `DoGet`s never contend on one lock,
-//! and no shard lock is ever held across an `.await`.
+//! [`Store`] is a thin facade over components, each owning its state and handed the ones it
+//! uses (`Arc`s) when it is built, in one order; a file imports only files before it (checked
+//! by `tests/module_graph.rs`), and none imports this one:
 //!
-//! Files: `catalog` (names to datasets), `put` (pending puts, commit and compaction), `merge`
-//! (merging appended partitions in the background), `relocate` (moving a dataset to another device), `export` (`ipc-export` and its leases),
-//! `status` (what the store holds), `tier` (spilling to host memory and back), `durable` and
-//! `files` (persistence under `--data-dir`), `disk` (datasets loaded from it when needed);
-//! `dataset`,
-//! `lease`, `memory` and `progress` are the parts they share.
+//! 1. `files` (the data directory's formats and filesystem; nothing else of the store);
+//! 2. `error`, `options`, `stats` (every counter), `memory` (budgets, reservations, charges),
+//!    `progress` (puts in flight);
+//! 3. `slot` (a partition's place: its [`Tier`] and what pays for it there), then `tier` (the
+//!    budgets of the tiers, reserving on a device, spilling);
+//! 4. `compactor`: the one place partitions are compacted (puts, moves, loads, background);
+//! 5. `load`: partitions back into memory from the disk tier, and onto devices from the host;
+//! 6. `dataset`: an immutable version, and reading it;
+//! 7. `durable`: persistence, the writer of the catalog's changes into `files`;
+//! 8. `catalog`: names, versions and damaged datasets, opened from `--data-dir`;
+//! 9. `background` (compacting appended partitions after their commit), then `put`,
+//!    `relocate` (moves and copies), `lease`, `export` (`ipc-export`) and `status`;
+//! 10. this facade, which builds them and delegates.
 
+mod background;
 mod catalog;
+mod compactor;
 mod dataset;
-mod disk;
 mod durable;
+mod error;
 mod export;
 mod files;
 mod lease;
+mod load;
 pub mod memory;
-mod merge;
+mod options;
 mod progress;
 mod put;
 mod relocate;
+mod slot;
+mod stats;
 mod status;
 #[cfg(test)]
 mod testing;
 mod tier;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
-
-use dashmap::DashMap;
+use std::time::Duration;
 
 pub use catalog::{Damaged, Dropped};
 pub use dataset::{Dataset, TierBytes, Version};
-pub use durable::Durability;
+pub use error::StoreError;
 pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
 pub use lease::{Lease, LeaseTerms};
-use memory::MemoryBudget;
+pub use memory::ARRAY_OVERHEAD;
+pub use options::{Durability, PutMode, StoreOptions, default_host_memory_limit};
 pub use progress::PutProgress;
-pub use put::{PendingPut, PutSummary, Upload, UploadedPartition};
+pub use put::{PendingPut, PutSummary, Upload};
 pub use relocate::{CopySummary, MoveSummary};
+pub use slot::{StoredPartition, Tier};
 pub use status::{DeviceStatus, LeaseStatus, PersistenceStatus, StoreStatus, TierStatus};
-pub use tier::Tier;
 
-use crate::backend::{Backend, BackendError};
+use crate::backend::Backend;
+use background::Background;
+use catalog::Catalog;
+use compactor::Compactor;
+use export::Exporter;
+use lease::Leases;
+use load::Loader;
+use memory::{MemoryBudget, Reservation};
+use progress::InFlight;
+use put::Puts;
+use relocate::Mover;
+use stats::Stats;
+use tier::Tiers;
 
-/// What can go wrong in the store.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("dataset '{name}' does not exist")]
-    NotFound { name: String },
-    #[error(
-        "dataset '{name}' already exists; put with mode \"replace\" or \"append\", or drop it first"
-    )]
-    AlreadyExists { name: String },
-    #[error(
-        "cannot append to dataset '{name}': its schema is {existing} but the put sends {incoming}; \
-         append needs identical fields"
-    )]
-    SchemaMismatch {
-        name: String,
-        existing: String,
-        incoming: String,
-    },
-    #[error("the put changed its schema mid-stream from {first} to {second}")]
-    SchemaChanged { first: String, second: String },
-    #[error("the put sent record batches before a schema")]
-    MissingSchema,
-    #[error(
-        "memory limit reached on {}: {requested} more bytes are needed, \
-         {used} of {limit} are in use; drop datasets or raise --memory-limit",
-        memory_name(*device, *host_backend)
-    )]
-    MemoryExhausted {
-        device: u32,
-        requested: u64,
-        used: u64,
-        limit: u64,
-        /// The backend's devices are host memory (pretend devices).
-        host_backend: bool,
-    },
-    #[error(
-        "no room on device {device}: {requested} more bytes are needed and {used} of \
-         {limit} are in use by partitions that cannot be spilled now (being read, exported or \
-         put), while the host tier holds {host_used} of {host_limit} bytes; drop datasets, \
-         raise --memory-limit or --host-memory-limit, or retry when reads are done"
-    )]
-    TiersExhausted {
-        device: u32,
-        requested: u64,
-        used: u64,
-        limit: u64,
-        host_used: u64,
-        host_limit: u64,
-    },
-    #[error("no device {device} in this backend")]
-    NoSuchDevice { device: u32 },
-    #[error(
-        "there is no device {device}: this server has {devices} (ordinals 0 to {last}; the \
-         status action lists them)", last = devices.saturating_sub(1)
-    )]
-    UnknownDevice { device: u32, devices: u32 },
-    #[error(
-        "dataset '{name}' changed since this ticket was issued (ticket version {ticket}, now {current}); \
-         call GetFlightInfo again for fresh tickets"
-    )]
-    StaleVersion {
-        name: String,
-        ticket: u64,
-        current: u64,
-    },
-    #[error(
-        "this ticket for dataset '{name}' was issued by another server, or by this one before it \
-         restarted or was upgraded; call GetFlightInfo again for fresh tickets"
-    )]
-    ForeignTicket { name: String },
-    #[error(
-        "dataset '{name}' changed while it was being moved; it stays as the change left it: \
-         move it again"
-    )]
-    ChangedDuringMove { name: String },
-    #[error("rows {start}..{end} are outside dataset '{name}', which has {rows} rows")]
-    RowsOutOfRange {
-        name: String,
-        start: u64,
-        end: u64,
-        rows: u64,
-    },
-    #[error("dataset '{name}' has no column '{column}'; its columns are {available}")]
-    UnknownColumn {
-        name: String,
-        column: String,
-        available: String,
-    },
-    #[error(
-        "dataset '{name}' is held as {partitions} partitions ({reason}), which a version 1 \
-         export document cannot describe: ask ipc-export for \"version\": 2, move the \
-         dataset onto one device, or read it with DoGet"
-    )]
-    NotCompact {
-        name: String,
-        partitions: usize,
-        reason: &'static str,
-    },
-    #[error(
-        "dataset '{name}' is held as {partitions} partitions, more than an export describes \
-         ({max}): copy it to a new name (the copy action compacts it where there is room), or \
-         read it with DoGet"
-    )]
-    TooManyPartitions {
-        name: String,
-        partitions: usize,
-        max: usize,
-    },
-    #[error("dataset '{name}' has no rows, so there is no memory to export")]
-    EmptyDataset { name: String },
-    #[error(
-        "dataset '{name}' has rows on device {holder}, which device {consumer} cannot access \
-         directly: export with \"copy\": true for a replica on device {consumer}, or move \
-         the dataset there"
-    )]
-    NoPeerAccess {
-        name: String,
-        holder: u32,
-        consumer: u32,
-    },
-    #[error(
-        "lease '{lease}' is renewed as it was granted: its columns, device and copy cannot \
-         change; ask for a new export instead"
-    )]
-    RenewalChangesTerms { lease: String },
-    #[error("lease '{lease}' does not exist: it expired, was released, or was never granted")]
-    LeaseNotFound { lease: String },
-    #[error("lease '{lease}' is for dataset '{leased}', not '{requested}'")]
-    LeaseMismatch {
-        lease: String,
-        leased: String,
-        requested: String,
-    },
-    #[error("the data directory is full: {0}; free space there or drop datasets")]
-    DiskFull(String),
-    #[error("the data directory failed: {0}")]
-    Persist(String),
-    #[error("stored data is damaged: {0}; restore the file from a backup, or drop the dataset")]
-    Corrupt(String),
-    #[error(
-        "dataset '{name}' is damaged and not served: {reason}; restore the file from a backup \
-         and restart the server, or drop or replace the dataset"
-    )]
-    Damaged { name: String, reason: String },
-    #[error(transparent)]
-    Backend(#[from] BackendError),
+/// The catalog of datasets over one backend. Cheap to clone: all clones share the components.
+#[derive(Debug, Clone)]
+pub struct Store {
+    backend: Arc<dyn Backend>,
+    stats: Arc<Stats>,
+    tiers: Arc<Tiers>,
+    catalog: Arc<Catalog>,
+    background: Arc<Background>,
+    puts: Arc<Puts>,
+    mover: Arc<Mover>,
+    leases: Arc<Leases>,
+    exporter: Arc<Exporter>,
+    in_flight: Arc<InFlight>,
 }
 
-/// What a device of the budget is, for messages: on the host backend, host memory.
-fn memory_name(device: u32, host_backend: bool) -> String {
-    match host_backend {
-        true => format!("device {device} (host memory)"),
-        false => format!("device {device}"),
+/// The components below the catalog, which opening a data directory needs first.
+struct Below {
+    backend: Arc<dyn Backend>,
+    stats: Arc<Stats>,
+    tiers: Arc<Tiers>,
+    compactor: Arc<Compactor>,
+    loader: Arc<Loader>,
+}
+
+impl Below {
+    fn new(backend: Arc<dyn Backend>, options: &StoreOptions) -> Self {
+        let limits = backend
+            .devices()
+            .iter()
+            .map(|device| match (options.memory_limit, device.total_bytes) {
+                (Some(limit), Some(total)) => Some(limit.min(total)),
+                (Some(limit), None) => Some(limit),
+                (None, _) => device.default_limit_bytes.or(device.total_bytes),
+            })
+            .collect();
+        let host_limit = options
+            .host_memory_limit
+            .unwrap_or_else(|| default_host_memory_limit(backend.as_ref()));
+        let stats = Arc::new(Stats::default());
+        let tiers = Arc::new(Tiers::new(
+            Arc::clone(&backend),
+            MemoryBudget::new(limits),
+            host_limit,
+            Arc::clone(&stats),
+        ));
+        let compactor = Arc::new(Compactor::new(
+            Arc::clone(&backend),
+            Arc::clone(&tiers),
+            Arc::clone(&stats),
+        ));
+        let loader = Arc::new(Loader::new(
+            Arc::clone(&backend),
+            Arc::clone(&tiers),
+            Arc::clone(&compactor),
+            Arc::clone(&stats),
+        ));
+        Self {
+            backend,
+            stats,
+            tiers,
+            compactor,
+            loader,
+        }
     }
-}
 
-impl From<files::FilesError> for StoreError {
-    fn from(error: files::FilesError) -> Self {
-        match &error {
-            files::FilesError::Io { source, .. }
-                if source.kind() == std::io::ErrorKind::StorageFull =>
-            {
-                Self::DiskFull(error.to_string())
-            }
-            files::FilesError::Corrupt { .. } => Self::Corrupt(error.to_string()),
-            _ => Self::Persist(error.to_string()),
+    /// The store of these components and `catalog`.
+    fn with(self, catalog: Catalog) -> Store {
+        let Self {
+            backend,
+            stats,
+            tiers,
+            compactor,
+            loader,
+        } = self;
+        let catalog = Arc::new(catalog);
+        let background = Arc::new(Background::new(
+            Arc::clone(&catalog),
+            Arc::clone(&compactor),
+            Arc::clone(&stats),
+        ));
+        let in_flight = Arc::new(InFlight::default());
+        let puts = Arc::new(Puts::new(
+            Arc::clone(&backend),
+            Arc::clone(&tiers),
+            Arc::clone(&compactor),
+            Arc::clone(&catalog),
+            Arc::clone(&background),
+            Arc::clone(&in_flight),
+        ));
+        let mover = Arc::new(Mover::new(
+            Arc::clone(&backend),
+            Arc::clone(&tiers),
+            Arc::clone(&compactor),
+            Arc::clone(&loader),
+            Arc::clone(&catalog),
+        ));
+        let leases = Arc::new(Leases::default());
+        let exporter = Arc::new(Exporter::new(
+            Arc::clone(&backend),
+            Arc::clone(&tiers),
+            loader,
+            Arc::clone(&catalog),
+            Arc::clone(&background),
+            Arc::clone(&mover),
+            Arc::clone(&leases),
+        ));
+        Store {
+            backend,
+            stats,
+            tiers,
+            catalog,
+            background,
+            puts,
+            mover,
+            leases,
+            exporter,
+            in_flight,
         }
     }
 }
 
-/// How a put treats an existing dataset of the same name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PutMode {
-    /// Fail with ALREADY_EXISTS if the name is taken.
-    Create,
-    /// Swap the dataset atomically; readers of the old one finish undisturbed.
-    Replace,
-    /// Add rows to the dataset (creating it if absent); the fields must be identical.
-    Append,
-}
-
-/// Settings the store needs from the configuration.
-#[derive(Debug, Clone, Default)]
-pub struct StoreOptions {
-    /// Bytes each device may hold; `None` leaves only the device's own capacity.
-    pub memory_limit: Option<u64>,
-    /// Bytes the host tier may hold; `None` for the default ([`default_host_memory_limit`]).
-    pub host_memory_limit: Option<u64>,
-    /// Where committed datasets are made durable (`--data-dir`); `None`: nowhere, nothing
-    /// touches the disk. Only [`Store::open`] reads it.
-    pub data_dir: Option<std::path::PathBuf>,
-    /// When a commit is acknowledged under `data_dir`.
-    pub durability: Durability,
-}
-
-/// The host tier's budget without `--host-memory-limit`: half the memory this process may use
-/// (the machine's, or its cgroup's limit where lower) for a backend of device memory, and none
-/// for the host backend, whose datasets are in host memory already.
-pub fn default_host_memory_limit(backend: &dyn Backend) -> u64 {
-    if backend.holds_host_memory() {
-        0
-    } else {
-        crate::backend::host_memory_bytes().map_or(0, |bytes| bytes / 2)
+impl Store {
+    /// A store over `backend` that keeps everything in memory (`options.data_dir` is not
+    /// read: see [`Store::open`]).
+    pub fn new(backend: Arc<dyn Backend>, options: StoreOptions) -> Self {
+        Below::new(backend, &options).with(Catalog::default())
     }
-}
 
-/// The catalog of datasets over one backend. Cheap to clone: all clones share the catalog.
-#[derive(Debug, Clone)]
-pub struct Store {
-    inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-struct Inner {
-    backend: Arc<dyn Backend>,
-    budget: Arc<MemoryBudget>,
-    catalog: DashMap<String, Arc<Dataset>>,
-    /// Datasets of the data directory whose files were found damaged at start: not served,
-    /// kept on disk until dropped or replaced (see `catalog`).
-    damaged: DashMap<String, Damaged>,
-    next_version: AtomicU64,
-    leases: lease::Leases,
-    tiers: tier::Tiers,
-    /// The persistence writer, under `--data-dir`: set once the data directory is loaded.
-    durable: std::sync::OnceLock<durable::Durable>,
-    puts: Arc<progress::Puts>,
-    /// Compactions of a put's batches at commit, and background merges.
-    concatenations: AtomicU64,
-    /// Arrow bytes those compactions copied.
-    concatenated_bytes: AtomicU64,
-    concatenation_nanos: AtomicU64,
-    /// Names whose partitions a background merge task is working on (`merge`).
-    merging: tokio::sync::watch::Sender<merge::Running>,
-    /// Background merges published.
-    merges: AtomicU64,
-}
-
-/// What each array of a stored batch costs beyond its buffers (headers, `Arc`s, allocator
-/// rounding): a batch of ten thousand one-row columns is not ten thousand bytes.
-pub const ARRAY_OVERHEAD: u64 = 256;
-
-/// What a partition of `rows` rows whose backend memory is `bytes` is charged: never less than
-/// one bit a row. Null columns and zero-column batches hold no bytes yet may declare any
-/// number of rows, and reading, planning and listing a dataset all do work per row; charging
-/// the rows makes the memory limit bound that work too.
-fn charge(bytes: u64, rows: u64) -> u64 {
-    bytes.max(rows.div_ceil(8))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_full_disk_is_its_own_error() {
-        let error = |kind: std::io::ErrorKind| {
-            StoreError::from(files::FilesError::Io {
-                path: "/data/segments/seg-1.arrow.tmp".into(),
-                action: "writing",
-                source: std::io::Error::from(kind),
-            })
+    /// A store over `backend` that, with `options.data_dir`, serves every dataset the
+    /// directory holds and then makes every commit durable there. Only the manifest and each
+    /// dataset's schema are read now; rows are loaded when they are first needed, so the store
+    /// is ready at once whatever the directory holds. Fails, naming the file, where the
+    /// directory cannot be read or a file the manifest names is missing or of another size: a
+    /// server never starts without data it was trusted with.
+    pub async fn open(
+        backend: Arc<dyn Backend>,
+        options: StoreOptions,
+    ) -> Result<Self, StoreError> {
+        let below = Below::new(backend, &options);
+        let catalog = match options.data_dir {
+            Some(root) => {
+                Catalog::open(
+                    root,
+                    options.durability,
+                    &below.tiers,
+                    &below.loader,
+                    Arc::clone(&below.stats),
+                )
+                .await?
+            }
+            None => Catalog::default(),
         };
-        let full = error(std::io::ErrorKind::StorageFull);
-        assert!(matches!(full, StoreError::DiskFull(_)), "{full}");
-        assert!(full.to_string().contains("seg-1.arrow.tmp"), "{full}");
-        let denied = error(std::io::ErrorKind::PermissionDenied);
-        assert!(matches!(denied, StoreError::Persist(_)), "{denied}");
+        Ok(below.with(catalog))
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Whether the backend keeps the host arrays a put gives it (see
+    /// [`crate::backend::Backend::keeps_decoded_arrays`]).
+    pub fn keeps_decoded_arrays(&self) -> bool {
+        self.backend.keeps_decoded_arrays()
+    }
+
+    /// Reserves `bytes` for a `DoPut` message being received (grown with
+    /// [`Store::grow_message`] as its bytes arrive): bytes a client has sent but no dataset
+    /// holds yet count against the budget like any other. They are charged to the device with
+    /// the most free memory, or to the host tier where no device has room.
+    pub fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
+        self.tiers.reserve_message(bytes)
+    }
+
+    /// Grows `message` (from [`Store::reserve_message`]) by `bytes` as more of it arrives;
+    /// where its device has no room, the whole message moves to the host tier.
+    pub fn grow_message(&self, message: &mut Reservation, bytes: u64) -> Result<(), StoreError> {
+        self.tiers.grow_message(message, bytes)
+    }
+
+    /// Starts a put by `owner`, placed by the store (see [`Store::begin_put_on`]).
+    pub fn begin_put(
+        &self,
+        name: String,
+        mode: PutMode,
+        owner: &str,
+    ) -> Result<PendingPut, StoreError> {
+        self.begin_put_on(name, mode, owner, None)
+    }
+
+    /// Starts a put by `owner` on `device`, or placed by the store when `None`: on the device
+    /// with the most free memory, moving to the next-freest one for each batch that no longer
+    /// fits. `create` fails here already if the name is taken. The put is listed in
+    /// [`Store::status`] until it commits or is dropped.
+    pub fn begin_put_on(
+        &self,
+        name: String,
+        mode: PutMode,
+        owner: &str,
+        device: Option<u32>,
+    ) -> Result<PendingPut, StoreError> {
+        self.puts.begin(name, mode, owner, device)
+    }
+
+    /// The dataset named `name`.
+    pub fn get(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+        self.catalog.get(name)
+    }
+
+    /// Datasets whose names start with `prefix`, sorted by name.
+    pub fn list(&self, prefix: &str) -> Vec<Arc<Dataset>> {
+        self.catalog.list(prefix)
+    }
+
+    /// Datasets of the data directory found damaged at start, sorted by name.
+    pub fn damaged(&self) -> Vec<(String, Damaged)> {
+        self.catalog.damaged()
+    }
+
+    /// Removes `name` from the catalog. Its memory returns once running reads finish. Under
+    /// `--data-dir` its files go too, once the disk catches up: see [`Store::drop_dataset`].
+    pub fn remove(&self, name: &str) -> Result<Arc<Dataset>, StoreError> {
+        self.catalog.remove(name)
+    }
+
+    /// [`Store::remove`], acknowledged as `--durability` says: under `sync`, once the
+    /// dataset is gone from the disk too. A dataset found damaged at start is dropped too
+    /// (its files with it).
+    pub async fn drop_dataset(&self, name: &str) -> Result<Dropped, StoreError> {
+        self.catalog.drop_dataset(name).await
+    }
+
+    /// Under `--data-dir`, waits until every change committed so far is on disk, and closes
+    /// the directory: later changes stay in memory only. For a clean shutdown.
+    pub async fn close(&self) {
+        self.catalog.close().await;
+    }
+
+    /// Moves every partition of `name` onto `device`. Fails, changing nothing, when the device
+    /// has no room or the dataset changed while it was being copied.
+    pub async fn move_dataset(&self, name: &str, device: u32) -> Result<MoveSummary, StoreError> {
+        self.mover.move_dataset(name, device).await
+    }
+
+    /// Copies every row of `name` onto `device` as a new dataset `copy`, which must not
+    /// exist. The original is untouched; readers of `copy` see all of it or nothing.
+    pub async fn copy_dataset(
+        &self,
+        name: &str,
+        copy: &str,
+        device: u32,
+    ) -> Result<CopySummary, StoreError> {
+        self.mover.copy_dataset(name, copy, device).await
+    }
+
+    /// Exports columns of a dataset for zero-copy use by other processes, under a new or
+    /// renewed lease. Fails, granting nothing and keeping no replica, where the dataset cannot
+    /// be exported.
+    pub async fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
+        self.exporter.export(request).await
+    }
+
+    /// Ends lease `id`. Memory that only the lease held is freed.
+    pub fn release(&self, id: &str) -> Result<Lease, StoreError> {
+        self.leases
+            .release(id)
+            .ok_or_else(|| StoreError::LeaseNotFound {
+                lease: id.to_owned(),
+            })
+    }
+
+    /// Starts the task that ends expired leases, checking every `period`. It stops by itself
+    /// when the store is dropped.
+    pub fn spawn_lease_reaper(&self, period: Duration) -> tokio::task::JoinHandle<()> {
+        lease::spawn_reaper(Arc::downgrade(&self.leases), period)
+    }
+
+    /// Waits until no background compaction is running or asked for. For tests and
+    /// benchmarks, which look at partitions and copied bytes once the compactions their
+    /// appends started are done; serving never needs to wait for one.
+    pub async fn compactions_settled(&self) {
+        self.background.settled().await;
+    }
+
+    /// A snapshot of what the store holds, for the `status` action and the metrics.
+    pub fn status(&self) -> StoreStatus {
+        status::status(
+            self.backend.as_ref(),
+            &self.tiers,
+            &self.catalog,
+            &self.leases,
+            &self.in_flight,
+            &self.stats,
+        )
     }
 }

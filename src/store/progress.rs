@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::PutMode;
+use super::options::PutMode;
 
 /// The puts a store is receiving.
 #[derive(Debug, Default)]
-pub(super) struct Puts {
+pub(crate) struct InFlight {
     next_id: AtomicU64,
     running: Mutex<HashMap<u64, Arc<PutProgress>>>,
 }
@@ -47,12 +47,12 @@ impl PutProgress {
     }
 }
 
-/// A put registered in [`Puts`] until dropped.
+/// A put registered in [`InFlight`] until dropped.
 #[derive(Debug)]
-pub(super) struct Registered {
+pub(crate) struct Registered {
     id: u64,
     pub(super) progress: Arc<PutProgress>,
-    puts: Arc<Puts>,
+    puts: Arc<InFlight>,
 }
 
 impl Drop for Registered {
@@ -61,12 +61,12 @@ impl Drop for Registered {
     }
 }
 
-impl Puts {
+impl InFlight {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<PutProgress>>> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(super) fn register(self: &Arc<Self>, name: &str, mode: PutMode, owner: &str) -> Registered {
+    pub(crate) fn register(self: &Arc<Self>, name: &str, mode: PutMode, owner: &str) -> Registered {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let progress = Arc::new(PutProgress {
             name: name.to_owned(),
@@ -85,7 +85,7 @@ impl Puts {
     }
 
     /// The puts running now, oldest first.
-    pub(super) fn list(&self) -> Vec<Arc<PutProgress>> {
+    pub(crate) fn list(&self) -> Vec<Arc<PutProgress>> {
         let mut puts: Vec<_> = self.lock().values().cloned().collect();
         puts.sort_by_key(|p| p.started);
         puts
@@ -98,7 +98,7 @@ mod tests {
 
     #[test]
     fn puts_are_listed_until_dropped() {
-        let puts = Arc::new(Puts::default());
+        let puts = Arc::new(InFlight::default());
         let first = puts.register("a", PutMode::Create, "etl");
         let second = puts.register("b", PutMode::Append, "etl");
         first.progress.add(10, 80);

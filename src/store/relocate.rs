@@ -13,13 +13,18 @@ use std::sync::Arc;
 
 use dashmap::mapref::entry::Entry;
 
-use super::dataset::StoredPartition;
+use super::catalog::Catalog;
+use super::compactor::Compactor;
+use super::dataset::Dataset;
 use super::durable::{self, Job};
+use super::error::StoreError;
+use super::load::Loader;
 use super::memory::Reservation;
-use super::tier::{Resident, Tier};
-use super::{Dataset, PutMode, Store, StoreError};
+use super::options::PutMode;
+use super::slot::{Resident, StoredPartition, Tier};
+use super::tier::Tiers;
 use crate::arrays::schema_bytes;
-use crate::backend::BackendError;
+use crate::backend::{Backend, BackendError};
 
 /// What a copy did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -47,16 +52,43 @@ pub struct MoveSummary {
     pub version: u64,
 }
 
-impl Store {
+/// Copies partitions between devices: moves, copies and `ipc-export` replicas.
+#[derive(Debug)]
+pub(crate) struct Mover {
+    backend: Arc<dyn Backend>,
+    tiers: Arc<Tiers>,
+    compactor: Arc<Compactor>,
+    loader: Arc<Loader>,
+    catalog: Arc<Catalog>,
+}
+
+impl Mover {
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        tiers: Arc<Tiers>,
+        compactor: Arc<Compactor>,
+        loader: Arc<Loader>,
+        catalog: Arc<Catalog>,
+    ) -> Self {
+        Self {
+            backend,
+            tiers,
+            compactor,
+            loader,
+            catalog,
+        }
+    }
+
     /// Moves every partition of `name` onto `device`. Fails, changing nothing, when the device
     /// has no room or the dataset changed while it was being copied.
-    pub async fn move_dataset(&self, name: &str, device: u32) -> Result<MoveSummary, StoreError> {
-        let inner = &self.inner;
-        let devices = inner.budget.devices();
-        if device >= devices {
-            return Err(StoreError::UnknownDevice { device, devices });
-        }
-        let base = self.get(name)?;
+    pub(crate) async fn move_dataset(
+        &self,
+        name: &str,
+        device: u32,
+    ) -> Result<MoveSummary, StoreError> {
+        self.tiers.budget().check_device(device)?;
+        let catalog = &self.catalog;
+        let base = catalog.get(name)?;
         if base
             .partitions()
             .iter()
@@ -71,11 +103,11 @@ impl Store {
         }
         let schema = base.schema();
         let (partitions, moved_bytes) = self.copy_partitions(&base, device, true).await?;
-        let version = self.next_version();
-        match inner.catalog.entry(name.to_owned()) {
+        let version = catalog.next_version();
+        match catalog.entry(name) {
             Entry::Occupied(mut entry) if entry.get().version() == base.version() => {
                 // The same rows elsewhere: on disk only the version changes.
-                let _ = self.persist(|_| Job::Rename {
+                let _ = catalog.persist(|_| Job::Rename {
                     name: name.to_owned(),
                     from: base.version(),
                     to: version.number,
@@ -105,31 +137,28 @@ impl Store {
 
     /// Copies every row of `name` onto `device` as a new dataset `copy`, which must not
     /// exist. The original is untouched; readers of `copy` see all of it or nothing.
-    pub async fn copy_dataset(
+    pub(crate) async fn copy_dataset(
         &self,
         name: &str,
         copy: &str,
         device: u32,
     ) -> Result<CopySummary, StoreError> {
-        let inner = &self.inner;
-        let devices = inner.budget.devices();
-        if device >= devices {
-            return Err(StoreError::UnknownDevice { device, devices });
-        }
-        if inner.catalog.contains_key(copy) {
+        self.tiers.budget().check_device(device)?;
+        let catalog = &self.catalog;
+        if catalog.contains(copy) {
             return Err(StoreError::AlreadyExists {
                 name: copy.to_owned(),
             });
         }
-        self.check_damage(copy, PutMode::Create)?;
-        let base = self.get(name)?;
+        catalog.check_damage(copy, PutMode::Create)?;
+        let base = catalog.get(name)?;
         let schema = base.schema();
-        let schema_charge = self.reserve_on(device, schema_bytes(&schema)).await?;
+        let schema_charge = self.tiers.reserve_on(device, schema_bytes(&schema)).await?;
         let (partitions, copied_bytes) = self.copy_partitions(&base, device, false).await?;
-        let version = self.next_version();
-        let persisted = match inner.catalog.entry(copy.to_owned()) {
+        let version = catalog.next_version();
+        let persisted = match catalog.entry(copy) {
             Entry::Vacant(entry) => {
-                self.check_damage(copy, PutMode::Create)?;
+                catalog.check_damage(copy, PutMode::Create)?;
                 let dataset = Arc::new(Dataset::new(
                     copy.to_owned(),
                     schema,
@@ -137,7 +166,7 @@ impl Store {
                     partitions,
                     Arc::new(schema_charge),
                 ));
-                let persisted = self.persist_whole(&dataset);
+                let persisted = catalog.persist_whole(&dataset);
                 entry.insert(dataset);
                 persisted
             }
@@ -148,7 +177,7 @@ impl Store {
             }
         };
         if let Err(error) = durable::wait(persisted).await {
-            self.undo(copy, version.number, None);
+            catalog.undo(copy, version.number, None);
             return Err(error);
         }
         tracing::info!(dataset = name, copy, device, copied_bytes, "dataset copied");
@@ -165,7 +194,7 @@ impl Store {
     /// runs on a task of its own that holds the reservation until the copy's memory is
     /// returned, so a caller that goes away mid-copy cannot free the budget while the backend
     /// still holds the memory.
-    pub(super) async fn copy_partition(
+    pub(crate) async fn copy_partition(
         &self,
         resident: Arc<Resident>,
         columns: &[usize],
@@ -173,17 +202,16 @@ impl Store {
         reservation: Reservation,
         data_bytes: u64,
     ) -> Result<StoredPartition, StoreError> {
-        let copying =
-            self.inner
-                .backend
-                .copy_to(Arc::clone(&resident.data), columns.to_vec(), device);
+        let copying = self
+            .backend
+            .copy_to(Arc::clone(&resident.data), columns.to_vec(), device);
         // Dropped in field order if nobody awaits it: the copy, then what paid for it (and
         // the original, which a spill must not free while it is read).
         let (data, reservation, _resident) =
             tokio::spawn(async move { (copying.await, reservation, resident) })
                 .await
                 .map_err(|e| BackendError::Device(format!("a copy task failed: {e}")))?;
-        Ok(self.inner.tiers.hold(data?, reservation, data_bytes))
+        Ok(self.tiers.hold(data?, reservation, data_bytes))
     }
 
     /// `base`'s partitions on `device`, compacted there: copies of those elsewhere (or spilled
@@ -208,13 +236,15 @@ impl Store {
             copied_bytes += partition.data_bytes;
             if !matches!(resident.tier, Tier::Device(_)) {
                 partitions.push(
-                    self.upload_resident(&resident, device, partition.data_bytes)
+                    self.loader
+                        .upload_resident(&resident, device, partition.data_bytes)
                         .await?,
                 );
                 continue;
             }
             // The copy has the original's layout, so it costs what the original does.
             let reservation = self
+                .tiers
                 .reserve_on(device, resident.reservation.bytes())
                 .await?;
             partitions.push(
@@ -228,7 +258,7 @@ impl Store {
                 .await?,
             );
         }
-        let partitions = self.compact_runs(&schema, partitions).await?;
+        let partitions = self.compactor.compact_runs(&schema, partitions).await?;
         Ok((partitions, copied_bytes))
     }
 }

@@ -1,11 +1,16 @@
 //! What the store holds, for the `status` action and the metrics.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use super::{PutProgress, Store};
-use crate::backend::DeviceInfo;
+use super::catalog::{Catalog, Damaged};
+use super::lease::Leases;
+use super::options::Durability;
+use super::progress::{InFlight, PutProgress};
+use super::slot::Slot;
+use super::stats::Stats;
+use super::tier::Tiers;
+use crate::backend::{Backend, DeviceInfo};
 
 /// A snapshot of what the store holds, for the `status` action.
 #[derive(Debug, Clone)]
@@ -26,13 +31,14 @@ pub struct StoreStatus {
     pub leased_only_bytes: u64,
     /// Puts being received, oldest first.
     pub puts: Vec<Arc<PutProgress>>,
-    /// Compactions of batches into one partition (at commit, and background merges of
+    /// Compactions of batches into one partition (at commit, and background compactions of
     /// appended partitions), and the time they took.
     pub concatenations: u64,
     /// Arrow bytes the compactions copied.
     pub concatenated_bytes: u64,
     pub concatenation_seconds: f64,
-    /// Background merges of appended partitions, published (each also a concatenation).
+    /// Background compactions of appended partitions, published (each also counted in
+    /// `concatenations`). Both keep the names `status` and the metrics have always shown.
     pub merges: u64,
     pub tiers: TierStatus,
     /// Under `--data-dir`: what the disk holds and owes.
@@ -43,7 +49,7 @@ pub struct StoreStatus {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct PersistenceStatus {
     pub data_dir: String,
-    pub durability: super::Durability,
+    pub durability: Durability,
     /// Changes committed in memory and not yet on disk.
     pub pending: u64,
     /// Segment files written, and their bytes.
@@ -60,7 +66,7 @@ pub struct PersistenceStatus {
 pub struct DamagedStatus {
     pub name: String,
     #[serde(flatten)]
-    pub damage: super::Damaged,
+    pub damage: Damaged,
 }
 
 /// The memory tiers, for `status` and the metrics.
@@ -124,24 +130,30 @@ pub struct DeviceStatus {
     pub used_bytes: u64,
 }
 
-impl Store {
-    pub fn status(&self) -> StoreStatus {
-        let inner = &self.inner;
-        let devices = inner
-            .backend
+/// What the components hold and did, for `status`.
+pub(crate) fn status(
+    backend: &dyn Backend,
+    tiers: &Tiers,
+    catalog: &Catalog,
+    leases: &Leases,
+    in_flight: &InFlight,
+    stats: &Stats,
+) -> StoreStatus {
+    {
+        let budget = tiers.budget();
+        let devices = backend
             .devices()
             .into_iter()
             .enumerate()
             .map(|(index, info)| DeviceStatus {
                 info,
-                limit_bytes: inner.budget.limit(index as u32),
-                used_bytes: inner.budget.used(index as u32),
+                limit_bytes: budget.limit(index as u32),
+                used_bytes: budget.used(index as u32),
             })
             .collect();
         let (mut datasets, mut bytes, mut data_bytes) = (0, 0, 0);
         let (mut device_bytes, mut host_bytes) = (0, 0);
-        for entry in inner.catalog.iter() {
-            let dataset = entry.value();
+        for dataset in catalog.all() {
             let tiers = dataset.tier_bytes();
             datasets += 1;
             bytes += tiers.device + tiers.host + dataset.schema_charge().bytes();
@@ -149,43 +161,36 @@ impl Store {
             device_bytes += tiers.device;
             host_bytes += tiers.host;
         }
-        let t = &inner.tiers;
-        let seconds = |nanos: &std::sync::atomic::AtomicU64| {
-            Duration::from_nanos(nanos.load(Ordering::Relaxed)).as_secs_f64()
-        };
-        let tiers = TierStatus {
+        let tier_status = TierStatus {
             device_bytes,
             host_bytes,
-            host_limit_bytes: t.host_limit(),
-            host_used_bytes: t.host_used(),
-            spills: t.spills.load(Ordering::Relaxed),
-            spilled_bytes: t.spilled_bytes.load(Ordering::Relaxed),
-            spill_seconds: seconds(&t.spill_nanos),
-            restores: t.restores.load(Ordering::Relaxed),
-            restored_bytes: t.restored_bytes.load(Ordering::Relaxed),
-            restore_seconds: seconds(&t.restore_nanos),
-            disk_bytes: t.disk_used(),
-            loads: t.loads.load(Ordering::Relaxed),
-            loaded_bytes: t.loaded_bytes.load(Ordering::Relaxed),
-            load_seconds: seconds(&t.load_nanos),
-            evictions: t.evictions.load(Ordering::Relaxed),
+            host_limit_bytes: tiers.host_limit(),
+            host_used_bytes: tiers.host_used(),
+            spills: Stats::get(&stats.spills),
+            spilled_bytes: Stats::get(&stats.spilled_bytes),
+            spill_seconds: Stats::seconds(&stats.spill_nanos),
+            restores: Stats::get(&stats.restores),
+            restored_bytes: Stats::get(&stats.restored_bytes),
+            restore_seconds: Stats::seconds(&stats.restore_nanos),
+            disk_bytes: tiers.disk_used(),
+            loads: Stats::get(&stats.loads),
+            loaded_bytes: Stats::get(&stats.loaded_bytes),
+            load_seconds: Stats::seconds(&stats.load_nanos),
+            evictions: Stats::get(&stats.evictions),
         };
-        let mut leases = Vec::new();
+        let mut lease_status = Vec::new();
         // By address, so that memory several leases hold counts once. Partitions, not
-        // versions: an append's version shares its base's partitions, and a background merge
+        // versions: an append's version shares its base's partitions, and a background compaction
         // changes a version's partitions but not its number.
         let mut leased_only = std::collections::HashMap::new();
         let mut replicas = 0;
-        for lease in inner.leases.list() {
+        for lease in leases.list() {
             let dataset = &lease.dataset;
-            let current = inner
-                .catalog
-                .get(dataset.name())
-                .map(|entry| Arc::clone(entry.value()));
+            let current = catalog.get(dataset.name()).ok();
             let in_catalog = current
                 .as_ref()
                 .is_some_and(|current| current.version() == dataset.version());
-            let catalog_holds: std::collections::HashSet<*const super::tier::Slot> = current
+            let catalog_holds: std::collections::HashSet<*const Slot> = current
                 .iter()
                 .flat_map(|current| current.partitions())
                 .map(|partition| Arc::as_ptr(&partition.slot))
@@ -202,7 +207,7 @@ impl Store {
             }
             let replica_bytes = lease.terms.replica_bytes();
             replicas += replica_bytes;
-            leases.push(LeaseStatus {
+            lease_status.push(LeaseStatus {
                 id: lease.id,
                 owner: lease.owner,
                 dataset: dataset.name().to_owned(),
@@ -216,39 +221,33 @@ impl Store {
             });
         }
         StoreStatus {
-            backend: inner.backend.name(),
+            backend: backend.name(),
             devices,
             datasets,
             bytes,
             data_bytes,
-            counters: inner.backend.counters(),
-            peer_access: inner.backend.peer_access(),
-            leases,
+            counters: backend.counters(),
+            peer_access: backend.peer_access(),
+            leases: lease_status,
             leased_only_bytes: leased_only.values().sum::<u64>() + replicas,
-            puts: inner.puts.list(),
-            concatenations: inner.concatenations.load(Ordering::Relaxed),
-            concatenated_bytes: inner.concatenated_bytes.load(Ordering::Relaxed),
-            concatenation_seconds: Duration::from_nanos(
-                inner.concatenation_nanos.load(Ordering::Relaxed),
-            )
-            .as_secs_f64(),
-            merges: inner.merges.load(Ordering::Relaxed),
-            tiers,
-            persistence: inner.durable.get().map(|durable| {
-                let counters = &durable.counters;
-                PersistenceStatus {
-                    data_dir: durable.root.display().to_string(),
-                    durability: durable.durability,
-                    pending: counters.pending.load(Ordering::Relaxed),
-                    segments: counters.segments.load(Ordering::Relaxed),
-                    written_bytes: counters.written_bytes.load(Ordering::Relaxed),
-                    failures: counters.failures.load(Ordering::Relaxed),
-                    damaged: self
-                        .damaged()
-                        .into_iter()
-                        .map(|(name, damage)| DamagedStatus { name, damage })
-                        .collect(),
-                }
+            puts: in_flight.list(),
+            concatenations: Stats::get(&stats.compactions),
+            concatenated_bytes: Stats::get(&stats.compacted_bytes),
+            concatenation_seconds: Stats::seconds(&stats.compaction_nanos),
+            merges: Stats::get(&stats.background_compactions),
+            tiers: tier_status,
+            persistence: catalog.durable().map(|durable| PersistenceStatus {
+                data_dir: durable.root.display().to_string(),
+                durability: durable.durability,
+                pending: Stats::get(&stats.pending_writes),
+                segments: Stats::get(&stats.segments_written),
+                written_bytes: Stats::get(&stats.written_bytes),
+                failures: Stats::get(&stats.write_failures),
+                damaged: catalog
+                    .damaged()
+                    .into_iter()
+                    .map(|(name, damage)| DamagedStatus { name, damage })
+                    .collect(),
             }),
         }
     }

@@ -1,4 +1,4 @@
-//! What the store's unit tests share: batches, puts, and a backend that holds concatenations
+//! What the store's unit tests share: batches, puts, and a backend that holds compactions
 //! and copies until the test lets them go on.
 
 use std::sync::Arc;
@@ -31,9 +31,9 @@ pub(super) async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>)
     pending
 }
 
-/// The host backend, but concatenation (or, with `gate_copies`, copying) waits for
+/// The host backend, but compaction (or, with `gate_copies`, copying) waits for
 /// `release` (after saying it started), so a test can act while a commit or a background
-/// merge is compacting.
+/// compaction is running.
 #[derive(Debug)]
 pub(super) struct GatedBackend {
     host: HostBackend,
@@ -80,8 +80,8 @@ impl Backend for GatedBackend {
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         self.host.upload(device, batch)
     }
-    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
-        self.host.concatenated_size(partitions)
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        self.host.compacted_size(partitions)
     }
     fn copied_size(
         &self,
@@ -103,15 +103,15 @@ impl Backend for GatedBackend {
             copy
         }
     }
-    fn concatenate(
+    fn compact(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        let concatenated = self.host.concatenate(partitions);
+        let compacted = self.host.compact(partitions);
         if self.gate_copies {
-            concatenated
+            compacted
         } else {
-            self.gate(concatenated)
+            self.gate(compacted)
         }
     }
 }

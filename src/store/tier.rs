@@ -10,29 +10,25 @@
 //! device memory.
 //!
 //! With `--data-dir`, a dataset the server started with is in a third tier, the disk, until
-//! it is first read (see `disk`).
+//! it is first read (see `load`).
 //!
-//! A partition's place is a [`Slot`] shared by every dataset version that includes it (appends
-//! share their base's partitions), so a spill frees the memory once for all of them. What a
-//! slot holds is a [`Resident`]: the data and the reservation that pays for it, swapped as a
-//! whole. Readers, exports and copies clone the `Arc<Resident>` they work on, so a spill never
-//! frees memory under them: the old resident's memory (and its charge) goes when the last of
-//! them is done. Such held partitions are not spilled at all, since that would free nothing.
+//! [`Tiers`] owns the devices' budgets and the host tier's: it reserves on a device, spilling
+//! there to make room, and says where a put's message is paid for.
+//!
+//! Each partition's place in the tiers is a `Slot` (see `slot`); a partition held by a reader,
+//! an export or a copy is not spilled, since that would free nothing.
 
-use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use arrow::record_batch::RecordBatch;
-use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 
-use super::dataset::StoredPartition;
-use super::disk::DiskPartition;
-use super::memory::{MemoryBudget, Reservation};
-use super::{Store, StoreError};
-use crate::backend::{BackendError, Partition, SpilledPartition, spilled};
+use super::error::StoreError;
+use super::memory::{MemoryBudget, Reservation, charge};
+use super::slot::{Resident, Slot, StoredPartition, Tier};
+use super::stats::Stats;
+use crate::backend::{Backend, BackendError, Partition, SpilledPartition, spilled};
 
 /// Most bytes a spill reads back at once: a staging buffer's worth, never the whole partition.
 const SPILL_PIECE_BYTES: u64 = 64 << 20;
@@ -43,141 +39,43 @@ const SPILL_PIECE_BYTES: u64 = 64 << 20;
 const SPILL_READS_AHEAD: usize = 2;
 const SPILL_COPIES: usize = 3;
 
-/// Pieces a restore or load uploads at once.
-const UPLOADS_AHEAD: usize = 3;
-
-/// Where a partition's data lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    /// On this device, where it can be exported.
-    Device(u32),
-    /// Spilled to host memory, or loaded there from the data directory.
-    Host,
-    /// Only in the data directory's files, not loaded since the server started.
-    Disk,
-}
-
-/// A partition's data and what pays for it, in one tier.
-pub(crate) struct Resident {
-    pub(crate) data: Arc<dyn Partition>,
-    pub(crate) reservation: Reservation,
-    pub(crate) tier: Tier,
-}
-
-impl fmt::Debug for Resident {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Resident")
-            .field("tier", &self.tier)
-            .field("rows", &self.data.num_rows())
-            .field("bytes", &self.reservation.bytes())
-            .finish()
-    }
-}
-
-/// One partition's place in the tiers.
-#[derive(Debug)]
-pub(crate) struct Slot {
-    resident: RwLock<Arc<Resident>>,
-    /// The device the partition was stored on: where a restore brings it back.
-    home: u32,
-    /// When it was last read or exported, on [`tick`]'s clock.
-    last_used: AtomicU64,
-    /// Held by whoever moves the partition between tiers, so that one move runs at a time.
-    moving: tokio::sync::Mutex<()>,
-    /// For a partition the data directory holds as it is (one loaded from there, or one
-    /// whose put the writer has made durable): its rows on disk, where it goes back rather
-    /// than be copied when memory is needed.
-    on_disk: OnceLock<Arc<dyn Partition>>,
-}
-
-/// A clock for least-recently-used order: any counter all slots share will do.
-fn tick() -> u64 {
-    static CLOCK: AtomicU64 = AtomicU64::new(0);
-    CLOCK.fetch_add(1, Ordering::Relaxed)
-}
-
-impl Slot {
-    /// What the partition holds now.
-    pub(crate) fn resident(&self) -> Arc<Resident> {
-        Arc::clone(&self.resident.read().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    /// Marks the partition as just used, for the spill order.
-    pub(crate) fn touch(&self) {
-        self.last_used.store(tick(), Ordering::Relaxed);
-    }
-
-    pub(crate) fn home(&self) -> u32 {
-        self.home
-    }
-
-    /// Records that the data directory now holds the partition's rows as they are, in
-    /// `files`: when its memory is needed it goes back there instead of being copied.
-    pub(super) fn held_on_disk(&self, files: Arc<dyn Partition>) {
-        let _ = self.on_disk.set(files);
-    }
-
-    /// Held by whoever moves the partition between tiers.
-    pub(super) fn moving(&self) -> &tokio::sync::Mutex<()> {
-        &self.moving
-    }
-
-    pub(super) fn replace(&self, resident: Arc<Resident>) -> Arc<Resident> {
-        let mut current = self.resident.write().unwrap_or_else(|p| p.into_inner());
-        std::mem::replace(&mut *current, resident)
-    }
-
-    /// Whether moving it out of `tier` would free anything: no reader, export or copy holds
-    /// the resident.
-    fn movable_from(&self, tier: Tier) -> bool {
-        let resident = self.resident.read().unwrap_or_else(|p| p.into_inner());
-        resident.tier == tier && Arc::strong_count(&resident) == 1
-    }
-}
-
-/// The host tier and the partitions that may be spilled to it.
+/// The memory tiers: the devices' budget, the host tier's, what the disk tier holds, and
+/// every partition that may move between them.
 #[derive(Debug)]
 pub(crate) struct Tiers {
+    backend: Arc<dyn Backend>,
+    /// The devices' budgets.
+    budget: Arc<MemoryBudget>,
     /// The host tier's budget, as one device.
     host: Arc<MemoryBudget>,
     /// What partitions only on disk hold there, unbounded: for `status`.
     disk: Arc<MemoryBudget>,
     slots: Mutex<Vec<Weak<Slot>>>,
-    pub(crate) spills: AtomicU64,
-    pub(crate) spilled_bytes: AtomicU64,
-    pub(crate) spill_nanos: AtomicU64,
-    pub(crate) restores: AtomicU64,
-    /// Turns for loads from disk (see `Store::load`).
-    pub(super) loading: tokio::sync::Semaphore,
-    pub(crate) restored_bytes: AtomicU64,
-    pub(crate) restore_nanos: AtomicU64,
-    pub(crate) loads: AtomicU64,
-    /// Partitions dropped back to the disk tier to free memory.
-    pub(crate) evictions: AtomicU64,
-    /// Bytes of the files loaded.
-    pub(crate) loaded_bytes: AtomicU64,
-    pub(crate) load_nanos: AtomicU64,
+    stats: Arc<Stats>,
 }
 
 impl Tiers {
-    /// A host tier of `limit` bytes (0: none, nothing is spilled).
-    pub(crate) fn new(limit: u64) -> Self {
+    /// Tiers over `backend`'s devices (budgeted by `budget`) and a host tier of `host_limit`
+    /// bytes (0: none, nothing is spilled).
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        budget: Arc<MemoryBudget>,
+        host_limit: u64,
+        stats: Arc<Stats>,
+    ) -> Self {
         Self {
-            host: MemoryBudget::new(vec![Some(limit)]),
+            backend,
+            budget,
+            host: MemoryBudget::new(vec![Some(host_limit)]),
             disk: MemoryBudget::new(vec![None]),
             slots: Mutex::new(Vec::new()),
-            spills: AtomicU64::new(0),
-            spilled_bytes: AtomicU64::new(0),
-            spill_nanos: AtomicU64::new(0),
-            restores: AtomicU64::new(0),
-            loading: tokio::sync::Semaphore::new(super::disk::LOADS_AT_ONCE),
-            restored_bytes: AtomicU64::new(0),
-            restore_nanos: AtomicU64::new(0),
-            loads: AtomicU64::new(0),
-            evictions: AtomicU64::new(0),
-            loaded_bytes: AtomicU64::new(0),
-            load_nanos: AtomicU64::new(0),
+            stats,
         }
+    }
+
+    /// The devices' budgets.
+    pub(crate) fn budget(&self) -> &Arc<MemoryBudget> {
+        &self.budget
     }
 
     pub(crate) fn host_used(&self) -> u64 {
@@ -200,7 +98,7 @@ impl Tiers {
     }
 
     /// A charge of `bytes` on disk, which never fails: the files are there already.
-    pub(super) fn reserve_disk(&self, bytes: u64) -> Reservation {
+    pub(crate) fn reserve_disk(&self, bytes: u64) -> Reservation {
         self.disk
             .try_reserve(0, bytes)
             .unwrap_or_else(|_| unreachable!("the disk budget has no limit"))
@@ -218,7 +116,7 @@ impl Tiers {
     }
 
     /// A partition only on disk, loaded onto (or by way of the host tier for) `home`.
-    pub(super) fn hold_on_disk(
+    pub(crate) fn hold_on_disk(
         &self,
         data: Arc<dyn Partition>,
         reservation: Reservation,
@@ -236,20 +134,7 @@ impl Tiers {
         reservation: Reservation,
         data_bytes: u64,
     ) -> StoredPartition {
-        let slot = Arc::new(Slot {
-            home,
-            last_used: AtomicU64::new(tick()),
-            moving: tokio::sync::Mutex::new(()),
-            on_disk: match tier {
-                Tier::Disk => OnceLock::from(Arc::clone(&data)),
-                _ => OnceLock::new(),
-            },
-            resident: RwLock::new(Arc::new(Resident {
-                data,
-                reservation,
-                tier,
-            })),
-        });
+        let slot = Arc::new(Slot::new(tier, home, data, reservation));
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         // Forget dropped partitions now and then, so the list follows what is stored.
         if slots.len() >= 64 && slots.len().is_power_of_two() {
@@ -268,29 +153,25 @@ impl Tiers {
         let mut candidates: Vec<Arc<Slot>> = slots
             .iter()
             .filter_map(Weak::upgrade)
-            .filter(|slot| (!on_disk || slot.on_disk.get().is_some()) && slot.movable_from(tier))
+            .filter(|slot| (!on_disk || slot.on_disk().is_some()) && slot.movable_from(tier))
             .collect();
         drop(slots);
         // Readers touch slots while this sorts: each key is read once, so the order is one
         // snapshot's (a key read per comparison can change mid-sort, and sort panics).
-        candidates.sort_by_cached_key(|slot| slot.last_used.load(Ordering::Relaxed));
+        candidates.sort_by_cached_key(|slot| slot.last_used());
         candidates
     }
 }
 
-pub(super) fn elapsed_nanos(started: Instant) -> u64 {
-    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
-}
-
-impl Store {
+impl Tiers {
     /// Reserves `bytes` on `device`, spilling partitions there to the host tier if that makes
     /// room. Fails, saying what every tier holds, when nothing does.
-    pub(super) async fn reserve_on(
+    pub(crate) async fn reserve_on(
         &self,
         device: u32,
         bytes: u64,
     ) -> Result<Reservation, StoreError> {
-        let budget = &self.inner.budget;
+        let budget = &self.budget;
         match budget.try_reserve(device, bytes) {
             Err(StoreError::MemoryExhausted { .. }) => {}
             reserved => return reserved,
@@ -302,8 +183,8 @@ impl Store {
     }
 
     /// `error` (the device's refusal), saying what the host tier holds where there is one.
-    pub(super) fn tiers_full(&self, error: StoreError) -> StoreError {
-        let tiers = &self.inner.tiers;
+    pub(crate) fn tiers_full(&self, error: StoreError) -> StoreError {
+        let tiers = self;
         match error {
             StoreError::MemoryExhausted {
                 device,
@@ -316,7 +197,7 @@ impl Store {
                 requested,
                 used,
                 limit,
-                host_backend: self.inner.backend.name() == "host",
+                host_backend: self.backend.name() == "host",
             },
             StoreError::MemoryExhausted {
                 device,
@@ -336,12 +217,82 @@ impl Store {
         }
     }
 
+    /// Reserves `bytes` for a `DoPut` message being received (grown with
+    /// [`Reservation::try_grow`] as its bytes arrive): bytes a client has sent but no dataset
+    /// holds yet count against the budget like any other. They are charged to the device with
+    /// the most free memory, where the store places the batches it cannot fit elsewhere: a
+    /// message must not fail for lack of room on a device its batch will not go to.
+    ///
+    /// The message itself is in host memory: where no device has room for it, the host tier
+    /// may pay for it instead, and the batch makes room on its device when it is uploaded.
+    pub(crate) fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
+        match self.budget.try_reserve(self.budget.freest_device(), bytes) {
+            Err(error @ StoreError::MemoryExhausted { .. }) => self
+                .try_reserve_host(bytes)
+                .map_err(|_| self.tiers_full(error)),
+            reserved => reserved,
+        }
+    }
+
+    /// Grows `message` (from [`Tiers::reserve_message`]) by `bytes` as more of it arrives;
+    /// where its device has no room, the whole message moves to the host tier.
+    pub(crate) fn grow_message(
+        &self,
+        message: &mut Reservation,
+        bytes: u64,
+    ) -> Result<(), StoreError> {
+        match message.try_grow(bytes) {
+            Err(StoreError::MemoryExhausted {
+                device,
+                used,
+                limit,
+                host_backend,
+                ..
+            }) => {
+                let total = message.bytes().saturating_add(bytes);
+                // Said of the whole message, beside what else is in use: "1048576 more" of
+                // an 8 MiB message only confuses.
+                let error = StoreError::MemoryExhausted {
+                    device,
+                    requested: total,
+                    used: used.saturating_sub(message.bytes()),
+                    limit,
+                    host_backend,
+                };
+                *message = self
+                    .try_reserve_host(total)
+                    .map_err(|_| self.tiers_full(error))?;
+                Ok(())
+            }
+            grown => grown,
+        }
+    }
+
+    /// A received message's charge when its batch finds no room on a device: where the
+    /// message is paid for by a device, that charge gives way to the batch's. A backend that
+    /// keeps the decoded arrays keeps the message's memory as the batch, which the batch's
+    /// charge then pays for: the two would count it twice. Any other's message is host
+    /// memory that a device's budget stood in for: it moves to the host tier where that has
+    /// room, and otherwise stays where it is (counted, if beside the batch).
+    pub(crate) fn message_yields(&self, message: Reservation) -> Option<Reservation> {
+        if !message.is_of(&self.budget) {
+            return Some(message);
+        }
+        if self.backend.keeps_decoded_arrays() {
+            return None;
+        }
+        match self.try_reserve_host(message.bytes()) {
+            Ok(host) => Some(host),
+            Err(_) => Some(message),
+        }
+    }
+
     /// Spills least recently used partitions off `device` until `bytes` are free there, or
     /// nothing more can go. Returns whether `bytes` are free. Without a host tier, only
     /// partitions the data directory holds go (back there).
-    pub(super) async fn make_room(&self, device: u32, bytes: u64) -> bool {
-        let budget = &self.inner.budget;
-        let to_disk_only = self.inner.tiers.host_limit() == 0;
+    pub(crate) async fn make_room(&self, device: u32, bytes: u64) -> bool {
+        let budget = &self.budget;
+        let to_disk_only = self.host_limit() == 0;
         if !self.room_is_possible(device, bytes, to_disk_only) {
             return budget.free(device) >= bytes;
         }
@@ -349,10 +300,7 @@ impl Store {
             if budget.free(device) >= bytes {
                 return true;
             }
-            let candidates = self
-                .inner
-                .tiers
-                .spill_candidates(Tier::Device(device), to_disk_only);
+            let candidates = self.spill_candidates(Tier::Device(device), to_disk_only);
             let mut spilled_any = false;
             for slot in candidates {
                 if budget.free(device) >= bytes {
@@ -377,11 +325,11 @@ impl Store {
     /// anything (other threads change the tiers meanwhile, so this is an estimate; it errs
     /// only where they free or take memory while it runs).
     fn room_is_possible(&self, device: u32, bytes: u64, to_disk_only: bool) -> bool {
-        let budget = &self.inner.budget;
+        let budget = &self.budget;
         if budget.limit(device).is_some_and(|limit| bytes > limit) {
             return false;
         }
-        let tiers = &self.inner.tiers;
+        let tiers = self;
         let mut free = budget.free(device);
         let mut to_host = 0u64;
         for slot in tiers.spill_candidates(Tier::Device(device), to_disk_only) {
@@ -390,7 +338,7 @@ impl Store {
             }
             let moved = slot.resident().reservation.bytes();
             free = free.saturating_add(moved);
-            if slot.on_disk.get().is_none() {
+            if slot.on_disk().is_none() {
                 to_host = to_host.saturating_add(moved);
             }
         }
@@ -414,7 +362,7 @@ impl Store {
     /// where the data directory holds it as it is. `Ok(false)` when another move of it is
     /// under way or it is no longer on a device.
     async fn spill(&self, slot: &Slot) -> Result<bool, StoreError> {
-        let Ok(_moving) = slot.moving.try_lock() else {
+        let Ok(_moving) = slot.moving().try_lock() else {
             return Ok(false);
         };
         let resident = slot.resident();
@@ -424,7 +372,7 @@ impl Store {
         if self.evict(slot, &resident) {
             return Ok(true);
         }
-        let tiers = &self.inner.tiers;
+        let tiers = self;
         // Paid for in the host tier before anything is read: the device layout's size, then
         // trued up to what the pieces hold. Partitions there that the data directory holds
         // go back to it to make room.
@@ -461,7 +409,7 @@ impl Store {
             .try_collect()
             .await?;
         let spilled = SpilledPartition::of_copies(pieces);
-        let bytes = super::charge(spilled.bytes(), rows as u64);
+        let bytes = charge(spilled.bytes(), rows as u64);
         host.resize(bytes)?;
         slot.replace(Arc::new(Resident {
             data: Arc::new(spilled),
@@ -470,11 +418,10 @@ impl Store {
         }));
         let device_bytes = resident.reservation.bytes();
         drop(resident);
-        tiers.spills.fetch_add(1, Ordering::Relaxed);
-        tiers.spilled_bytes.fetch_add(bytes, Ordering::Relaxed);
-        tiers
-            .spill_nanos
-            .fetch_add(elapsed_nanos(started), Ordering::Relaxed);
+        let stats = &self.stats;
+        Stats::add(&stats.spills, 1);
+        Stats::add(&stats.spilled_bytes, bytes);
+        Stats::add_time(&stats.spill_nanos, started);
         tracing::info!(
             device,
             rows,
@@ -489,17 +436,16 @@ impl Store {
     /// directory holds it as it is: nothing is copied, the memory is freed. The caller holds
     /// the slot's `moving` lock. Returns whether it did.
     fn evict(&self, slot: &Slot, resident: &Resident) -> bool {
-        let Some(on_disk) = slot.on_disk.get() else {
+        let Some(on_disk) = slot.on_disk() else {
             return false;
         };
-        let tiers = &self.inner.tiers;
         let file_bytes = on_disk.bytes();
         slot.replace(Arc::new(Resident {
             data: Arc::clone(on_disk),
-            reservation: tiers.reserve_disk(file_bytes),
+            reservation: self.reserve_disk(file_bytes),
             tier: Tier::Disk,
         }));
-        tiers.evictions.fetch_add(1, Ordering::Relaxed);
+        Stats::add(&self.stats.evictions, 1);
         tracing::info!(
             tier = ?resident.tier,
             bytes = resident.reservation.bytes(),
@@ -511,12 +457,12 @@ impl Store {
     /// Puts least recently used host-tier partitions that the data directory holds back in
     /// the disk tier until `bytes` are free in the host tier, or none is left.
     fn evict_from_host(&self, bytes: u64) {
-        let tiers = &self.inner.tiers;
+        let tiers = self;
         for slot in tiers.spill_candidates(Tier::Host, true) {
             if tiers.host_limit().saturating_sub(tiers.host_used()) >= bytes {
                 return;
             }
-            let Ok(_moving) = slot.moving.try_lock() else {
+            let Ok(_moving) = slot.moving().try_lock() else {
                 continue;
             };
             let resident = slot.resident();
@@ -525,155 +471,12 @@ impl Store {
             }
         }
     }
-
-    /// `partition` on a device: restored from the host tier, or loaded from disk, onto the
-    /// device it was stored on where it is not on one. The returned resident holds the device
-    /// memory for the caller.
-    pub(super) async fn restore(
-        &self,
-        partition: &StoredPartition,
-    ) -> Result<Arc<Resident>, StoreError> {
-        let slot = &partition.slot;
-        let resident = slot.resident();
-        match resident.tier {
-            Tier::Device(_) => return Ok(resident),
-            Tier::Disk => return self.load(slot, true).await,
-            Tier::Host => {}
-        }
-        // On a task of its own, like a load (see `Store::load`): a caller that goes away
-        // mid-restore frees nothing still in use.
-        let (store, slot, data_bytes) = (self.clone(), Arc::clone(slot), partition.data_bytes);
-        tokio::spawn(async move { store.restore_now(&slot, data_bytes).await })
-            .await
-            .map_err(|e| BackendError::Device(format!("a restore task failed: {e}")))?
-    }
-
-    async fn restore_now(&self, slot: &Slot, data_bytes: u64) -> Result<Arc<Resident>, StoreError> {
-        let _moving = slot.moving.lock().await;
-        let resident = slot.resident();
-        if resident.tier != Tier::Host {
-            // Restored meanwhile; or, loaded onto its device, on it.
-            return Ok(resident);
-        }
-        let started = Instant::now();
-        let restored = self
-            .upload_resident(&resident, slot.home, data_bytes)
-            .await?;
-        let restored = restored.slot.resident();
-        slot.replace(Arc::clone(&restored));
-        let tiers = &self.inner.tiers;
-        tiers.restores.fetch_add(1, Ordering::Relaxed);
-        tiers
-            .restored_bytes
-            .fetch_add(restored.reservation.bytes(), Ordering::Relaxed);
-        tiers
-            .restore_nanos
-            .fetch_add(elapsed_nanos(started), Ordering::Relaxed);
-        tracing::info!(
-            device = slot.home,
-            rows = restored.data.num_rows(),
-            bytes = restored.reservation.bytes(),
-            "partition restored from host memory"
-        );
-        Ok(restored)
-    }
-
-    /// A compact copy on `device` of a partition off the devices (spilled to the host tier,
-    /// or only on disk).
-    pub(super) async fn upload_resident(
-        &self,
-        resident: &Resident,
-        device: u32,
-        data_bytes: u64,
-    ) -> Result<StoredPartition, StoreError> {
-        if let Some(disk) = DiskPartition::of(resident) {
-            let peak = disk.file_bytes().saturating_mul(2);
-            return self
-                .upload_pieces(disk.pieces(), peak, device, data_bytes)
-                .await;
-        }
-        let Some(spilled) = resident.data.as_any().downcast_ref::<SpilledPartition>() else {
-            return Err(BackendError::Device(
-                "a host-tier partition of an unknown kind".to_owned(),
-            )
-            .into());
-        };
-        let pieces = spilled.pieces().to_vec();
-        let total = pieces
-            .iter()
-            .map(|piece| self.stored_charge(piece))
-            .sum::<Result<u64, _>>()?;
-        // Room for the pieces and, where there are several, their concatenation beside them.
-        let peak = if pieces.len() > 1 { 2 * total } else { total };
-        let pieces = futures::stream::iter(pieces).map(Ok).boxed();
-        self.upload_pieces(pieces, peak, device, data_bytes).await
-    }
-
-    /// `pieces` (consecutive rows of one schema) uploaded onto `device` and concatenated
-    /// there into one compact partition. Room for `peak` bytes is made first; each piece is
-    /// paid for before it is uploaded.
-    pub(super) async fn upload_pieces(
-        &self,
-        pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
-        peak: u64,
-        device: u32,
-        data_bytes: u64,
-    ) -> Result<StoredPartition, StoreError> {
-        // The peak where moving others can give it; else at least room for the rows.
-        if !self.make_room(device, peak).await {
-            self.make_room(device, data_bytes).await;
-        }
-        let store = self.clone();
-        let uploaded: Vec<StoredPartition> = pieces
-            // Each paid for in order, before its upload starts.
-            .map(move |piece| {
-                let piece = piece?;
-                let charge = store.stored_charge(&piece)?;
-                let reservation = store
-                    .inner
-                    .budget
-                    .try_reserve(device, charge)
-                    .map_err(|error| store.tiers_full(error))?;
-                let piece_bytes = crate::arrays::batch_bytes(&piece);
-                let upload = store.inner.backend.upload(device, piece);
-                let inner = Arc::clone(&store.inner);
-                Ok(async move {
-                    Ok::<_, StoreError>(inner.tiers.hold(upload.await?, reservation, piece_bytes))
-                })
-            })
-            .try_buffered(UPLOADS_AHEAD)
-            .try_collect()
-            .await?;
-        let total: u64 = uploaded.iter().map(StoredPartition::memory_bytes).sum();
-        if uploaded.is_empty() {
-            return Err(
-                BackendError::Device("a partition without rows to upload".to_owned()).into(),
-            );
-        }
-        // Concatenated whether or not the backend compacts puts: a slot holds one partition.
-        let mut compacted = self
-            .concatenate(uploaded, device, super::put::Room::Spill)
-            .await?;
-        match (compacted.pop(), compacted.is_empty()) {
-            (Some(mut partition), true) => {
-                partition.data_bytes = data_bytes;
-                Ok(partition)
-            }
-            _ => Err(self.tiers_full(StoreError::MemoryExhausted {
-                device,
-                requested: total,
-                used: self.inner.budget.used(device),
-                limit: self.inner.budget.limit(device).unwrap_or(u64::MAX),
-                host_backend: false,
-            })),
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use std::panic::AssertUnwindSafe;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
     use crate::backend::{Backend, HostBackend};
@@ -687,7 +490,12 @@ mod tests {
         let batch = crate::store::testing::batch(0..1);
         let data = backend.upload(0, batch).await.expect("upload");
         let budget = MemoryBudget::new(vec![None]);
-        let tiers = Tiers::new(1 << 30);
+        let tiers = Tiers::new(
+            Arc::new(HostBackend::new()),
+            Arc::clone(&budget),
+            1 << 30,
+            Arc::default(),
+        );
         let stored: Vec<StoredPartition> = (0..4096)
             .map(|_| {
                 let charge = budget.try_reserve(0, 1).expect("unlimited");

@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, TryStreamExt};
 use gpu_flight::backend::{
     Backend, BackendError, DeviceInfo, ExportDevice, ExportedArray, ExportedColumn, HostBackend,
-    Partition, PartitionExport,
+    Partition,
 };
 use gpu_flight::store::{PutMode, Store, StoreError, StoreOptions};
 
@@ -168,7 +168,10 @@ impl Partition for PretendPartition {
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
         self.inner.read(offset, len)
     }
-    fn export(&self, columns: &[usize]) -> Result<PartitionExport, BackendError> {
+    fn export(
+        &self,
+        columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError> {
         let device = ExportDevice {
             ordinal: self.device,
             uuid: PretendGpus::uuid(self.device),
@@ -189,7 +192,7 @@ impl Partition for PretendPartition {
                 },
             })
             .collect();
-        Ok(PartitionExport { device, columns })
+        Ok((device, columns))
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -238,14 +241,14 @@ impl Backend for PretendGpus {
             .collect();
         self.host.compacts(schema, &inner)
     }
-    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         let inner: Vec<_> = partitions
             .iter()
             .map(|p| Arc::clone(&unwrap(p).inner))
             .collect();
-        self.host.concatenated_size(&inner)
+        self.host.compacted_size(&inner)
     }
-    fn concatenate(
+    fn compact(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
@@ -256,7 +259,7 @@ impl Backend for PretendGpus {
             .map(|p| Arc::clone(&unwrap(p).inner))
             .collect();
         self.host
-            .concatenate(inner)
+            .compact(inner)
             .map(move |joined| joined.map(|p| wrap(p, schema, device)))
             .boxed()
     }

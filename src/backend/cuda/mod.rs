@@ -43,8 +43,8 @@ use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
 use super::{
-    Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, PartitionExport,
-    check_rows, downcast_all, downcast_one,
+    Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, check_rows,
+    downcast_all, downcast_one,
 };
 use concat::{Arrangement, Fragment};
 use ffi::{ConcatTable, Context, DeviceAllocation, Kernel, Stream};
@@ -272,7 +272,7 @@ impl CudaBackend {
     /// For benchmarks, the baseline seed 004 warns about: the value buffers of every
     /// fixed-width column of `partitions` concatenated with one `cuMemcpyDtoDAsync` per
     /// fragment, on one stream, synchronized once. Bitmaps are left out (a byte copy cannot
-    /// shift bits), so it does less than [`Backend::concatenate`]. The outputs are freed
+    /// shift bits), so it does less than [`Backend::compact`]. The outputs are freed
     /// after.
     pub fn copy_per_fragment(
         &self,
@@ -420,7 +420,7 @@ impl Shared {
     }
 
     /// Concatenates partitions into compact columns with one kernel launch.
-    fn concatenate(
+    fn compact(
         self: &Arc<Self>,
         partitions: &[&CudaPartition],
     ) -> Result<Arc<dyn Partition>, BackendError> {
@@ -544,7 +544,7 @@ impl Shared {
 }
 
 /// Each partition's columns as concatenation fragments. Sources are numbered as
-/// `concatenate` lists them: every allocation of the first partition, then of the next.
+/// `compact` lists them: every allocation of the first partition, then of the next.
 /// With `at_addresses` false the allocations are taken to start at 0 (enough to size a
 /// concatenation).
 fn fragments_of<'a>(
@@ -620,13 +620,13 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
-    fn concatenated_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         let parts = downcast_all::<CudaPartition>(partitions, "the cuda backend")?;
         if parts.is_empty() {
             return Ok(0);
         }
         if one_device(&parts)?.concat_kernel.is_none() {
-            return Err(BackendError::CannotConcatenate {
+            return Err(BackendError::CannotCompact {
                 reason: "the concatenation kernel did not load (see the startup log)".to_owned(),
             });
         }
@@ -635,14 +635,14 @@ impl Backend for CudaBackend {
     }
 
     /// Concatenates on the GPU that holds the partitions, which must all be on one.
-    fn concatenate(
+    fn compact(
         &self,
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         let task = tokio::task::spawn_blocking(move || {
             let parts = downcast_all::<CudaPartition>(&partitions, "the cuda backend")?;
             let shared = Arc::clone(one_device(&parts)?);
-            shared.concatenate(&parts)
+            shared.compact(&parts)
         });
         task.map(flatten_join).boxed()
     }
@@ -860,7 +860,10 @@ impl Partition for CudaPartition {
         task.map(flatten_join).boxed()
     }
 
-    fn export(&self, columns: &[usize]) -> Result<PartitionExport, BackendError> {
+    fn export(
+        &self,
+        columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError> {
         let device = self.shared.identity.clone();
         let columns = columns
             .iter()
@@ -877,7 +880,7 @@ impl Partition for CudaPartition {
                 })
             })
             .collect::<Result<_, BackendError>>()?;
-        Ok(PartitionExport { device, columns })
+        Ok((device, columns))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -1,48 +1,67 @@
-//! Background merges: the partitions appends add are merged with their neighbours after the
-//! commit, on a task of their own, so that an append costs what it adds and not the dataset.
+//! Background compaction: the partitions appends add are compacted with their neighbours after
+//! the commit, on a task of their own, so that an append costs what it adds and not the dataset.
 //!
-//! Neighbours on one device are merged while they are of comparable size (the newer no larger
+//! Neighbours on one device are compacted while they are of comparable size (the newer no larger
 //! than the older and at least half of it), oldest pair first. That is the order in which
-//! merging after each append, one append at a time, would merge them: every merge at least
+//! compacting after each append, one append at a time, would take them: every compaction at least
 //! doubles the newer's bytes and grows the older's by half, so over n appends a byte is copied
-//! O(log n) times and the dataset keeps O(log n) partitions, whether the merges keep up with
+//! O(log n) times and the dataset keeps O(log n) partitions, whether the compactions keep up with
 //! the appends or catch up later.
 //!
-//! A merge changes how rows are held, not which rows a version has: the merged dataset keeps
+//! A compaction changes how rows are held, not which rows a version has: the compacted dataset keeps
 //! its version number, so tickets issued for it stay valid and the persistence writer (which
 //! follows versions) has nothing to write. Readers holding the version from before keep the
-//! partitions they started on. A merge is published only if its inputs are still where they
+//! partitions they started on. A compaction is published only if its inputs are still where they
 //! were in the dataset the catalog holds; after a replace, a drop or a move it is discarded.
 //! Its copy is paid for only from memory free at the time: it never spills other partitions.
 //!
 //! One task runs per dataset name at a time; an append that commits while it runs asks it to
-//! look once more rather than starting another. The task ends when nothing is left to merge.
+//! look once more rather than starting another. The task ends when nothing is left to compact.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use dashmap::mapref::entry::Entry;
 
-use super::dataset::StoredPartition;
-use super::put::Room;
-use super::{Dataset, Store, Tier};
+use super::catalog::Catalog;
+use super::compactor::{Compactor, Room};
+use super::dataset::Dataset;
+use super::slot::{StoredPartition, Tier};
+use super::stats::Stats;
 
-/// Dataset names with a merge task, each with whether an append committed since the task last
+/// Dataset names with a compaction task, each with whether an append committed since the task last
 /// looked at the dataset (so that it looks again).
-pub(super) type Running = HashMap<String, bool>;
+type Running = HashMap<String, bool>;
 
-impl Store {
-    /// Starts merging `name`'s partitions in the background, or asks the task already doing
+/// Background compactions of a catalog's appended partitions, through the one compactor.
+#[derive(Debug)]
+pub(crate) struct Background {
+    catalog: Arc<Catalog>,
+    compactor: Arc<Compactor>,
+    /// Names whose partitions a compaction task is working on.
+    running: tokio::sync::watch::Sender<Running>,
+    stats: Arc<Stats>,
+}
+
+impl Background {
+    pub(crate) fn new(catalog: Arc<Catalog>, compactor: Arc<Compactor>, stats: Arc<Stats>) -> Self {
+        Self {
+            catalog,
+            compactor,
+            running: tokio::sync::watch::Sender::new(Running::new()),
+            stats,
+        }
+    }
+
+    /// Starts compacting `name`'s partitions in the background, or asks the task already doing
     /// so to look again once it is done.
-    pub(super) fn schedule_merge(&self, name: &str) {
+    pub(crate) fn schedule(self: &Arc<Self>, name: &str) {
         // Without a runtime there is nothing to run the task on; the next append will try.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let mut start = false;
-        self.inner
-            .merging
+        self.running
             .send_modify(|running| match running.get_mut(name) {
                 Some(again) => *again = true,
                 None => {
@@ -51,40 +70,39 @@ impl Store {
                 }
             });
         if start {
-            let store = self.clone();
+            let background = Arc::clone(self);
             let name = name.to_owned();
-            runtime.spawn(async move { store.merge_while_asked(name).await });
+            runtime.spawn(async move { background.compact_while_asked(name).await });
         }
     }
 
-    /// Waits until no background merge is running or asked for. For tests and benchmarks,
-    /// which look at partitions and copied bytes once the merges their appends started are
-    /// done; serving never needs to wait for a merge.
-    pub async fn merges_settled(&self) {
-        let mut running = self.inner.merging.subscribe();
-        // The sender lives as long as the store, which `self` holds: this cannot fail.
+    /// Waits until no background compaction is running or asked for. For tests and
+    /// benchmarks, which look at partitions and copied bytes once the compactions their
+    /// appends started are done; serving never needs to wait for one.
+    pub(crate) async fn settled(&self) {
+        let mut running = self.running.subscribe();
+        // The sender lives as long as `self`: this cannot fail.
         let _ = running.wait_for(Running::is_empty).await;
     }
 
-    /// Waits until no background merge of `name` is running or asked for.
-    pub(super) async fn merge_settled(&self, name: &str) {
-        let mut running = self.inner.merging.subscribe();
+    /// Waits until no background compaction of `name` is running or asked for.
+    pub(crate) async fn settled_for(&self, name: &str) {
+        let mut running = self.running.subscribe();
         let _ = running
             .wait_for(|running| !running.contains_key(name))
             .await;
     }
 
-    async fn merge_while_asked(self, name: String) {
+    async fn compact_while_asked(self: Arc<Self>, name: String) {
         let mut task = Task {
-            store: &self,
+            background: &self,
             name: &name,
             finished: false,
         };
         loop {
-            self.merge(&name).await;
+            self.compact(&name).await;
             let mut again = false;
-            self.inner
-                .merging
+            self.running
                 .send_modify(|running| match running.get_mut(&name) {
                     Some(asked) if *asked => {
                         *asked = false;
@@ -101,13 +119,13 @@ impl Store {
         }
     }
 
-    /// Merges `name`'s comparable neighbours until none are left, or there is no room for
+    /// Compacts `name`'s comparable neighbours until none are left, or there is no room for
     /// the next one.
-    async fn merge(&self, name: &str) {
+    async fn compact(&self, name: &str) {
         // Where the next pair may start: pairs before it were looked at already.
         let mut from = 0;
         loop {
-            let Ok(dataset) = self.get(name) else {
+            let Ok(dataset) = self.catalog.get(name) else {
                 return;
             };
             let Some(at) = next_pair(dataset.partitions(), from) else {
@@ -121,49 +139,53 @@ impl Store {
             let schema = dataset.schema();
             // Not held through the copy: a drop meanwhile frees the rest of the dataset now.
             drop(dataset);
-            let merged = match self
+            let compacted = match self
+                .compactor
                 .compact(&schema, inputs.clone(), device, Room::Free)
                 .await
             {
-                Ok(merged) => merged,
+                Ok(compacted) => compacted,
                 // Such as an input spilled since it was looked at: later pairs may still be
-                // merged, and this one at the next look.
+                // compacted, and this one at the next look.
                 Err(error) => {
-                    tracing::info!(dataset = name, %error, "a background merge failed");
+                    tracing::info!(dataset = name, %error, "a background compaction failed");
                     from = at + 1;
                     continue;
                 }
             };
-            let Ok([merged]) = <[StoredPartition; 1]>::try_from(merged) else {
+            let Ok([compacted]) = <[StoredPartition; 1]>::try_from(compacted) else {
                 // No room for the copy, or the backend keeps these apart: later pairs may
-                // still be merged.
+                // still be compacted.
                 from = at + 1;
                 continue;
             };
-            let bytes = merged.data_bytes;
-            let rows = merged.num_rows();
-            match self.publish(name, at, &inputs, merged) {
+            let bytes = compacted.data_bytes;
+            let rows = compacted.num_rows();
+            match self.publish(name, at, &inputs, compacted) {
                 Some(version) => {
-                    self.inner.merges.fetch_add(1, Ordering::Relaxed);
+                    Stats::add(&self.stats.background_compactions, 1);
                     tracing::debug!(
                         dataset = name,
                         version,
                         rows,
                         bytes,
-                        "appended partitions merged"
+                        "appended partitions compacted"
                     );
-                    // The merged partition may now be comparable with the one before it.
+                    // The compacted partition may now be comparable with the one before it.
                     from = at.saturating_sub(1);
                 }
                 None => {
-                    tracing::debug!(dataset = name, "a merge discarded: the dataset changed");
+                    tracing::debug!(
+                        dataset = name,
+                        "a compaction discarded: the dataset changed"
+                    );
                     from = 0;
                 }
             }
         }
     }
 
-    /// Replaces `inputs`, at `at` in `name`'s partitions, with `merged` (their rows, in one
+    /// Replaces `inputs`, at `at` in `name`'s partitions, with `compacted` (their rows, in one
     /// partition), keeping the dataset's version. Returns that version, or `None` where the
     /// dataset no longer holds `inputs` there.
     fn publish(
@@ -171,9 +193,9 @@ impl Store {
         name: &str,
         at: usize,
         inputs: &[StoredPartition],
-        merged: StoredPartition,
+        compacted: StoredPartition,
     ) -> Option<u64> {
-        let Entry::Occupied(mut entry) = self.inner.catalog.entry(name.to_owned()) else {
+        let Entry::Occupied(mut entry) = self.catalog.entry(name) else {
             return None;
         };
         let current = entry.get();
@@ -188,7 +210,7 @@ impl Store {
         }
         let mut kept = Vec::with_capacity(partitions.len() + 1 - inputs.len());
         kept.extend_from_slice(&partitions[..at]);
-        kept.push(merged);
+        kept.push(compacted);
         kept.extend_from_slice(&partitions[at + inputs.len()..]);
         let version = current.version_id();
         let dataset = Dataset::new(
@@ -203,7 +225,7 @@ impl Store {
     }
 }
 
-/// The first pair of neighbours at or after `from` worth merging: on one device, and of
+/// The first pair of neighbours at or after `from` worth compacting: on one device, and of
 /// comparable size.
 fn next_pair(partitions: &[StoredPartition], from: usize) -> Option<usize> {
     partitions
@@ -220,11 +242,11 @@ fn next_pair(partitions: &[StoredPartition], from: usize) -> Option<usize> {
         .map(|position| from + position)
 }
 
-/// A running merge task: removes its name from the running ones if it ends without saying
+/// A running compaction task: removes its name from the running ones if it ends without saying
 /// it is done (it panicked, or the runtime is shutting down), so that
-/// [`Store::merges_settled`] does not wait for it forever.
+/// [`Background::settled`] does not wait for it forever.
 struct Task<'a> {
-    store: &'a Store,
+    background: &'a Background,
     name: &'a str,
     finished: bool,
 }
@@ -232,7 +254,7 @@ struct Task<'a> {
 impl Drop for Task<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            self.store.inner.merging.send_modify(|running| {
+            self.background.running.send_modify(|running| {
                 running.remove(self.name);
             });
         }
@@ -248,7 +270,7 @@ mod tests {
     use super::*;
     use crate::backend::HostBackend;
     use crate::store::testing::{GatedBackend, batch, put};
-    use crate::store::{PutMode, StoreOptions};
+    use crate::store::{PutMode, Store, StoreOptions};
 
     /// The values of column `x` of `batches`, in order.
     fn values(batches: &[RecordBatch]) -> Vec<i64> {
@@ -314,7 +336,7 @@ mod tests {
         assert_eq!(store.get("t").expect("t").num_partitions(), 2);
 
         release.notify_one();
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let status = store.status();
         assert_eq!(status.merges, 1);
         assert_eq!(
@@ -341,7 +363,7 @@ mod tests {
 
         started.notified().await;
         release.notify_one();
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let after = store.get("t").expect("t");
         assert_eq!(after.num_partitions(), 1, "merged");
         assert_eq!(
@@ -370,7 +392,7 @@ mod tests {
                 store.remove("t").expect("drop");
             }
             release.notify_one();
-            store.merges_settled().await;
+            store.compactions_settled().await;
             let status = store.status();
             assert_eq!(
                 (status.concatenations, status.merges),
@@ -403,7 +425,7 @@ mod tests {
         commit(&store, PutMode::Append, vec![batch(2000..2100)]).await;
         let version = store.get("t").expect("t").version();
         release.notify_one();
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let dataset = store.get("t").expect("t");
         assert_eq!(store.status().merges, 1);
         assert_eq!(dataset.version(), version);
@@ -446,7 +468,7 @@ mod tests {
         pending.commit().await.expect("other");
         commit(&store, PutMode::Create, vec![first]).await;
         commit(&store, PutMode::Append, vec![second]).await;
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let status = store.status();
         assert_eq!(status.tiers.spills, 0, "{:?}", status.tiers);
         assert_eq!((status.merges, status.concatenations), (0, 0));
@@ -456,7 +478,7 @@ mod tests {
         // With room, the next append's merges run.
         store.remove("other").expect("drop");
         commit(&store, PutMode::Append, vec![batch(2000..3000)]).await;
-        store.merges_settled().await;
+        store.compactions_settled().await;
         assert!(store.status().merges >= 1);
         let dataset = store.get("t").expect("t");
         assert!(dataset.num_partitions() < 3);
@@ -480,7 +502,7 @@ mod tests {
                 .await
                 .expect("append");
         }
-        store.merges_settled().await;
+        store.compactions_settled().await;
         let dataset = store.get("t").expect("dataset");
         assert_eq!(dataset.num_rows(), (appends * rows) as u64);
         let total = dataset.data_bytes();

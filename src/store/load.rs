@@ -1,4 +1,5 @@
-//! The disk tier: datasets of `--data-dir` whose rows are not loaded yet.
+//! Loading: partitions brought back into memory, from the disk tier (datasets of
+//! `--data-dir` whose rows are not loaded yet) and, onto their devices, from the host tier.
 //!
 //! A server starts by reading its manifest and each dataset's schema, not its rows, so it
 //! answers at once whatever the directory holds. Each dataset then is one partition whose rows
@@ -8,10 +9,12 @@
 //! `ipc-export`, a move or a copy, which need it on a device, load it there directly. Checksums
 //! are verified as a segment is loaded, so a damaged file fails the reads of its own dataset,
 //! with DATA_LOSS and the file's name, and nothing else.
+//!
+//! A partition spilled to the host tier is read from there as it is; where it must be on its
+//! device (an `ipc-export`), it is restored there ([`Loader::restore`]).
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -21,10 +24,16 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt, TryFutureExt, TryStreamExt};
 
-use super::files::{PinnedSegment, SegmentFiles};
-use super::tier::{Resident, Slot, Tier};
-use super::{Inner, Store, StoreError};
-use crate::backend::{BackendError, Partition, PartitionExport, SpilledPartition};
+use super::compactor::Compactor;
+use super::error::StoreError;
+use super::files::{PinnedSegment, Segment, SegmentFiles};
+use super::memory::{Reservation, stored_charge};
+use super::slot::{Resident, Slot, StoredPartition, Tier};
+use super::stats::Stats;
+use super::tier::Tiers;
+use crate::backend::{
+    Backend, BackendError, ExportDevice, ExportedColumn, Partition, SpilledPartition,
+};
 
 /// A partition held only in segment files: a dataset as the data directory holds it. Cheap
 /// to clone: the segments are shared.
@@ -38,8 +47,8 @@ pub(crate) struct DiskPartition {
     file_bytes: u64,
     /// Arrow bytes of the rows, as they were written.
     data_bytes: u64,
-    /// The store that loads it; a read outliving the store reads the files instead.
-    store: Weak<Inner>,
+    /// The loader that loads it; a read outliving the store reads the files instead.
+    loader: Weak<Loader>,
 }
 
 impl fmt::Debug for DiskPartition {
@@ -54,10 +63,10 @@ impl fmt::Debug for DiskPartition {
 
 impl DiskPartition {
     /// The rows of `segments`, in order, all of `schema`.
-    pub(super) fn new(
+    pub(crate) fn new(
         schema: SchemaRef,
         segments: Vec<PinnedSegment>,
-        store: &Store,
+        loader: &Arc<Loader>,
     ) -> Result<Self, StoreError> {
         let mut starts = Vec::with_capacity(segments.len() + 1);
         let mut rows = 0u64;
@@ -86,7 +95,7 @@ impl DiskPartition {
             starts: starts.into(),
             file_bytes,
             data_bytes,
-            store: Arc::downgrade(&store.inner),
+            loader: Arc::downgrade(loader),
         })
     }
 
@@ -104,8 +113,8 @@ impl DiskPartition {
         self.starts.last().map_or(0, |&rows| rows as usize)
     }
 
-    fn store(&self) -> Option<Store> {
-        self.store.upgrade().map(|inner| Store { inner })
+    fn loader(&self) -> Option<Arc<Loader>> {
+        self.loader.upgrade()
     }
 
     /// The rows, one segment's batches after another, each segment read (and checked) on a
@@ -218,7 +227,10 @@ impl Partition for DiskPartition {
         .boxed()
     }
 
-    fn export(&self, _columns: &[usize]) -> Result<PartitionExport, BackendError> {
+    fn export(
+        &self,
+        _columns: &[usize],
+    ) -> Result<(ExportDevice, Vec<ExportedColumn>), BackendError> {
         Err(BackendError::NotExportable {
             backend: "disk tier",
         })
@@ -235,22 +247,47 @@ const SMALL_SEGMENT_BYTES: u64 = 1 << 20;
 /// About how large a piece joined from small segments grows.
 const JOINED_PIECE_BYTES: u64 = 8 << 20;
 
-/// Loads that run at once (see [`Store::load`]).
-pub(super) const LOADS_AT_ONCE: usize = 2;
+/// Loads that run at once (see [`Loader::load`]).
+const LOADS_AT_ONCE: usize = 2;
 
-impl Slot {
-    /// What to read the partition's rows from: where they are only on disk, they are loaded
-    /// first (see [`Store::load`]).
-    pub(crate) async fn readable(self: &Arc<Self>) -> Result<Arc<Resident>, StoreError> {
-        let resident = self.resident();
-        match DiskPartition::of(&resident).and_then(DiskPartition::store) {
-            Some(store) => store.load(self, false).await,
-            None => Ok(resident),
-        }
+/// What to read `slot`'s rows from: where they are only on disk, they are loaded first (see
+/// [`Loader::load`]).
+pub(crate) async fn readable(slot: &Arc<Slot>) -> Result<Arc<Resident>, StoreError> {
+    let resident = slot.resident();
+    match DiskPartition::of(&resident).and_then(DiskPartition::loader) {
+        Some(loader) => loader.load(slot, false).await,
+        None => Ok(resident),
     }
 }
 
-impl Store {
+/// Brings partitions into memory from the disk tier, and onto their devices from the host
+/// tier.
+#[derive(Debug)]
+pub(crate) struct Loader {
+    backend: Arc<dyn Backend>,
+    tiers: Arc<Tiers>,
+    compactor: Arc<Compactor>,
+    /// Turns for loads from disk (see [`Loader::load`]).
+    loading: tokio::sync::Semaphore,
+    stats: Arc<Stats>,
+}
+
+impl Loader {
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        tiers: Arc<Tiers>,
+        compactor: Arc<Compactor>,
+        stats: Arc<Stats>,
+    ) -> Self {
+        Self {
+            backend,
+            tiers,
+            compactor,
+            loading: tokio::sync::Semaphore::new(LOADS_AT_ONCE),
+            stats,
+        }
+    }
+
     /// Loads `slot`'s partition if it is only on disk: into the host tier where that has room
     /// for it, else (or with `onto_device`) onto its device, making room there as a put
     /// does. Returns what the slot holds then.
@@ -260,26 +297,26 @@ impl Store {
     /// memory still in use nor wastes the work, and the next reader finds it loaded. Loads
     /// run [`LOADS_AT_ONCE`] at a time, which bounds the host memory their reads hold on the
     /// way to a device whatever clients ask for.
-    pub(super) async fn load(
-        &self,
+    pub(crate) async fn load(
+        self: &Arc<Self>,
         slot: &Arc<Slot>,
         onto_device: bool,
     ) -> Result<Arc<Resident>, StoreError> {
-        let (store, slot) = (self.clone(), Arc::clone(slot));
-        tokio::spawn(async move { store.load_now(&slot, onto_device).await })
+        let (loader, slot) = (Arc::clone(self), Arc::clone(slot));
+        tokio::spawn(async move { loader.load_now(&slot, onto_device).await })
             .await
             .map_err(|e| StoreError::Persist(format!("a load task failed: {e}")))?
     }
 
     async fn load_now(&self, slot: &Slot, onto_device: bool) -> Result<Arc<Resident>, StoreError> {
-        let _turn = self.inner.tiers.loading.acquire().await;
+        let _turn = self.loading.acquire().await;
         let _moving = slot.moving().lock().await;
         let resident = slot.resident();
         let Some(disk) = DiskPartition::of(&resident) else {
             return Ok(resident);
         };
         let started = Instant::now();
-        let tiers = &self.inner.tiers;
+        let tiers = &self.tiers;
         let host = if onto_device {
             None
         } else {
@@ -289,20 +326,18 @@ impl Store {
             Some(host) => self.load_to_host(disk, host, slot.home()).await?,
             None => {
                 let peak = disk.file_bytes.saturating_mul(2);
-                self.upload_pieces(disk.pieces(), peak, slot.home(), disk.data_bytes)
+                self.compactor
+                    .upload_pieces(disk.pieces(), peak, slot.home(), disk.data_bytes)
                     .await?
                     .slot
                     .resident()
             }
         };
         slot.replace(Arc::clone(&loaded));
-        tiers.loads.fetch_add(1, Ordering::Relaxed);
-        tiers
-            .loaded_bytes
-            .fetch_add(disk.file_bytes, Ordering::Relaxed);
-        tiers
-            .load_nanos
-            .fetch_add(super::tier::elapsed_nanos(started), Ordering::Relaxed);
+        let stats = &self.stats;
+        Stats::add(&stats.loads, 1);
+        Stats::add(&stats.loaded_bytes, disk.file_bytes);
+        Stats::add_time(&stats.load_nanos, started);
         tracing::info!(
             rows = loaded.data.num_rows(),
             file_bytes = disk.file_bytes,
@@ -321,7 +356,7 @@ impl Store {
     async fn load_to_host(
         &self,
         disk: &DiskPartition,
-        mut host: super::memory::Reservation,
+        mut host: Reservation,
         device: u32,
     ) -> Result<Arc<Resident>, StoreError> {
         let mut pieces = Vec::new();
@@ -360,7 +395,7 @@ impl Store {
         charge = charge.saturating_add(join(&mut small, &mut pieces)?);
         let spilled = SpilledPartition::of_copies(pieces);
         let rows = spilled.num_rows() as u64;
-        if host.resize(super::charge(charge, rows)).is_ok() {
+        if host.resize(super::memory::charge(charge, rows)).is_ok() {
             return Ok(Arc::new(Resident {
                 data: Arc::new(spilled),
                 reservation: host,
@@ -373,6 +408,7 @@ impl Store {
             .boxed();
         let peak = disk.file_bytes.saturating_mul(2);
         let loaded = self
+            .compactor
             .upload_pieces(pieces, peak, device, disk.data_bytes)
             .await?
             .slot
@@ -383,13 +419,13 @@ impl Store {
 
     /// A dataset of the data directory as a partition of its `segments` (none if they hold
     /// no rows), on disk and homed on `device`. Nothing is read.
-    pub(super) fn disk_partitions(
-        &self,
+    pub(crate) fn disk_partitions(
+        self: &Arc<Self>,
         files: &Arc<SegmentFiles>,
         schema: &SchemaRef,
-        segments: &[super::files::Segment],
+        segments: &[Segment],
         device: u32,
-    ) -> Result<Vec<super::dataset::StoredPartition>, StoreError> {
+    ) -> Result<Vec<StoredPartition>, StoreError> {
         let segments: Vec<PinnedSegment> = segments
             .iter()
             .filter(|segment| segment.rows > 0)
@@ -399,7 +435,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let disk = DiskPartition::new(Arc::clone(schema), segments, self)?;
-        let tiers = &self.inner.tiers;
+        let tiers = &self.tiers;
         let reservation = tiers.reserve_disk(disk.file_bytes);
         let data_bytes = disk.data_bytes;
         Ok(vec![tiers.hold_on_disk(
@@ -408,6 +444,88 @@ impl Store {
             device,
             data_bytes,
         )])
+    }
+
+    /// `partition` on a device: restored from the host tier, or loaded from disk, onto the
+    /// device it was stored on where it is not on one. The returned resident holds the device
+    /// memory for the caller.
+    pub(crate) async fn restore(
+        self: &Arc<Self>,
+        partition: &StoredPartition,
+    ) -> Result<Arc<Resident>, StoreError> {
+        let slot = &partition.slot;
+        let resident = slot.resident();
+        match resident.tier {
+            Tier::Device(_) => return Ok(resident),
+            Tier::Disk => return self.load(slot, true).await,
+            Tier::Host => {}
+        }
+        // On a task of its own, like a load (see `Loader::load`): a caller that goes away
+        // mid-restore frees nothing still in use.
+        let (loader, slot, data_bytes) = (Arc::clone(self), Arc::clone(slot), partition.data_bytes);
+        tokio::spawn(async move { loader.restore_now(&slot, data_bytes).await })
+            .await
+            .map_err(|e| BackendError::Device(format!("a restore task failed: {e}")))?
+    }
+
+    async fn restore_now(&self, slot: &Slot, data_bytes: u64) -> Result<Arc<Resident>, StoreError> {
+        let _moving = slot.moving().lock().await;
+        let resident = slot.resident();
+        if resident.tier != Tier::Host {
+            // Restored meanwhile; or, loaded onto its device, on it.
+            return Ok(resident);
+        }
+        let started = Instant::now();
+        let restored = self
+            .upload_resident(&resident, slot.home(), data_bytes)
+            .await?;
+        let restored = restored.slot.resident();
+        slot.replace(Arc::clone(&restored));
+        let stats = &self.stats;
+        Stats::add(&stats.restores, 1);
+        Stats::add(&stats.restored_bytes, restored.reservation.bytes());
+        Stats::add_time(&stats.restore_nanos, started);
+        tracing::info!(
+            device = slot.home(),
+            rows = restored.data.num_rows(),
+            bytes = restored.reservation.bytes(),
+            "partition restored from host memory"
+        );
+        Ok(restored)
+    }
+
+    /// A compact copy on `device` of a partition off the devices (spilled to the host tier,
+    /// or only on disk).
+    pub(crate) async fn upload_resident(
+        &self,
+        resident: &Resident,
+        device: u32,
+        data_bytes: u64,
+    ) -> Result<StoredPartition, StoreError> {
+        if let Some(disk) = DiskPartition::of(resident) {
+            let peak = disk.file_bytes().saturating_mul(2);
+            return self
+                .compactor
+                .upload_pieces(disk.pieces(), peak, device, data_bytes)
+                .await;
+        }
+        let Some(spilled) = resident.data.as_any().downcast_ref::<SpilledPartition>() else {
+            return Err(BackendError::Device(
+                "a host-tier partition of an unknown kind".to_owned(),
+            )
+            .into());
+        };
+        let pieces = spilled.pieces().to_vec();
+        let total = pieces
+            .iter()
+            .map(|piece| stored_charge(self.backend.as_ref(), piece))
+            .sum::<Result<u64, _>>()?;
+        // Room for the pieces and, where there are several, their compacted copy beside them.
+        let peak = if pieces.len() > 1 { 2 * total } else { total };
+        let pieces = futures::stream::iter(pieces).map(Ok).boxed();
+        self.compactor
+            .upload_pieces(pieces, peak, device, data_bytes)
+            .await
     }
 }
 
@@ -418,7 +536,7 @@ mod tests {
     use super::*;
     use crate::backend::HostBackend;
     use crate::store::testing::{GatedBackend, batch, put};
-    use crate::store::{PutMode, StoreOptions};
+    use crate::store::{PutMode, Store, StoreOptions};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_load_goes_on_when_its_reader_goes_away() {
@@ -443,7 +561,7 @@ mod tests {
         store.close().await;
         drop(store);
 
-        // Two segments, so loading onto the device ends in a concatenation, which waits.
+        // Two segments, so loading onto the device ends in a compaction, which waits.
         let backend = GatedBackend::new(HostBackend::new(), false);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::open(Arc::new(backend), options)
@@ -452,7 +570,7 @@ mod tests {
         let dataset = store.get("t").expect("t");
         let mut reading = dataset.read(0..1100, 1 << 20, 2).expect("a stream");
         tokio::select! {
-            _ = reading.next() => panic!("the read went past the waiting concatenation"),
+            _ = reading.next() => panic!("the read went past the waiting compaction"),
             () = started.notified() => {}
         }
         // The reader goes away mid-load (a cancelled DoGet); the load finishes all the same.

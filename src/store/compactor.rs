@@ -1,0 +1,239 @@
+//! The compactor: the one place partitions are joined into fewer, contiguous ones. A put's
+//! batches at commit, a move's copies on their target, the pieces of a spilled or loaded
+//! partition brought back onto a device, and (through `background`) appended partitions in the
+//! background are all compacted here, paid for on the device before the backend copies, and
+//! counted in the store's [`Stats`].
+
+use std::sync::Arc;
+
+use arrow::datatypes::Schema;
+use arrow::record_batch::RecordBatch;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+
+use super::error::StoreError;
+use super::memory::{charge, stored_charge};
+use super::slot::{StoredPartition, Tier};
+use super::stats::Stats;
+use super::tier::Tiers;
+use crate::backend::{Backend, BackendError};
+
+/// Pieces a restore or load uploads at once.
+const UPLOADS_AHEAD: usize = 3;
+
+/// Where a compaction finds the memory for its copy when the device is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Room {
+    /// Spills other partitions to the host tier: the copy is part of a request (a put, a
+    /// move, a restore) that asked for it.
+    Spill,
+    /// Only memory free now: a background compaction is an optimisation, and must not evict
+    /// other datasets' partitions for itself.
+    Free,
+}
+
+/// Compacts partitions on their devices, for every component that makes them.
+#[derive(Debug)]
+pub(crate) struct Compactor {
+    backend: Arc<dyn Backend>,
+    tiers: Arc<Tiers>,
+    stats: Arc<Stats>,
+}
+
+impl Compactor {
+    pub(crate) fn new(backend: Arc<dyn Backend>, tiers: Arc<Tiers>, stats: Arc<Stats>) -> Self {
+        Self {
+            backend,
+            tiers,
+            stats,
+        }
+    }
+
+    /// Compacts each run of consecutive partitions on one device, on that device, keeping the
+    /// runs in row order: a dataset spread across devices stays spread, each part compact.
+    pub(crate) async fn compact_runs(
+        &self,
+        schema: &Schema,
+        partitions: Vec<StoredPartition>,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        let mut runs: Vec<(Tier, Vec<StoredPartition>)> = Vec::new();
+        for partition in partitions {
+            let tier = partition.tier();
+            match runs.last_mut() {
+                Some((run_tier, run)) if *run_tier == tier => run.push(partition),
+                _ => runs.push((tier, vec![partition])),
+            }
+        }
+        let mut compacted = Vec::new();
+        for (tier, run) in runs {
+            match tier {
+                Tier::Device(device) => {
+                    compacted.extend(self.compact(schema, run, device, Room::Spill).await?);
+                }
+                // Spilled while the put ran: compacted if it is ever restored.
+                Tier::Host | Tier::Disk => compacted.extend(run),
+            }
+        }
+        Ok(compacted)
+    }
+
+    /// Compacts partitions of `device` into one where the backend wants that (see
+    /// [`Compactor::compact_always`]).
+    pub(crate) async fn compact(
+        &self,
+        schema: &Schema,
+        partitions: Vec<StoredPartition>,
+        device: u32,
+        room: Room,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        if partitions.len() <= 1 {
+            return Ok(partitions);
+        }
+        let data: Vec<_> = partitions
+            .iter()
+            .map(|p| Arc::clone(&p.slot.resident().data))
+            .collect();
+        if !self.backend.compacts(schema, &data) {
+            return Ok(partitions);
+        }
+        self.compact_always(partitions, device, room).await
+    }
+
+    /// Compacts partitions of `device` into one, reserving its memory first (as `room`
+    /// allows): the inputs stay reserved until they are dropped, so the budget covers the
+    /// transient peak. Partitions are returned unchanged where the compacted copy does not
+    /// fit beside them, or the backend cannot compact them (a merged dictionary its keys
+    /// cannot index).
+    pub(crate) async fn compact_always(
+        &self,
+        partitions: Vec<StoredPartition>,
+        device: u32,
+        room: Room,
+    ) -> Result<Vec<StoredPartition>, StoreError> {
+        if partitions.len() <= 1 {
+            return Ok(partitions);
+        }
+        let backend = &self.backend;
+        // Held for the copy: a spill meanwhile must not free them.
+        let residents: Vec<_> = partitions.iter().map(|p| p.slot.resident()).collect();
+        // Spilled, or gone back to disk, since the caller looked: not the device's to copy
+        // now (they are compacted if they are ever brought back).
+        if residents.iter().any(|r| r.tier != Tier::Device(device)) {
+            return Ok(partitions);
+        }
+        let data: Vec<_> = residents.iter().map(|r| Arc::clone(&r.data)).collect();
+        let size = match backend.compacted_size(&data) {
+            Ok(size) => size,
+            Err(
+                error @ (BackendError::UnsupportedType { .. } | BackendError::CannotCompact { .. }),
+            ) => {
+                tracing::info!(%error, "dataset kept in its uploaded batches");
+                return Ok(partitions);
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let rows = partitions.iter().map(|p| p.num_rows() as u64).sum();
+        let reserved = match room {
+            Room::Spill => self.tiers.reserve_on(device, charge(size, rows)).await,
+            Room::Free => self.tiers.budget().try_reserve(device, charge(size, rows)),
+        };
+        let reservation = match reserved {
+            Ok(reservation) => reservation,
+            Err(
+                StoreError::MemoryExhausted {
+                    requested,
+                    used,
+                    limit,
+                    ..
+                }
+                | StoreError::TiersExhausted {
+                    requested,
+                    used,
+                    limit,
+                    ..
+                },
+            ) => {
+                // The rows are stored and paid for already; only the compact copy does not
+                // fit beside them. Keep the batches as they are rather than fail a put whose
+                // data fits (reads and ipc-export serve them as they are).
+                tracing::info!(
+                    device,
+                    partitions = partitions.len(),
+                    requested,
+                    used,
+                    limit,
+                    "batches kept uncompacted: no room for their compact copy"
+                );
+                return Ok(partitions);
+            }
+            Err(error) => return Err(error),
+        };
+        let data_bytes = partitions.iter().map(|p| p.data_bytes).sum();
+        let started = std::time::Instant::now();
+        let compacted = backend.compact(data).await?;
+        drop(residents);
+        let stats = &self.stats;
+        Stats::add(&stats.compactions, 1);
+        Stats::add(&stats.compacted_bytes, data_bytes);
+        Stats::add_time(&stats.compaction_nanos, started);
+        Ok(vec![self.tiers.hold(compacted, reservation, data_bytes)])
+    }
+
+    /// `pieces` (consecutive rows of one schema) uploaded onto `device` and compacted
+    /// there into one partition. Room for `peak` bytes is made first; each piece is
+    /// paid for before it is uploaded.
+    pub(crate) async fn upload_pieces(
+        &self,
+        pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
+        peak: u64,
+        device: u32,
+        data_bytes: u64,
+    ) -> Result<StoredPartition, StoreError> {
+        // The peak where moving others can give it; else at least room for the rows.
+        let tiers = &self.tiers;
+        if !tiers.make_room(device, peak).await {
+            tiers.make_room(device, data_bytes).await;
+        }
+        let (backend, tiers) = (Arc::clone(&self.backend), Arc::clone(tiers));
+        let uploaded: Vec<StoredPartition> = pieces
+            // Each paid for in order, before its upload starts.
+            .map(move |piece| {
+                let piece = piece?;
+                let charge = stored_charge(backend.as_ref(), &piece)?;
+                let reservation = tiers
+                    .budget()
+                    .try_reserve(device, charge)
+                    .map_err(|error| tiers.tiers_full(error))?;
+                let piece_bytes = crate::arrays::batch_bytes(&piece);
+                let upload = backend.upload(device, piece);
+                let tiers = Arc::clone(&tiers);
+                Ok(async move {
+                    Ok::<_, StoreError>(tiers.hold(upload.await?, reservation, piece_bytes))
+                })
+            })
+            .try_buffered(UPLOADS_AHEAD)
+            .try_collect()
+            .await?;
+        let total: u64 = uploaded.iter().map(StoredPartition::memory_bytes).sum();
+        if uploaded.is_empty() {
+            return Err(
+                BackendError::Device("a partition without rows to upload".to_owned()).into(),
+            );
+        }
+        // Compacted whether or not the backend compacts puts: a slot holds one partition.
+        let mut compacted = self.compact_always(uploaded, device, Room::Spill).await?;
+        match (compacted.pop(), compacted.is_empty()) {
+            (Some(mut partition), true) => {
+                partition.data_bytes = data_bytes;
+                Ok(partition)
+            }
+            _ => Err(self.tiers.tiers_full(StoreError::MemoryExhausted {
+                device,
+                requested: total,
+                used: self.tiers.budget().used(device),
+                limit: self.tiers.budget().limit(device).unwrap_or(u64::MAX),
+                host_backend: false,
+            })),
+        }
+    }
+}
