@@ -17,7 +17,7 @@
 //! Password checks (argon2) are slow on purpose; they run on blocking threads, a few at a time,
 //! so a flood of logins cannot take the runtime's threads from data calls. Failed logins and
 //! unknown tokens are counted per client address, and an address that keeps failing has its
-//! logins refused for a while ([`limiter`]).
+//! logins refused for a while (`limiter`).
 
 mod certificate;
 mod file;

@@ -5,7 +5,7 @@
 //! `crate::error`, to the gRPC status a client sees. The server serves them through
 //! arrow-flight's generated `FlightServiceServer`, behind layers (`crate::server`) that bound
 //! requests, authenticate callers, contain panics and account for each call: a handler finds
-//! the caller ([`Principal`]), its [`Call`] and, for `DoPut`, the [`Inbound`] ledger in the
+//! the caller ([`Principal`]), its `Call` and, for `DoPut`, the `Inbound` ledger in the
 //! request's extensions.
 //!
 //! - [`descriptor`]: dataset names and `DoPut` commands.

@@ -81,7 +81,7 @@ where
             }
             // The stream stays open until its response body is done (or dropped).
             Ok(response.map(|body| {
-                Body::new(Tracked {
+                Body::new(AccountedBody {
                     body,
                     call,
                     _open: open,
@@ -93,13 +93,13 @@ where
 
 /// A response body that holds its request's [`OpenStream`] and [`Call`] until it is done,
 /// counting the bytes sent and reading the final status from the trailers.
-struct Tracked {
+struct AccountedBody {
     body: Body,
     call: Arc<Call>,
     _open: Option<OpenStream>,
 }
 
-impl HttpBody for Tracked {
+impl HttpBody for AccountedBody {
     type Data = Bytes;
     type Error = Status;
 

@@ -159,14 +159,14 @@ fn injected() -> io::Error {
 }
 
 /// A file being written through [`Fs`], with the CRC-32 and size of what reached it.
-pub(super) struct Tracked<'a> {
+pub(super) struct ChecksummedFile<'a> {
     pub(super) file: File,
     pub(super) fs: &'a Fs,
     pub(super) hasher: crc32fast::Hasher,
     pub(super) bytes: u64,
 }
 
-impl<'a> Tracked<'a> {
+impl<'a> ChecksummedFile<'a> {
     pub(super) fn new(file: File, fs: &'a Fs) -> Self {
         Self {
             file,
@@ -177,7 +177,7 @@ impl<'a> Tracked<'a> {
     }
 }
 
-impl Write for Tracked<'_> {
+impl Write for ChecksummedFile<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let written = self.fs.write(&mut self.file, buf)?;
         self.hasher.update(&buf[..written]);
@@ -194,7 +194,7 @@ impl Write for Tracked<'_> {
 /// Creates `path` holding `text`, fsync'd.
 pub(super) fn write_file(fs: &Fs, path: &Path, text: &[u8]) -> Result<(), FilesError> {
     let file = fs.create(path).map_err(io_error(path, "creating"))?;
-    let mut out = Tracked::new(file, fs);
+    let mut out = ChecksummedFile::new(file, fs);
     out.write_all(text).map_err(io_error(path, "writing"))?;
     fs.sync(&out.file).map_err(io_error(path, "syncing"))
 }

@@ -16,7 +16,7 @@ use arrow::error::ArrowError;
 use arrow::ipc::writer::FileWriter;
 
 use super::error::{FilesError, arrow_error, corrupt, differs, io_error};
-use super::fs::{Fs, Tracked};
+use super::fs::{ChecksummedFile, Fs};
 use super::layout::{TMP_SUFFIX, segment_name};
 use super::manifest::Segment;
 use super::segment::PinnedSegment;
@@ -107,7 +107,7 @@ impl SegmentWriter {
         batches: &[RecordBatch],
     ) -> Result<(u64, u32), FilesError> {
         let file = self.fs.create(tmp).map_err(io_error(tmp, "creating"))?;
-        let mut writer = FileWriter::try_new_buffered(Tracked::new(file, &self.fs), schema)
+        let mut writer = FileWriter::try_new_buffered(ChecksummedFile::new(file, &self.fs), schema)
             .map_err(arrow_error(tmp, "writing"))?;
         for batch in batches {
             writer.write(batch).map_err(arrow_error(tmp, "writing"))?;
