@@ -1,6 +1,6 @@
 //! `DoGet` encoding: record batches to FlightData messages within the message-size limit.
 //!
-//! Batches are split by the bytes a slice really writes ([`crate::batch_size`]), halving pieces
+//! Batches are split by the bytes a slice really writes ([`crate::arrays`]), halving pieces
 //! until each fits; arrow-flight's own splitting measures whole shared buffers instead, which
 //! over-splits every slice and cannot see skew in variable-length columns. Dictionaries are sent
 //! as dictionaries, never hydrated. Messages stay zero-copy [`IpcMessage`]s until the reply body
