@@ -39,7 +39,7 @@ use file::Credentials;
 pub use file::{TokenFileError, hash_password, new_token};
 use limiter::FailureLimiter;
 pub use limiter::Origin;
-pub use roles::{Operation, required_role};
+pub use roles::{Action, Method, Operation, required_role};
 
 /// What a principal may do. Each role includes the ones before it.
 #[derive(

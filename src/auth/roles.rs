@@ -9,34 +9,105 @@ use std::fmt;
 
 use super::{AuthError, Principal, Role};
 
+/// The Flight methods, by the last segment of their gRPC path (`Unknown`: a path the protocol
+/// does not have, answered `UNIMPLEMENTED` once it passed this table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Handshake,
+    ListFlights,
+    GetFlightInfo,
+    PollFlightInfo,
+    GetSchema,
+    DoGet,
+    DoPut,
+    DoExchange,
+    DoAction,
+    ListActions,
+    Unknown,
+}
+
+impl Method {
+    /// The method's name in the protocol, as logs, metrics and refusals name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Handshake => "Handshake",
+            Self::ListFlights => "ListFlights",
+            Self::GetFlightInfo => "GetFlightInfo",
+            Self::PollFlightInfo => "PollFlightInfo",
+            Self::GetSchema => "GetSchema",
+            Self::DoGet => "DoGet",
+            Self::DoPut => "DoPut",
+            Self::DoExchange => "DoExchange",
+            Self::DoAction => "DoAction",
+            Self::ListActions => "ListActions",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+/// The `DoAction` actions, as far as roles go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Drop,
+    Status,
+    /// `copy`: the export replicates the dataset onto the consumer's device.
+    IpcExport {
+        copy: bool,
+    },
+    IpcRelease,
+    Move,
+    Copy,
+}
+
+impl Action {
+    /// The action's type, as clients name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Drop => "drop",
+            Self::Status => "status",
+            Self::IpcExport { .. } => "ipc-export",
+            Self::IpcRelease => "ipc-release",
+            Self::Move => "move",
+            Self::Copy => "copy",
+        }
+    }
+}
+
 /// What a call asks to do, as far as roles go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Operation<'a> {
-    /// A Flight method, by its name in the protocol (`DoPut`).
-    Method(&'a str),
-    /// A `DoAction` action, by its type (`drop`). `copy`: an `ipc-export` that replicates the
-    /// dataset onto the consumer's device.
-    Action { name: &'a str, copy: bool },
+pub enum Operation {
+    Method(Method),
+    Action(Action),
 }
 
 /// The table: the least role `operation` needs; `None` for `Handshake`, which is how callers
-/// authenticate in the first place.
-pub fn required_role(operation: Operation<'_>) -> Option<Role> {
+/// authenticate in the first place. Every method and action is named, so a new one does not
+/// compile until it has a role here.
+pub fn required_role(operation: Operation) -> Option<Role> {
+    use Action as A;
+    use Method as M;
     match operation {
-        Operation::Method("Handshake") => None,
-        Operation::Method("DoPut" | "DoExchange") => Some(Role::Write),
-        // Reading, listing, and DoAction itself: each action needs its own role below.
-        Operation::Method(_) => Some(Role::Read),
-        Operation::Action {
-            name: "drop" | "move" | "copy",
-            ..
-        } => Some(Role::Write),
+        Operation::Method(M::Handshake) => None,
+        Operation::Method(M::DoPut | M::DoExchange) => Some(Role::Write),
+        // DoAction itself: each action needs its own role, below.
+        Operation::Method(
+            M::ListFlights
+            | M::GetFlightInfo
+            | M::PollFlightInfo
+            | M::GetSchema
+            | M::DoGet
+            | M::DoAction
+            | M::ListActions,
+        ) => Some(Role::Read),
+        // Answered UNIMPLEMENTED; a caller without a role learns nothing from it either.
+        Operation::Method(M::Unknown) => Some(Role::Read),
         // Replicas allocate device memory.
-        Operation::Action {
-            name: "ipc-export",
-            copy: true,
-        } => Some(Role::Write),
-        Operation::Action { .. } => Some(Role::Read),
+        Operation::Action(A::Drop | A::Move | A::Copy | A::IpcExport { copy: true }) => {
+            Some(Role::Write)
+        }
+        Operation::Action(A::Status | A::IpcExport { copy: false } | A::IpcRelease) => {
+            Some(Role::Read)
+        }
     }
 }
 
@@ -45,7 +116,7 @@ const SEES_EVERYONE: Role = Role::Admin;
 
 impl Principal {
     /// `Ok` if this principal's role allows `operation`.
-    pub fn authorize(&self, operation: Operation<'_>) -> Result<(), AuthError> {
+    pub fn authorize(&self, operation: Operation) -> Result<(), AuthError> {
         match required_role(operation) {
             Some(needed) => self.require(needed, &operation.to_string()),
             None => Ok(()),
@@ -59,15 +130,14 @@ impl Principal {
 }
 
 /// How a refusal names what was refused.
-impl fmt::Display for Operation<'_> {
+impl fmt::Display for Operation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Method(name) => f.write_str(name),
-            Self::Action {
-                name: "ipc-export",
-                copy: true,
-            } => f.write_str("ipc-export with \"copy\": true, which allocates device memory,"),
-            Self::Action { name, .. } => write!(f, "the {name} action"),
+            Self::Method(method) => f.write_str(method.name()),
+            Self::Action(Action::IpcExport { copy: true }) => {
+                f.write_str("ipc-export with \"copy\": true, which allocates device memory,")
+            }
+            Self::Action(action) => write!(f, "the {} action", action.name()),
         }
     }
 }
@@ -78,19 +148,28 @@ mod tests {
 
     #[test]
     fn writes_need_write_and_reads_read() {
-        assert_eq!(required_role(Operation::Method("Handshake")), None);
-        assert_eq!(required_role(Operation::Method("DoPut")), Some(Role::Write));
-        assert_eq!(required_role(Operation::Method("DoGet")), Some(Role::Read));
-        for (name, copy, role) in [
-            ("drop", false, Role::Write),
-            ("ipc-export", false, Role::Read),
-            ("ipc-export", true, Role::Write),
-            ("status", false, Role::Read),
+        assert_eq!(required_role(Operation::Method(Method::Handshake)), None);
+        assert_eq!(
+            required_role(Operation::Method(Method::DoPut)),
+            Some(Role::Write)
+        );
+        assert_eq!(
+            required_role(Operation::Method(Method::DoGet)),
+            Some(Role::Read)
+        );
+        for (action, role) in [
+            (Action::Drop, Role::Write),
+            (Action::Move, Role::Write),
+            (Action::Copy, Role::Write),
+            (Action::IpcExport { copy: false }, Role::Read),
+            (Action::IpcExport { copy: true }, Role::Write),
+            (Action::IpcRelease, Role::Read),
+            (Action::Status, Role::Read),
         ] {
             assert_eq!(
-                required_role(Operation::Action { name, copy }),
+                required_role(Operation::Action(action)),
                 Some(role),
-                "{name}"
+                "{action:?}"
             );
         }
     }
@@ -102,16 +181,13 @@ mod tests {
             role: Role::Read,
         };
         let refused = reader
-            .authorize(Operation::Action {
-                name: "drop",
-                copy: false,
-            })
+            .authorize(Operation::Action(Action::Drop))
             .expect_err("refused");
         assert!(
             refused
                 .to_string()
                 .starts_with("the drop action needs the write role")
         );
-        assert!(reader.authorize(Operation::Method("DoGet")).is_ok());
+        assert!(reader.authorize(Operation::Method(Method::DoGet)).is_ok());
     }
 }

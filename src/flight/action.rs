@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::descriptor::{DeviceRef, parse_json_object, parse_name};
 use super::ipc_export;
-use crate::auth::{Operation, Principal};
+use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
 use crate::store::{PersistenceStatus, PutMode, StoreStatus, TierStatus};
 
@@ -97,17 +97,15 @@ pub enum ActionRequest {
 
 impl ActionRequest {
     /// What the action asks to do, as the role table (`crate::auth::required_role`) reads it.
-    pub fn operation(&self) -> Operation<'static> {
-        let name = match self {
-            Self::Drop { .. } => "drop",
-            Self::Status => "status",
-            Self::IpcExport { .. } => "ipc-export",
-            Self::IpcRelease { .. } => "ipc-release",
-            Self::Move { .. } => "move",
-            Self::Copy { .. } => "copy",
-        };
-        let copy = matches!(self, Self::IpcExport { copy: true, .. });
-        Operation::Action { name, copy }
+    pub fn operation(&self) -> Operation {
+        Operation::Action(match self {
+            Self::Drop { .. } => auth::Action::Drop,
+            Self::Status => auth::Action::Status,
+            Self::IpcExport { copy, .. } => auth::Action::IpcExport { copy: *copy },
+            Self::IpcRelease { .. } => auth::Action::IpcRelease,
+            Self::Move { .. } => auth::Action::Move,
+            Self::Copy { .. } => auth::Action::Copy,
+        })
     }
 
     /// What the action is about, for its call's log line.

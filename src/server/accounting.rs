@@ -16,7 +16,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::Status;
 use tonic::body::Body;
 
-use super::method::Method;
+use super::method::method_of;
 use super::peer::{ConnectionInfo, OpenStream};
 use crate::flight::Call;
 use crate::metrics::Metrics;
@@ -61,7 +61,7 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
-        let method = Method::of(&request);
+        let method = method_of(&request);
         let connection = request.extensions().get::<ConnectionInfo>();
         let open = connection.map(|c| c.streams.begin());
         let call = Call::new(

@@ -14,7 +14,7 @@ use futures::future::{Either, Ready, ready};
 use tonic::Status;
 use tonic::body::Body;
 
-use super::method::Method;
+use super::method::{Method, method_of};
 use super::peer::ConnectionInfo;
 use crate::auth::{Auth, Operation, Presented, Principal};
 use crate::error::Error;
@@ -61,7 +61,7 @@ where
         if let Some(connection) = &connection {
             request.extensions_mut().insert(connection.origin());
         }
-        let method = Method::of(&request);
+        let method = method_of(&request);
         if method == Method::Handshake {
             // How callers authenticate: the handler reads their credentials.
             return Either::Right(self.inner.call(request));
@@ -95,6 +95,6 @@ fn authorize(
         origin: connection.map(ConnectionInfo::origin),
     };
     let principal = auth.authenticate(&presented)?;
-    principal.authorize(Operation::Method(method.name()))?;
+    principal.authorize(Operation::Method(method))?;
     Ok(principal)
 }

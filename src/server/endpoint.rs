@@ -26,7 +26,7 @@ use tower::util::BoxCloneSyncService;
 use super::accounting::Accounting;
 use super::authenticate::Authenticate;
 use super::limits::RequestLimits;
-use super::method::Method;
+use super::method::{Method, method_of};
 use super::panics;
 use crate::auth::Auth;
 use crate::flight::{FlightOptions, Lifecycle, Service, doget};
@@ -134,7 +134,7 @@ impl tower::Service<http::Request<Body>> for Routes {
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        match Method::of(&request) {
+        match method_of(&request) {
             Method::DoGet if self.encoder == DoGetEncoder::Framed => {
                 let service = Arc::clone(&self.service);
                 Box::pin(async move { Ok(doget::respond(&service, request).await) })

@@ -34,7 +34,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::body::Body;
 use tonic::{Code, Status};
 
-use super::method::Method;
+use super::method::{Method, method_of};
 use crate::error::Error;
 use crate::flight::{Call, Inbound};
 use crate::store::Store;
@@ -90,7 +90,7 @@ where
             check: Some(check),
             needs_message,
         };
-        let guard = match Method::of(&request) {
+        let guard = match method_of(&request) {
             Method::DoPut => Guard {
                 limit: limits.max_put_message_bytes,
                 too_large: put_too_large,
