@@ -211,6 +211,40 @@ async fn a_server_starts_from_its_flags_and_stops_with_its_shutdown_future() {
     assert_eq!(result, Ok(()));
 }
 
+/// What `serve` started it also stops: after it returns, the metrics endpoint's port is free
+/// again (and the store it held is gone), so a second start in the same process works.
+#[tokio::test]
+async fn nothing_serve_started_outlives_it() {
+    let dir = TempDataDir::new("launch-tasks");
+    std::fs::create_dir_all(dir.path()).expect("dir");
+    let socket = dir.path().join("flight.sock");
+    let listen = format!("unix://{}", socket.display());
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let metrics = free.local_addr().expect("address").to_string();
+    drop(free);
+    let args = serve_args(&[
+        "--backend",
+        "host",
+        "--listen",
+        &listen,
+        "--metrics-listen",
+        &metrics,
+    ]);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(launch::serve(args, || async {
+        let _ = stopped.await;
+    }));
+    common::wait_until(|| async { tokio::net::TcpStream::connect(&metrics).await.is_ok() }).await;
+    let _ = stop.send(());
+    let result = tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("stops")
+        .expect("no panic");
+    assert_eq!(result, Ok(()));
+    // An aborted task lets go of its listener when the runtime next polls it.
+    common::wait_until(|| async { std::net::TcpListener::bind(&metrics).is_ok() }).await;
+}
+
 #[tokio::test]
 async fn refusals_end_with_exit_code_2_and_server_faults_with_1() {
     let refused = launch::serve(

@@ -21,6 +21,7 @@ use crate::config::{ConfigError, ServeArgs};
 use crate::metrics::{self, Metrics};
 use crate::server::{self, ServeOptions, TlsFiles};
 use crate::store::Store;
+use crate::task::AbortOnDrop;
 
 pub mod allocator;
 pub mod bind;
@@ -120,9 +121,15 @@ where
     // Signal handlers go in before the server says it serves: a SIGTERM that a supervisor
     // sends as soon as it reads that line must shut down cleanly, not kill the process.
     let shutdown = shutdown();
+    // Tasks this call starts end with it (`AbortOnDrop`), whichever way it returns: a caller
+    // that serves again in the same process finds its ports and memory free.
     let _reloader = match &auth {
-        Auth::Tokens(authenticator) => signals::hangups()
-            .map(|hangups| tokio::spawn(reload::reload_on(Arc::clone(authenticator), hangups))),
+        Auth::Tokens(authenticator) => signals::hangups().map(|hangups| {
+            AbortOnDrop(tokio::spawn(reload::reload_on(
+                Arc::clone(authenticator),
+                hangups,
+            )))
+        }),
         Auth::Off => None,
     };
     let backend_name = backend.name();
@@ -150,7 +157,11 @@ where
             println!("gpu-flight metrics on http://{address}/metrics");
         }
         let metrics = Arc::clone(&metrics);
-        tokio::spawn(metrics::serve(listener, metrics, std::future::pending()))
+        AbortOnDrop(tokio::spawn(metrics::serve(
+            listener,
+            metrics,
+            std::future::pending(),
+        )))
     });
     let _ = std::io::stdout().flush();
 

@@ -1,4 +1,4 @@
-//! The token file read again while the server runs (on SIGHUP, from `main`): a file that fails
+//! The token file read again while the server runs (on SIGHUP, from `launch::serve`): a file that fails
 //! to load is logged and the previous one stays in force, so a typo never locks everyone out.
 
 use std::sync::Arc;

@@ -13,7 +13,7 @@
 //!
 //! [`run`] serves until its `shutdown` future completes. Then new requests are refused
 //! (UNAVAILABLE, and health reports NOT_SERVING), streams already running get `grace` to
-//! finish, and the function returns. Tests pass their own shutdown future; `main` passes
+//! finish, and the function returns. Tests pass their own shutdown future; `launch::serve` passes
 //! SIGINT/SIGTERM.
 
 use std::future::Future;
