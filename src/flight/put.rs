@@ -246,13 +246,46 @@ fn stream_failure(inbound: &Inbound, status: Status) -> Error {
         return error;
     }
     match status.code() {
-        // With every failure of the body recorded above, an INTERNAL from the stream is what
-        // tonic's prost decoder says of a message that is not protobuf (its message is the
-        // decode error's own): the client's mistake.
-        Code::Internal => Error::Undecodable(format!(
-            "the request is not a valid FlightData protobuf message: {}",
-            status.message()
-        )),
+        // What tonic's prost decoder says of a message that is not protobuf: the client's
+        // mistake. Known by prost's own words, so that any other INTERNAL stays the server's.
+        Code::Internal if status.message().starts_with(PROST_DECODE_ERROR) => {
+            Error::Undecodable(format!(
+                "the request is not a valid FlightData protobuf message: {}",
+                status.message()
+            ))
+        }
+        Code::Internal => {
+            Error::Internal(format!("the request stream failed: {}", status.message()))
+        }
         _ => Error::ClientGone(status.message().to_owned()),
+    }
+}
+
+/// How a `prost::DecodeError` begins when displayed, which tonic's codec sends as the message
+/// of an INTERNAL status.
+const PROST_DECODE_ERROR: &str = "failed to decode Protobuf message";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_prost_decode_errors_are_the_clients() {
+        let inbound = Inbound::default();
+        let undecodable = <arrow_flight::FlightData as prost::Message>::decode(&[0xff_u8][..])
+            .expect_err("not protobuf")
+            .to_string();
+        assert!(matches!(
+            stream_failure(&inbound, Status::internal(undecodable)),
+            Error::Undecodable(_)
+        ));
+        assert!(matches!(
+            stream_failure(&inbound, Status::internal("h2 protocol error")),
+            Error::Internal(_)
+        ));
+        assert!(matches!(
+            stream_failure(&inbound, Status::cancelled("gone")),
+            Error::ClientGone(_)
+        ));
     }
 }
