@@ -100,7 +100,7 @@ impl HttpBody for Contained {
     }
 
     fn is_end_stream(&self) -> bool {
-        !self.done && self.body.is_end_stream()
+        self.done || self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -120,12 +120,16 @@ impl Durable {
             Durability::Async => (None, None),
         };
         let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        // Counted before it is sent: the writer may finish it (and count it off) before
+        // `send` returns, and the gauge must never go below zero meanwhile.
+        Stats::add(&self.stats.pending_writes, 1);
         let sent = jobs
             .as_ref()
             .is_some_and(|jobs| jobs.send(make(sender)).is_ok());
-        if sent {
-            Stats::add(&self.stats.pending_writes, 1);
-        } else {
+        if !sent {
+            self.stats
+                .pending_writes
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             // Only after `close`, or when the runtime is going away.
             tracing::warn!("the persistence writer has stopped; a change was not written");
         }
