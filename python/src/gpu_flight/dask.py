@@ -1,0 +1,185 @@
+"""Dask DataFrames from and to gpu-flight datasets (extra `dask`: `pip install 'gpu-flight[dask]'`).
+
+`read_dataset` makes one partition per endpoint of the dataset, reading nothing while the
+graph is built; `write_dataset` writes every partition and changes the target dataset once,
+atomically, after all of them succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ._client import connect
+from ._errors import require
+
+Backend = Literal["pandas", "cudf"]
+
+
+@dataclass(frozen=True)
+class _Partition:
+    """One endpoint: what a task needs to read it, small and picklable."""
+
+    uri: str
+    name: str
+    index: int
+    endpoints: int
+    ticket: bytes
+    columns: Optional[tuple[str, ...]]
+    connect_kwargs: tuple[tuple[str, Any], ...]
+
+
+def _to_frame(table: pa.Table, backend: Backend) -> Any:
+    if backend == "cudf":
+        cudf = require("cudf", "cudf")
+        return cudf.DataFrame.from_arrow(table)
+    return table.to_pandas()
+
+
+def _read_partition(
+    part: _Partition, backend: Backend = "pandas", columns: Optional[Sequence[str]] = None
+) -> Any:
+    """Reads one endpoint. `columns` is Dask's projection: when it selects fewer columns than
+    the ticket streams, a projected ticket for the same endpoint is asked for, so only those
+    columns travel."""
+    with connect(part.uri, **dict(part.connect_kwargs)) as client:
+        options = client.call_options
+        wanted = None if columns is None else tuple(columns)
+        if wanted is None or wanted == part.columns:
+            ticket = flight.Ticket(part.ticket)
+        else:
+            info = client.info(part.name, columns=list(wanted))
+            if len(info.endpoints) != part.endpoints:
+                raise flight.FlightServerError(
+                    f"dataset {part.name!r} changed since the Dask graph was built: rebuild it"
+                )
+            ticket = info.endpoints[part.index].ticket
+            # The graph's ticket must still be current now: then the projected ticket, issued
+            # before, is for the same version (versions only move forward). A stale one fails
+            # with the server's NOT_FOUND, as an unprojected read would.
+            check = client.flight_client.do_get(flight.Ticket(part.ticket), options=options)
+            check.schema  # noqa: B018 (the first message carries the ticket's verdict)
+            check.cancel()
+        table = client.flight_client.do_get(ticket, options=options).read_all()
+    if wanted is not None:
+        table = table.select(list(wanted))
+    return _to_frame(table, backend)
+
+
+def read_dataset(
+    uri: str,
+    name: str,
+    columns: Optional[Sequence[str]] = None,
+    backend: Backend = "pandas",
+    **connect_kwargs: Any,
+) -> Any:
+    """A Dask DataFrame of dataset `name` on the server at `uri`, one partition per endpoint,
+    in row order (the index restarts in each partition; divisions are unknown).
+
+    `columns` selects columns on the server, and so does Dask's own projection
+    (`ddf[["a", "b"]]`). `backend="cudf"` makes cudf partitions (needs cudf). The graph holds
+    the tickets of the version current now: computing it after a replace or append fails with
+    NOT_FOUND. `connect_kwargs` go to `gpu_flight.connect` in every task (token, TLS, ...), so
+    they must be picklable.
+    """
+    dd = require("dask.dataframe", "dask")
+    if backend not in ("pandas", "cudf"):
+        raise ValueError(f"backend must be 'pandas' or 'cudf', not {backend!r}")
+    if backend == "cudf":
+        require("cudf", "cudf")
+    projection = None if columns is None else tuple(columns)
+    with connect(uri, **connect_kwargs) as client:
+        info = client.info(name, columns=None if projection is None else list(projection))
+    endpoints = list(info.endpoints)
+    kwargs = tuple(sorted(connect_kwargs.items()))
+    parts = [
+        _Partition(uri, name, i, len(endpoints), e.ticket.ticket, projection, kwargs)
+        for i, e in enumerate(endpoints)
+    ]
+    meta = _to_frame(info.schema.empty_table(), backend)
+    return dd.from_map(
+        _read_partition,
+        parts,
+        backend=backend,
+        columns=None if projection is None else list(projection),
+        meta=meta,
+        label=f"gpu-flight-read-{name}",
+        enforce_metadata=False,
+    )
+
+
+def _write_partition(
+    frame: Any, name: str, schema: pa.Schema, uri: str, connect_kwargs: dict[str, Any]
+) -> int:
+    """Appends one partition to the temporary dataset; returns its rows."""
+    if type(frame).__module__.startswith("cudf"):
+        table = frame.to_arrow(preserve_index=False)
+    else:
+        table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+    table = table.cast(schema) if not table.schema.equals(schema) else table
+    with connect(uri, **connect_kwargs) as client:
+        return client.put(name, table, mode="append").rows
+
+
+def write_dataset(
+    ddf: Any,
+    uri: str,
+    name: str,
+    mode: Literal["create", "replace", "append"] = "create",
+    **connect_kwargs: Any,
+) -> int:
+    """Writes the Dask DataFrame `ddf` (its columns, not its index) as dataset `name`; returns
+    the rows written.
+
+    Every partition is appended, in parallel, to a temporary dataset `<name>.tmp-<uuid>`.
+    Only when every task succeeded is the target changed, once and atomically: "create" copies
+    the temporary dataset to `name` on the server (ALREADY_EXISTS if `name` appeared
+    meanwhile; on a server with several devices it is streamed, as below), "replace" and
+    "append" stream it from the server through this process into a put of that mode (the
+    server swaps or extends the dataset atomically: readers see it whole before or whole
+    after). A failed task, or a failed commit, leaves `name` as it was,
+    and the temporary dataset is dropped (unless this process dies first: it is then left
+    under that name, for `drop`). Partitions land in partition order.
+    """
+    dask = require("dask", "dask")
+    if mode not in ("create", "replace", "append"):
+        raise ValueError(f"mode must be 'create', 'replace' or 'append', not {mode!r}")
+    meta = ddf._meta
+    if type(meta).__module__.startswith("cudf"):
+        schema = meta.to_arrow(preserve_index=False).schema
+    else:
+        schema = pa.Schema.from_pandas(meta, preserve_index=False)
+    temporary = f"{name}.tmp-{uuid.uuid4().hex}"
+    with connect(uri, **connect_kwargs) as client:
+        if mode == "create" and _exists(client, name):
+            # What the server would say at the commit, said before anything is written.
+            raise pa.ArrowException(f"dataset {name!r} already exists (mode='create')")
+        client.put(temporary, schema.empty_table(), mode="create")
+        try:
+            tasks = [
+                dask.delayed(_write_partition)(part, temporary, schema, uri, connect_kwargs)
+                for part in ddf.to_delayed()
+            ]
+            rows = sum(dask.compute(*tasks))
+            if mode == "create" and len(client.status().get("devices", [])) <= 1:
+                client.copy(temporary, name)
+            else:
+                client.put(name, client.reader(temporary), mode=mode)
+        finally:
+            with contextlib.suppress(pa.ArrowKeyError):
+                client.drop(temporary)
+    return int(rows)
+
+
+def _exists(client: Any, name: str) -> bool:
+    try:
+        client.info(name)
+    except pa.ArrowKeyError:
+        return False
+    return True
