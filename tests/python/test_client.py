@@ -5,12 +5,11 @@ import sys
 import textwrap
 import uuid
 
+import gpu_flight
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 from test_flight import all_types_table
-
-import gpu_flight
 
 
 def unique(prefix="c"):
@@ -143,15 +142,19 @@ def test_token_and_basic_login(make_server, tmp_path):
     path.write_text(entry)
     path.chmod(0o600)
     server = make_server("--auth-tokens", str(path))
-    with gpu_flight.connect(server.location) as anonymous:
-        with pytest.raises(flight.FlightUnauthenticatedError, match="Bearer"):
-            anonymous.list()
+    with (
+        gpu_flight.connect(server.location) as anonymous,
+        pytest.raises(flight.FlightUnauthenticatedError, match="Bearer"),
+    ):
+        anonymous.list()
     with gpu_flight.connect(server.location, token=token, timeout=30) as gf:
         gf.put("secret", pa.table({"x": [1]}))
         assert gf.get("secret").num_rows == 1
-    with gpu_flight.connect(server.location, token="made-up") as gf:
-        with pytest.raises(flight.FlightUnauthenticatedError):
-            gf.get("secret")
+    with (
+        gpu_flight.connect(server.location, token="made-up") as gf,
+        pytest.raises(flight.FlightUnauthenticatedError),
+    ):
+        gf.get("secret")
     with pytest.raises(ValueError, match="not both"):
         gpu_flight.connect(server.location, token=token, username="u", password="p")
 

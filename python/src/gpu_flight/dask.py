@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -117,14 +117,14 @@ def read_dataset(
 def _write_partition(
     frame: Any, name: str, schema: pa.Schema, uri: str, connect_kwargs: dict[str, Any]
 ) -> int:
-    """Appends one partition to the temporary dataset; returns its rows."""
+    """Puts one partition as a temporary dataset; returns its rows."""
     if type(frame).__module__.startswith("cudf"):
         table = frame.to_arrow(preserve_index=False)
     else:
         table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
     table = table.cast(schema) if not table.schema.equals(schema) else table
     with connect(uri, **connect_kwargs) as client:
-        return client.put(name, table, mode="append").rows
+        return client.put(name, table, mode="create").rows
 
 
 def write_dataset(
@@ -137,15 +137,14 @@ def write_dataset(
     """Writes the Dask DataFrame `ddf` (its columns, not its index) as dataset `name`; returns
     the rows written.
 
-    Every partition is appended, in parallel, to a temporary dataset `<name>.tmp-<uuid>`.
-    Only when every task succeeded is the target changed, once and atomically: "create" copies
-    the temporary dataset to `name` on the server (ALREADY_EXISTS if `name` appeared
-    meanwhile; on a server with several devices it is streamed, as below), "replace" and
-    "append" stream it from the server through this process into a put of that mode (the
-    server swaps or extends the dataset atomically: readers see it whole before or whole
-    after). A failed task, or a failed commit, leaves `name` as it was,
-    and the temporary dataset is dropped (unless this process dies first: it is then left
-    under that name, for `drop`). Partitions land in partition order.
+    Every partition is put, in parallel, as a temporary dataset `<name>.tmp-<uuid>-<i>`.
+    Only when every task succeeded is the target changed, once and atomically: the temporary
+    datasets are streamed, in partition order, from the server through this process into one
+    put of `mode` on `name` ("create": ALREADY_EXISTS if `name` exists; "replace": swapped
+    atomically; "append": added atomically), so readers see the target whole before or whole
+    after. A failed task, or a failed commit, leaves `name` as it was, and the temporary
+    datasets are dropped (unless this process dies first: they are then left under that
+    prefix, for `drop`).
     """
     dask = require("dask", "dask")
     if mode not in ("create", "replace", "append"):
@@ -155,25 +154,29 @@ def write_dataset(
         schema = meta.to_arrow(preserve_index=False).schema
     else:
         schema = pa.Schema.from_pandas(meta, preserve_index=False)
-    temporary = f"{name}.tmp-{uuid.uuid4().hex}"
+    prefix = f"{name}.tmp-{uuid.uuid4().hex}"
     with connect(uri, **connect_kwargs) as client:
         if mode == "create" and _exists(client, name):
             # What the server would say at the commit, said before anything is written.
             raise pa.ArrowException(f"dataset {name!r} already exists (mode='create')")
-        client.put(temporary, schema.empty_table(), mode="create")
+        parts = ddf.to_delayed()
+        temporaries = [f"{prefix}-{i}" for i in range(len(parts))]
         try:
             tasks = [
                 dask.delayed(_write_partition)(part, temporary, schema, uri, connect_kwargs)
-                for part in ddf.to_delayed()
+                for part, temporary in zip(parts, temporaries)
             ]
             rows = sum(dask.compute(*tasks))
-            if mode == "create" and len(client.status().get("devices", [])) <= 1:
-                client.copy(temporary, name)
-            else:
-                client.put(name, client.reader(temporary), mode=mode)
+
+            def batches() -> Iterator[pa.RecordBatch]:
+                for temporary in temporaries:
+                    yield from client.reader(temporary)
+
+            client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode=mode)
         finally:
-            with contextlib.suppress(pa.ArrowKeyError):
-                client.drop(temporary)
+            for temporary in client.list(prefix):
+                with contextlib.suppress(pa.ArrowKeyError):
+                    client.drop(temporary)
     return int(rows)
 
 
