@@ -8,16 +8,13 @@
 
 Pure Python over pyarrow; `gpu_flight.dask` (extra `dask`) reads and writes Dask DataFrames.
 
-Errors are pyarrow's own, carrying the server's message (which names the gRPC code):
-NOT_FOUND is `pyarrow.ArrowKeyError` (its `str()` quotes the message), INVALID_ARGUMENT
-`pyarrow.ArrowInvalid`, ALREADY_EXISTS and ABORTED `pyarrow.ArrowException`
-(`pyarrow.lib.ArrowException`), UNIMPLEMENTED `pyarrow.ArrowNotImplementedError`,
-UNAUTHENTICATED `pyarrow.flight.FlightUnauthenticatedError`, PERMISSION_DENIED
-`pyarrow.flight.FlightUnauthorizedError`, UNAVAILABLE `pyarrow.flight.FlightUnavailableError`,
-DEADLINE_EXCEEDED `pyarrow.flight.FlightTimedOutError`, CANCELLED
-`pyarrow.flight.FlightCancelledError`, RESOURCE_EXHAUSTED, FAILED_PRECONDITION and INTERNAL
-`pyarrow.flight.FlightServerError` / `FlightInternalError`. Every one is a
-`pyarrow.ArrowException`.
+Errors are pyarrow's own, carrying the server's message (and the gRPC code's name):
+NOT_FOUND is `pyarrow.ArrowKeyError`, INVALID_ARGUMENT `pyarrow.ArrowInvalid`, UNIMPLEMENTED
+`pyarrow.ArrowNotImplementedError`, UNAUTHENTICATED `pyarrow.flight.FlightUnauthenticatedError`,
+PERMISSION_DENIED `pyarrow.flight.FlightUnauthorizedError`, UNAVAILABLE
+`pyarrow.flight.FlightUnavailableError`, DEADLINE_EXCEEDED `pyarrow.flight.FlightTimedOutError`;
+the other codes (ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...) are raised as
+pyarrow maps them, every one a `pyarrow.ArrowException` whose text holds the code and message.
 """
 
 from ._client import Client, Compression, Mode, PutData, connect
