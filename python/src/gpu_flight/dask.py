@@ -166,7 +166,7 @@ def write_dataset(
                 dask.delayed(_write_partition)(part, temporary, schema, uri, connect_kwargs)
                 for part, temporary in zip(parts, temporaries)
             ]
-            rows = sum(dask.compute(*tasks))
+            rows = sum(_compute_all(dask, tasks))
 
             def batches() -> Iterator[pa.RecordBatch]:
                 for temporary in temporaries:
@@ -178,6 +178,22 @@ def write_dataset(
                 with contextlib.suppress(pa.ArrowKeyError):
                     client.drop(temporary)
     return int(rows)
+
+
+def _compute_all(dask: Any, tasks: list[Any]) -> list[int]:
+    """Computes `tasks`, and on a distributed cluster waits for every one to end before raising
+    a failure, so no put of a partition lands after the temporary datasets are dropped."""
+    try:
+        from distributed import default_client, wait
+    except ImportError:
+        return list(dask.compute(*tasks))
+    try:
+        client = default_client()  # type: ignore[no-untyped-call]
+    except ValueError:  # no distributed client: the local schedulers
+        return list(dask.compute(*tasks))
+    futures = client.compute(tasks)
+    wait(futures)  # type: ignore[no-untyped-call]
+    return list(client.gather(futures))
 
 
 def _exists(client: Any, name: str) -> bool:
