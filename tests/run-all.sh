@@ -23,6 +23,12 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+# The Python package, editable, with Dask (tests/python/test_client.py and test_dask.py use it).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e './python[dask]'
+
+step "ruff (the Python package and its tests)"
+.venv/bin/ruff check --config python/pyproject.toml python tests/python/test_client.py tests/python/test_dask.py
+.venv/bin/ruff format --check --config python/pyproject.toml python tests/python/test_client.py tests/python/test_dask.py
 # `cargo test` built the binary already (a separate `cargo build` would rebuild dependencies
 # without the dev-dependencies' features), in cargo's target directory: target/ unless
 # CARGO_TARGET_DIR (or a cargo config) puts it elsewhere, which cargo itself reports.

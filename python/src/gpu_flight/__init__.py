@@ -1,0 +1,35 @@
+"""gpu-flight's Python client: datasets in GPU (or host) memory over Arrow Flight.
+
+    import gpu_flight
+
+    with gpu_flight.connect("grpc://127.0.0.1:8815") as client:
+        client.put("weather", table, mode="replace")
+        temps = client.get("weather", columns=["temp"])
+
+Pure Python over pyarrow; `gpu_flight.dask` (extra `dask`) reads and writes Dask DataFrames.
+
+Errors are pyarrow's own, carrying the server's message (and the gRPC code's name):
+NOT_FOUND is `pyarrow.ArrowKeyError`, INVALID_ARGUMENT `pyarrow.ArrowInvalid`, UNIMPLEMENTED
+`pyarrow.ArrowNotImplementedError`, UNAUTHENTICATED `pyarrow.flight.FlightUnauthenticatedError`,
+PERMISSION_DENIED `pyarrow.flight.FlightUnauthorizedError`, UNAVAILABLE
+`pyarrow.flight.FlightUnavailableError`, DEADLINE_EXCEEDED `pyarrow.flight.FlightTimedOutError`;
+the other codes (ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...) are raised as
+pyarrow maps them, every one a `pyarrow.ArrowException` whose text holds the code and message.
+"""
+
+from ._client import Client, Compression, Mode, PutData, connect
+from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult
+
+__all__ = [
+    "Client",
+    "Compression",
+    "CopyResult",
+    "Device",
+    "DropResult",
+    "Mode",
+    "MoveResult",
+    "PutData",
+    "PutResult",
+    "connect",
+]
+__version__ = "0.1.0"

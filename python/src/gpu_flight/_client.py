@@ -1,0 +1,293 @@
+"""The client: gpu-flight's puts, reads and actions over one `pyarrow.flight.FlightClient`."""
+
+from __future__ import annotations
+
+import builtins
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal, Optional, Union
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult, parse
+
+Mode = Literal["create", "replace", "append"]
+Compression = Literal["lz4", "zstd"]
+PutData = Union[pa.Table, pa.RecordBatch, pa.RecordBatchReader, Iterable[pa.RecordBatch]]
+
+PUT_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Batches larger than this are sent in slices, so every message stays far below the server's
+`--max-put-message-bytes` (1 GiB by default) and gRPC's buffers stay small."""
+
+
+def connect(
+    uri: str,
+    *,
+    token: Optional[str] = None,
+    username: Optional[str] = None,
+    password: Optional[str] = None,
+    tls_root_certs: Optional[bytes] = None,
+    cert_chain: Optional[bytes] = None,
+    private_key: Optional[bytes] = None,
+    override_hostname: Optional[str] = None,
+    timeout: Optional[float] = None,
+) -> Client:
+    """Connects to the gpu-flight server at `uri` (`grpc://host:port`, `grpc+tls://...`,
+    `grpc+unix:///path`).
+
+    `token` is a bearer token sent with every call; `username` and `password` log in with Basic
+    credentials (the server's Handshake) and use the session token it returns. `tls_root_certs`
+    (PEM) verifies the server; `cert_chain` and `private_key` (PEM) are the client's certificate
+    for mutual TLS. `timeout` (seconds) applies to every call.
+    """
+    if token is not None and (username is not None or password is not None):
+        raise ValueError("pass either token or username and password, not both")
+    if (username is None) != (password is None):
+        raise ValueError("username and password go together")
+    kwargs: dict[str, Any] = {}
+    if tls_root_certs is not None:
+        kwargs["tls_root_certs"] = tls_root_certs
+    if cert_chain is not None:
+        kwargs["cert_chain"] = cert_chain
+    if private_key is not None:
+        kwargs["private_key"] = private_key
+    if override_hostname is not None:
+        kwargs["override_hostname"] = override_hostname
+    raw = flight.connect(uri, **kwargs)
+    try:
+        headers: list[tuple[bytes, bytes]] = []
+        if token is not None:
+            headers.append((b"authorization", f"Bearer {token}".encode()))
+        elif username is not None and password is not None:
+            login = flight.FlightCallOptions(timeout=timeout)
+            headers.append(raw.authenticate_basic_token(username, password, options=login))
+    except BaseException:
+        raw.close()
+        raise
+    return Client(raw, headers=headers, timeout=timeout)
+
+
+def _command(**fields: Any) -> flight.FlightDescriptor:
+    return flight.FlightDescriptor.for_command(
+        json.dumps({key: value for key, value in fields.items() if value is not None})
+    )
+
+
+def _read_descriptor(
+    name: str, columns: Optional[Sequence[str]], compression: Optional[str]
+) -> flight.FlightDescriptor:
+    """PATH for a plain read, else the CMD document `{"name", "columns", "compression"}`."""
+    if columns is None and compression is None:
+        return flight.FlightDescriptor.for_path(name)
+    if isinstance(columns, str):
+        raise TypeError("columns must be a sequence of column names, not a string")
+    return _command(name=name, columns=None if columns is None else list(columns), compression=compression)
+
+
+def _as_reader(data: PutData) -> pa.RecordBatchReader:
+    if isinstance(data, pa.RecordBatchReader):
+        return data
+    if isinstance(data, pa.Table):
+        return pa.RecordBatchReader.from_batches(data.schema, data.to_batches())
+    if isinstance(data, pa.RecordBatch):
+        return pa.RecordBatchReader.from_batches(data.schema, [data])
+    if hasattr(data, "__arrow_c_stream__"):
+        return pa.RecordBatchReader.from_stream(data)
+    batches = iter(data)
+    try:
+        first = next(batches)
+    except StopIteration:
+        raise ValueError("an empty iterable of record batches has no schema: pass a Table") from None
+    if not isinstance(first, pa.RecordBatch):
+        raise TypeError(f"expected record batches, got {type(first).__name__}")
+
+    def chained() -> Iterator[pa.RecordBatch]:
+        yield first
+        yield from batches
+
+    return pa.RecordBatchReader.from_batches(first.schema, chained())
+
+
+def _slices(batch: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBatch]:
+    size = batch.nbytes
+    if size <= limit or batch.num_rows <= 1:
+        yield batch
+        return
+    rows = max(1, batch.num_rows * limit // size)
+    for start in range(0, batch.num_rows, rows):
+        yield batch.slice(start, rows)
+
+
+class Client:
+    """A connection to one gpu-flight server; make one with `gpu_flight.connect`.
+
+    A context manager: leaving the block closes the connection. Methods raise the server's
+    errors as pyarrow's exceptions (see the package's docstring). Not safe to share between
+    threads while a put or a reader is in progress; make one client per thread.
+    """
+
+    def __init__(
+        self,
+        flight_client: flight.FlightClient,
+        *,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        timeout: Optional[float] = None,
+    ) -> None:
+        self._flight = flight_client
+        self._headers = list(headers)
+        self._timeout = timeout
+
+    @property
+    def flight_client(self) -> flight.FlightClient:
+        """The underlying `pyarrow.flight.FlightClient`, for calls this class does not wrap."""
+        return self._flight
+
+    @property
+    def call_options(self) -> flight.FlightCallOptions:
+        """Call options carrying this client's credentials and timeout, for `flight_client`."""
+        return self._options()
+
+    def _options(self, compression: Optional[str] = None) -> flight.FlightCallOptions:
+        write_options = None if compression is None else pa.ipc.IpcWriteOptions(compression=compression)
+        return flight.FlightCallOptions(
+            timeout=self._timeout, headers=self._headers, write_options=write_options
+        )
+
+    def close(self) -> None:
+        """Closes the connection; calls in progress fail."""
+        self._flight.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Puts
+
+    def put(
+        self,
+        name: str,
+        data: PutData,
+        mode: Mode = "create",
+        device: Optional[Device] = None,
+        compression: Optional[Compression] = None,
+    ) -> PutResult:
+        """Puts `data` (a Table, a RecordBatch, a RecordBatchReader, an object with
+        `__arrow_c_stream__`, or an iterable of RecordBatches) as dataset `name`.
+
+        `mode`: "create" (ALREADY_EXISTS if the name is taken), "replace" (swaps the dataset
+        atomically, or creates it) or "append" (adds rows with identical fields, or creates it).
+        `device` asks for a device (its number or GPU UUID); `compression` ("lz4" or "zstd")
+        compresses the bodies sent. Readers and iterables are streamed batch by batch, never
+        held whole. The put commits when the stream ends, atomically.
+
+        pyarrow.flight cannot cancel a put in progress: if reading `data` raises midway, the
+        stream is still ended cleanly and the batches sent before the error are committed.
+        Where that matters, put to a temporary name and `copy` it (as gpu_flight.dask does).
+        """
+        reader = _as_reader(data)
+        descriptor = _command(name=name, mode=mode, device=device)
+        writer, results = self._flight.do_put(descriptor, reader.schema, options=self._options(compression))
+        try:
+            for batch in reader:
+                for piece in _slices(batch, PUT_MESSAGE_BYTES):
+                    writer.write_batch(piece)
+            writer.done_writing()
+            # None when the server refused the put: close() then raises its error.
+            answer = results.read()
+        finally:
+            writer.close()
+        if answer is None:
+            raise flight.FlightInternalError("the server committed no put and returned no error")
+        return PutResult.from_json(answer.to_pybytes())
+
+    # Reads
+
+    def info(
+        self,
+        name: str,
+        columns: Optional[Sequence[str]] = None,
+        compression: Optional[Compression] = None,
+    ) -> flight.FlightInfo:
+        """The dataset's FlightInfo: schema (of `columns`, if given), `total_records`,
+        `total_bytes` and its endpoints in row order, whose tickets stream `columns` with
+        bodies compressed by `compression` ("lz4" or "zstd")."""
+        descriptor = _read_descriptor(name, columns, compression)
+        return self._flight.get_flight_info(descriptor, options=self._options())
+
+    def schema(self, name: str, columns: Optional[Sequence[str]] = None) -> pa.Schema:
+        """The dataset's schema, or its projection onto `columns`."""
+        descriptor = _read_descriptor(name, columns, None)
+        return self._flight.get_schema(descriptor, options=self._options()).schema
+
+    def reader(
+        self,
+        name: str,
+        columns: Optional[Sequence[str]] = None,
+        compression: Optional[Compression] = None,
+    ) -> pa.RecordBatchReader:
+        """A RecordBatchReader over every endpoint of the dataset, in row order. Each endpoint
+        is requested only when the reader reaches it; the data is the version current when
+        this is called (a later replace or append makes it fail with NOT_FOUND)."""
+        return self.read_info(self.info(name, columns, compression))
+
+    def read_info(self, info: flight.FlightInfo) -> pa.RecordBatchReader:
+        """A RecordBatchReader over `info`'s endpoints, in order, read lazily."""
+        return pa.RecordBatchReader.from_batches(info.schema, self._batches(info.endpoints))
+
+    def _batches(self, endpoints: Sequence[flight.FlightEndpoint]) -> Iterator[pa.RecordBatch]:
+        for endpoint in endpoints:
+            stream = self._flight.do_get(endpoint.ticket, options=self._options())
+            for chunk in stream:
+                yield chunk.data
+
+    def get(
+        self,
+        name: str,
+        columns: Optional[Sequence[str]] = None,
+        compression: Optional[Compression] = None,
+    ) -> pa.Table:
+        """The whole dataset (or its `columns`) as a Table."""
+        return self.reader(name, columns, compression).read_all()
+
+    def list(self, prefix: str = "") -> list[str]:
+        """The names of the datasets starting with `prefix` (all of them by default)."""
+        infos = self._flight.list_flights(criteria=prefix.encode(), options=self._options())
+        return [info.descriptor.path[0].decode() for info in infos]
+
+    def infos(self, prefix: str = "") -> builtins.list[flight.FlightInfo]:
+        """The FlightInfo of every dataset whose name starts with `prefix`."""
+        return list(self._flight.list_flights(criteria=prefix.encode(), options=self._options()))
+
+    # Actions
+
+    def _action(self, action: str, body: Optional[dict[str, Any]] = None) -> bytes:
+        payload = b"" if body is None else json.dumps(body).encode()
+        results = list(self._flight.do_action(flight.Action(action, payload), options=self._options()))
+        if len(results) != 1:
+            raise flight.FlightInternalError(f"the {action} action returned {len(results)} results, not 1")
+        body_bytes: bytes = results[0].body.to_pybytes()
+        return body_bytes
+
+    def drop(self, name: str) -> DropResult:
+        """Drops the dataset (NOT_FOUND if absent); streams already reading it finish."""
+        return DropResult.from_json(self._action("drop", {"name": name}))
+
+    def status(self) -> dict[str, Any]:
+        """The server's `status` document: version, backend, devices, datasets, memory,
+        leases, puts and counters (docs/protocol.md has every field)."""
+        return parse(self._action("status"), "status")
+
+    def move(self, name: str, device: Device) -> MoveResult:
+        """Moves the whole dataset onto `device`, as a new version."""
+        return MoveResult.from_json(self._action("move", {"name": name, "device": device}))
+
+    def copy(self, name: str, as_name: str, device: Optional[Device] = None) -> CopyResult:
+        """Copies the dataset to the new name `as_name` (ALREADY_EXISTS if taken), on `device`
+        (which may be left out on a server with one device)."""
+        body: dict[str, Any] = {"name": name, "as": as_name}
+        if device is not None:
+            body["device"] = device
+        return CopyResult.from_json(self._action("copy", body))

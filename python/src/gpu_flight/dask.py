@@ -1,0 +1,204 @@
+"""Dask DataFrames from and to gpu-flight datasets (extra `dask`: `pip install 'gpu-flight[dask]'`).
+
+`read_dataset` makes one partition per endpoint of the dataset, reading nothing while the
+graph is built; `write_dataset` writes every partition and changes the target dataset once,
+atomically, after all of them succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from ._client import connect
+from ._errors import require
+
+Backend = Literal["pandas", "cudf"]
+
+
+@dataclass(frozen=True)
+class _Partition:
+    """One endpoint: what a task needs to read it, small and picklable."""
+
+    uri: str
+    name: str
+    index: int
+    endpoints: int
+    ticket: bytes
+    columns: Optional[tuple[str, ...]]
+    connect_kwargs: tuple[tuple[str, Any], ...]
+
+
+def _to_frame(table: pa.Table, backend: Backend) -> Any:
+    if backend == "cudf":
+        cudf = require("cudf", "cudf")
+        return cudf.DataFrame.from_arrow(table)
+    return table.to_pandas()
+
+
+def _read_partition(
+    part: _Partition, backend: Backend = "pandas", columns: Optional[Sequence[str]] = None
+) -> Any:
+    """Reads one endpoint. `columns` is Dask's projection: when it selects fewer columns than
+    the ticket streams, a projected ticket for the same endpoint is asked for, so only those
+    columns travel."""
+    with connect(part.uri, **dict(part.connect_kwargs)) as client:
+        options = client.call_options
+        wanted = None if columns is None else tuple(columns)
+        if wanted is None or wanted == part.columns:
+            ticket = flight.Ticket(part.ticket)
+        else:
+            info = client.info(part.name, columns=list(wanted))
+            if len(info.endpoints) != part.endpoints:
+                raise flight.FlightServerError(
+                    f"dataset {part.name!r} changed since the Dask graph was built: rebuild it"
+                )
+            ticket = info.endpoints[part.index].ticket
+            # The graph's ticket must still be current now: then the projected ticket, issued
+            # before, is for the same version (versions only move forward). A stale one fails
+            # with the server's NOT_FOUND, as an unprojected read would.
+            check = client.flight_client.do_get(flight.Ticket(part.ticket), options=options)
+            check.schema  # noqa: B018 (the first message carries the ticket's verdict)
+            check.cancel()
+        table = client.flight_client.do_get(ticket, options=options).read_all()
+    if wanted is not None:
+        table = table.select(list(wanted))
+    return _to_frame(table, backend)
+
+
+def read_dataset(
+    uri: str,
+    name: str,
+    columns: Optional[Sequence[str]] = None,
+    backend: Backend = "pandas",
+    **connect_kwargs: Any,
+) -> Any:
+    """A Dask DataFrame of dataset `name` on the server at `uri`, one partition per endpoint,
+    in row order (the index restarts in each partition; divisions are unknown).
+
+    `columns` selects columns on the server, and so does Dask's own projection
+    (`ddf[["a", "b"]]`). `backend="cudf"` makes cudf partitions (needs cudf). The graph holds
+    the tickets of the version current now: computing it after a replace or append fails with
+    NOT_FOUND. `connect_kwargs` go to `gpu_flight.connect` in every task (token, TLS, ...), so
+    they must be picklable.
+    """
+    dd = require("dask.dataframe", "dask")
+    if backend not in ("pandas", "cudf"):
+        raise ValueError(f"backend must be 'pandas' or 'cudf', not {backend!r}")
+    if backend == "cudf":
+        require("cudf", "cudf")
+    projection = None if columns is None else tuple(columns)
+    with connect(uri, **connect_kwargs) as client:
+        info = client.info(name, columns=None if projection is None else list(projection))
+    endpoints = list(info.endpoints)
+    kwargs = tuple(sorted(connect_kwargs.items()))
+    parts = [
+        _Partition(uri, name, i, len(endpoints), e.ticket.ticket, projection, kwargs)
+        for i, e in enumerate(endpoints)
+    ]
+    meta = _to_frame(info.schema.empty_table(), backend)
+    return dd.from_map(
+        _read_partition,
+        parts,
+        backend=backend,
+        columns=None if projection is None else list(projection),
+        meta=meta,
+        label=f"gpu-flight-read-{name}",
+        enforce_metadata=False,
+    )
+
+
+def _write_partition(
+    frame: Any, name: str, schema: pa.Schema, uri: str, connect_kwargs: dict[str, Any]
+) -> int:
+    """Puts one partition as a temporary dataset; returns its rows."""
+    if type(frame).__module__.startswith("cudf"):
+        table = frame.to_arrow(preserve_index=False)
+    else:
+        table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+    table = table.cast(schema) if not table.schema.equals(schema) else table
+    with connect(uri, **connect_kwargs) as client:
+        return client.put(name, table, mode="create").rows
+
+
+def write_dataset(
+    ddf: Any,
+    uri: str,
+    name: str,
+    mode: Literal["create", "replace", "append"] = "create",
+    **connect_kwargs: Any,
+) -> int:
+    """Writes the Dask DataFrame `ddf` (its columns, not its index) as dataset `name`; returns
+    the rows written.
+
+    Every partition is put, in parallel, as a temporary dataset `<name>.tmp-<uuid>-<i>`.
+    Only when every task succeeded is the target changed, once and atomically: the temporary
+    datasets are streamed, in partition order, from the server through this process into one
+    put of `mode` on `name` ("create": ALREADY_EXISTS if `name` exists; "replace": swapped
+    atomically; "append": added atomically), so readers see the target whole before or whole
+    after. A failed task, or a failed commit, leaves `name` as it was, and the temporary
+    datasets are dropped (unless this process dies first: they are then left under that
+    prefix, for `drop`).
+    """
+    dask = require("dask", "dask")
+    if mode not in ("create", "replace", "append"):
+        raise ValueError(f"mode must be 'create', 'replace' or 'append', not {mode!r}")
+    meta = ddf._meta
+    if type(meta).__module__.startswith("cudf"):
+        schema = meta.to_arrow(preserve_index=False).schema
+    else:
+        schema = pa.Schema.from_pandas(meta, preserve_index=False)
+    prefix = f"{name}.tmp-{uuid.uuid4().hex}"
+    with connect(uri, **connect_kwargs) as client:
+        if mode == "create" and _exists(client, name):
+            # What the server would say at the commit, said before anything is written.
+            raise pa.ArrowException(f"dataset {name!r} already exists (mode='create')")
+        parts = ddf.to_delayed()
+        temporaries = [f"{prefix}-{i}" for i in range(len(parts))]
+        try:
+            tasks = [
+                dask.delayed(_write_partition)(part, temporary, schema, uri, connect_kwargs)
+                for part, temporary in zip(parts, temporaries)
+            ]
+            rows = sum(_compute_all(dask, tasks))
+
+            def batches() -> Iterator[pa.RecordBatch]:
+                for temporary in temporaries:
+                    yield from client.reader(temporary)
+
+            client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode=mode)
+        finally:
+            for temporary in client.list(prefix):
+                with contextlib.suppress(pa.ArrowKeyError):
+                    client.drop(temporary)
+    return int(rows)
+
+
+def _compute_all(dask: Any, tasks: list[Any]) -> list[int]:
+    """Computes `tasks`, and on a distributed cluster waits for every one to end before raising
+    a failure, so no put of a partition lands after the temporary datasets are dropped."""
+    try:
+        from distributed import default_client, wait
+    except ImportError:
+        return list(dask.compute(*tasks))
+    try:
+        client = default_client()  # type: ignore[no-untyped-call]
+    except ValueError:  # no distributed client: the local schedulers
+        return list(dask.compute(*tasks))
+    futures = client.compute(tasks)
+    wait(futures)  # type: ignore[no-untyped-call]
+    return list(client.gather(futures))
+
+
+def _exists(client: Any, name: str) -> bool:
+    try:
+        client.info(name)
+    except pa.ArrowKeyError:
+        return False
+    return True

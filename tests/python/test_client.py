@@ -1,0 +1,188 @@
+"""The gpu_flight package's client against the real binary."""
+
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import gpu_flight
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from test_flight import all_types_table
+
+
+def unique(prefix="c"):
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def gf(server):
+    with gpu_flight.connect(server.location) as client:
+        yield client
+
+
+def test_put_get_round_trips_every_type(gf):
+    table = all_types_table()
+    name = unique()
+    result = gf.put(name, table)
+    assert isinstance(result, gpu_flight.PutResult)
+    assert (result.name, result.mode, result.rows, result.total_rows) == (name, "create", 200, 200)
+    assert result.bytes > 0 and result.total_bytes == result.bytes
+    assert gf.get(name).equals(table)
+    assert gf.schema(name).equals(table.schema)
+    assert gf.info(name).total_records == 200
+
+
+def test_put_streams_readers_iterables_and_batches(gf):
+    table = pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]})
+    batches = table.to_batches(max_chunksize=100)
+    consumed = []
+
+    def generate():
+        for batch in batches:
+            consumed.append(batch.num_rows)
+            yield batch
+
+    reader = pa.RecordBatchReader.from_batches(table.schema, generate())
+    name = unique()
+    assert gf.put(name, reader).rows == 1000
+    assert consumed == [100] * 10
+    assert gf.get(name).equals(table)
+    assert gf.put(name, iter(batches), mode="replace").rows == 1000
+    assert gf.put(name, batches[0], mode="append").total_rows == 1100
+    assert gf.get(name, compression="zstd").num_rows == 1100
+
+
+def test_large_batches_are_sent_in_slices(gf, monkeypatch):
+    from gpu_flight import _client
+
+    monkeypatch.setattr(_client, "PUT_MESSAGE_BYTES", 4096)
+    table = pa.table({"x": pa.array(range(10_000), pa.int64())})
+    name = unique()
+    assert gf.put(name, table, compression="lz4").rows == 10_000
+    assert gf.get(name).equals(table)
+
+
+def test_reader_is_lazy_and_in_endpoint_order(make_server):
+    server = make_server("--rows-per-endpoint", "100")
+    with gpu_flight.connect(server.location) as gf:
+        table = pa.table({"x": list(range(450))})
+        gf.put("ordered", table)
+        assert len(gf.info("ordered").endpoints) == 5
+        reader = gf.reader("ordered")
+        assert reader.schema.equals(table.schema)
+        assert reader.read_all().equals(table)
+
+
+def test_modes_and_errors_carry_the_servers_message(gf):
+    name = unique()
+    gf.put(name, pa.table({"x": [1, 2]}))
+    with pytest.raises(pa.ArrowException, match="already exists"):
+        gf.put(name, pa.table({"x": [3]}))
+    with pytest.raises(pa.ArrowInvalid, match="append needs identical fields"):
+        gf.put(name, pa.table({"y": ["a"]}), mode="append")
+    assert gf.get(name).column("x").to_pylist() == [1, 2]
+    with pytest.raises(pa.ArrowInvalid, match="invalid argument"):
+        gf.put(name, pa.table({"x": [3]}), mode="upsert")
+    with pytest.raises(pa.ArrowKeyError, match="not found"):
+        gf.get("no-such-dataset")
+    with pytest.raises(pa.ArrowKeyError, match="not found"):
+        gf.drop("no-such-dataset")
+    with pytest.raises(pa.ArrowInvalid, match="invalid argument"):
+        gf.info("bad\x01name")
+    gf.put(name, pa.table({"y": ["z"]}), mode="replace")
+    assert gf.get(name).to_pylist() == [{"y": "z"}]
+
+
+def test_list_drop_status_move_copy(gf):
+    prefix = unique("admin")
+    gf.put(f"{prefix}-a", pa.table({"x": [1, 2, 3]}))
+    assert gf.list(prefix) == [f"{prefix}-a"]
+    assert [info.total_records for info in gf.infos(prefix)] == [3]
+    status = gf.status()
+    assert status["backend"] and status["datasets"] >= 1
+    copied = gf.copy(f"{prefix}-a", f"{prefix}-b")
+    assert (copied.name, copied.as_name) == (f"{prefix}-a", f"{prefix}-b")
+    with pytest.raises(pa.ArrowException, match="already exists"):
+        gf.copy(f"{prefix}-a", f"{prefix}-b")
+    moved = gf.move(f"{prefix}-b", status["devices"][0]["device"])
+    assert moved.name == f"{prefix}-b"
+    assert sorted(gf.list(prefix)) == [f"{prefix}-a", f"{prefix}-b"]
+    dropped = gf.drop(f"{prefix}-a")
+    assert (dropped.name, dropped.rows) == (f"{prefix}-a", 3)
+    assert gf.get(f"{prefix}-b").column("x").to_pylist() == [1, 2, 3]
+    gf.drop(f"{prefix}-b")
+    assert gf.list(prefix) == []
+
+
+def test_columns_project_on_the_server(gf):
+    # Needs server-side projection (issue 24, item 3).
+    table = pa.table({"a": [1, 2], "b": ["x", "y"], "c": [0.5, 1.5]})
+    name = unique()
+    gf.put(name, table)
+    assert gf.schema(name, columns=["c", "a"]).names == ["c", "a"]
+    info = gf.info(name, columns=["b"])
+    assert info.schema.names == ["b"]
+    assert gf.get(name, columns=["c", "a"]).equals(table.select(["c", "a"]))
+    with pytest.raises(pa.ArrowInvalid, match="nope"):
+        gf.get(name, columns=["a", "nope"])
+
+
+def test_columns_must_be_a_sequence_of_names(gf):
+    with pytest.raises(TypeError, match="sequence of column names"):
+        gf.get("anything", columns="a")
+
+
+def test_token_and_basic_login(make_server, tmp_path):
+    from conftest import new_token
+
+    entry, token = new_token("writer", "write")
+    path = tmp_path / "tokens.toml"
+    path.write_text(entry)
+    path.chmod(0o600)
+    server = make_server("--auth-tokens", str(path))
+    with (
+        gpu_flight.connect(server.location) as anonymous,
+        pytest.raises(flight.FlightUnauthenticatedError, match="Bearer"),
+    ):
+        anonymous.list()
+    with gpu_flight.connect(server.location, token=token, timeout=30) as gf:
+        gf.put("secret", pa.table({"x": [1]}))
+        assert gf.get("secret").num_rows == 1
+    with (
+        gpu_flight.connect(server.location, token="made-up") as gf,
+        pytest.raises(flight.FlightUnauthenticatedError),
+    ):
+        gf.get("secret")
+    with pytest.raises(ValueError, match="not both"):
+        gpu_flight.connect(server.location, token=token, username="u", password="p")
+
+
+def test_imports_without_gpu_libraries():
+    script = textwrap.dedent(
+        """
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("cupy", "cudf", "torch", "dask", "distributed"):
+                    raise ImportError(f"{name} is blocked")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        import gpu_flight
+        import gpu_flight.dask as gd
+        assert not {"cupy", "cudf", "torch", "dask"} & set(sys.modules)
+        try:
+            gd.read_dataset("grpc://127.0.0.1:1", "x")
+        except ImportError as error:
+            assert "gpu-flight[dask]" in str(error), error
+        else:
+            raise AssertionError("read_dataset without dask")
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
