@@ -261,9 +261,10 @@ impl Partition for HostPartition {
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
-        let result =
-            check_rows(offset, len, self.batch.num_rows()).map(|()| self.batch.slice(offset, len));
+        let result = check_rows(offset, len, self.batch.num_rows())
+            .and_then(|()| crate::backend::project(self.batch.slice(offset, len), columns));
         futures::future::ready(result).boxed()
     }
 

@@ -208,11 +208,14 @@ pub trait Partition: Send + Sync + fmt::Debug {
         self.num_rows().saturating_sub(offset)
     }
 
-    /// Copies rows `offset..offset + len` back into a host record batch.
+    /// Copies rows `offset..offset + len` of `columns` (schema positions, in that order; all
+    /// of them for `None`) back into a host record batch. Columns not asked for are not
+    /// copied: a projected read costs only what it returns.
     fn read(
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
 
     /// Describes columns `columns` for another process on this machine to map zero-copy: the
@@ -386,6 +389,20 @@ fn plain(error: &BackendError) -> String {
     match error {
         BackendError::Device(reason) => reason.clone(),
         other => other.to_string(),
+    }
+}
+
+/// `columns` of a host batch (all for `None`), for partitions that hold host batches: the
+/// arrays are shared, not copied.
+pub(crate) fn project(
+    batch: RecordBatch,
+    columns: Option<&[usize]>,
+) -> Result<RecordBatch, BackendError> {
+    match columns {
+        None => Ok(batch),
+        Some(columns) => batch
+            .project(columns)
+            .map_err(|e| BackendError::Device(format!("choosing columns to read: {e}"))),
     }
 }
 

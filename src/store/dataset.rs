@@ -17,6 +17,7 @@ use super::error::StoreError;
 use super::load::readable;
 use super::memory::Reservation;
 use super::slot::{Slot, StoredPartition, Tier};
+use crate::backend::Backend;
 
 /// Bytes of a dataset in each tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -159,6 +160,32 @@ impl Dataset {
         self.data_bytes
     }
 
+    /// [`Dataset::data_bytes`] of only `columns`: each partition's bytes in the share of
+    /// its memory those columns take, as `backend` measures it where the partition is on a
+    /// device, else in their share of the schema's columns (an estimate).
+    pub fn projected_data_bytes(&self, backend: &dyn Backend, columns: &[usize]) -> u64 {
+        let width = self.schema.fields().len().max(1) as u64;
+        let all: Vec<usize> = (0..self.schema.fields().len()).collect();
+        self.partitions
+            .iter()
+            .map(|partition| {
+                let resident = partition.slot.resident();
+                let measured = match resident.tier {
+                    Tier::Device(_) => backend
+                        .copied_size(&resident.data, columns)
+                        .and_then(|part| Ok((part, backend.copied_size(&resident.data, &all)?)))
+                        .ok()
+                        .filter(|&(_, whole)| whole > 0),
+                    Tier::Host | Tier::Disk => None,
+                };
+                let (part, whole) = measured.unwrap_or((columns.len() as u64, width));
+                let share = u128::from(partition.data_bytes) * u128::from(part.min(whole))
+                    / u128::from(whole.max(1));
+                u64::try_from(share).unwrap_or(u64::MAX)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     pub(crate) fn partitions(&self) -> &[StoredPartition] {
         &self.partitions
     }
@@ -190,6 +217,27 @@ impl Dataset {
         chunk_bytes: u64,
         prefetch: usize,
     ) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+        self.read_columns(rows, None, chunk_bytes, prefetch)
+    }
+
+    /// [`Dataset::read`] of only `columns` (schema positions, in that order; all for
+    /// `None`): the backend never copies the others out of its memory.
+    pub fn read_columns(
+        self: &Arc<Self>,
+        rows: Range<u64>,
+        columns: Option<Arc<[usize]>>,
+        chunk_bytes: u64,
+        prefetch: usize,
+    ) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+        if let Some(columns) = &columns
+            && let Some(&bad) = columns.iter().find(|&&c| c >= self.schema.fields().len())
+        {
+            return Err(StoreError::UnknownColumn {
+                name: self.name.clone(),
+                columns: vec![format!("#{bad}")],
+                available: format!("#0 to #{}", self.schema.fields().len().saturating_sub(1)),
+            });
+        }
         if rows.start > rows.end || rows.end > self.num_rows() {
             return Err(StoreError::RowsOutOfRange {
                 name: self.name.clone(),
@@ -214,11 +262,15 @@ impl Dataset {
             .map_ok(move |chunk| {
                 let slot = Arc::clone(&dataset.partitions[chunk.partition].slot);
                 slot.touch();
+                let columns = columns.clone();
                 async move {
                     // Held until the read is done, so that a spill meanwhile frees nothing
                     // under it.
                     let resident = readable(&slot).await?;
-                    let batch = resident.data.read(chunk.offset, chunk.len).await;
+                    let batch = resident
+                        .data
+                        .read(chunk.offset, chunk.len, columns.as_deref())
+                        .await;
                     drop(resident);
                     batch.map_err(StoreError::from)
                 }

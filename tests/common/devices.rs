@@ -165,8 +165,9 @@ impl Partition for PretendPartition {
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
-        self.inner.read(offset, len)
+        self.inner.read(offset, len, columns)
     }
     fn export(
         &self,
