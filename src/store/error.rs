@@ -177,6 +177,15 @@ impl From<files::FilesError> for StoreError {
     }
 }
 
+/// `column 'a'`, or `columns 'a', 'b'`.
+fn quoted(columns: &[String]) -> String {
+    let list: Vec<String> = columns.iter().map(|c| format!("'{c}'")).collect();
+    match list.len() {
+        1 => format!("column {}", list[0]),
+        _ => format!("columns {}", list.join(", ")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,14 +204,5 @@ mod tests {
         assert!(full.to_string().contains("seg-1.arrow.tmp"), "{full}");
         let denied = error(std::io::ErrorKind::PermissionDenied);
         assert!(matches!(denied, StoreError::Persist(_)), "{denied}");
-    }
-}
-
-/// `column 'a'`, or `columns 'a', 'b'`.
-fn quoted(columns: &[String]) -> String {
-    let list: Vec<String> = columns.iter().map(|c| format!("'{c}'")).collect();
-    match list.len() {
-        1 => format!("column {}", list[0]),
-        _ => format!("columns {}", list.join(", ")),
     }
 }
