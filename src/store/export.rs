@@ -304,12 +304,17 @@ pub fn column_indices(
     schema: &arrow::datatypes::Schema,
     names: &[String],
 ) -> Result<Vec<usize>, StoreError> {
+    // A map, not `Schema::index_of`'s scan: a client's list may be as long as its document.
+    let mut positions = std::collections::HashMap::with_capacity(schema.fields().len());
+    for (index, field) in schema.fields().iter().enumerate() {
+        positions.entry(field.name().as_str()).or_insert(index);
+    }
     let mut unknown = Vec::new();
     let indices: Vec<usize> = names
         .iter()
-        .filter_map(|column| match schema.index_of(column) {
-            Ok(index) => Some(index),
-            Err(_) => {
+        .filter_map(|column| match positions.get(column.as_str()) {
+            Some(&index) => Some(index),
+            None => {
                 unknown.push(column.clone());
                 None
             }
