@@ -1055,6 +1055,42 @@ async fn projected_tickets_are_checked(make: MakeBackend) {
     let error = do_get_error(&mut client, ticket).await;
     assert_eq!(code_of(&error), Code::NotFound);
     server.shutdown_and_wait().await;
+
+    // Each ticket repeats its column list: a wide projection of a dataset of many endpoints
+    // still fits a client's 4 MiB message limit, through fewer endpoints.
+    let options = ServeOptions {
+        flight: FlightOptions {
+            rows_per_endpoint: 1,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let columns: Vec<(String, ArrayRef)> = (0..1500)
+        .map(|c| {
+            let values: ArrayRef = Arc::new(arrow::array::Int8Array::from(vec![c as i8; 5000]));
+            (format!("c{c}"), values)
+        })
+        .collect();
+    let wide = RecordBatch::try_from_iter(columns).expect("batch");
+    put(&mut client, path("wide"), vec![wide.clone()])
+        .await
+        .expect("put");
+    let names: Vec<String> = (0..1500).rev().map(|c| format!("c{c}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let info = client
+        .get_flight_info(projected("wide", &names, None))
+        .await
+        .expect("a reply under 4 MiB");
+    assert!(info.endpoint.len() > 1, "{} endpoints", info.endpoint.len());
+    assert!(info.encoded_len() < 2 << 20, "{} bytes", info.encoded_len());
+    let reversed: Vec<usize> = (0..1500).rev().collect();
+    assert_same_data(
+        &[wide.project(&reversed).expect("project")],
+        &read_endpoints(&mut client, &info).await.expect("read"),
+    );
+    server.shutdown_and_wait().await;
 }
 
 #[test]

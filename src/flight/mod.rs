@@ -62,6 +62,10 @@ const UNCHECKED_TOKEN: &str = "unauthenticated";
 /// Most endpoints one `GetFlightInfo` reply lists (about 100 bytes each).
 const MAX_ENDPOINTS: u64 = 4096;
 
+/// Most bytes the column lists of a projection's tickets add to a `GetFlightInfo` reply: each
+/// ticket repeats the list, so a wide projection is read through fewer endpoints.
+const MAX_PROJECTION_BYTES: u64 = 1 << 20;
+
 /// Protocol settings.
 #[derive(Debug, Clone)]
 pub struct FlightOptions {
@@ -162,12 +166,22 @@ impl Service {
         descriptor: Option<FlightDescriptor>,
     ) -> Result<FlightInfo, Error> {
         let rows = dataset.num_rows();
-        // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them: the
-        // reply must fit a client's 4 MiB message limit whatever row count a dataset declares.
+        // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them (nor
+        // more than a projection's lists fit in MAX_PROJECTION_BYTES): the reply must fit a
+        // client's 4 MiB message limit whatever row count a dataset declares.
+        let max_endpoints = match columns {
+            None => MAX_ENDPOINTS,
+            Some(columns) => {
+                let listed: u64 = columns.iter().map(|c| c.to_string().len() as u64 + 1).sum();
+                MAX_ENDPOINTS
+                    .min(MAX_PROJECTION_BYTES / listed.max(1))
+                    .max(1)
+            }
+        };
         let step = self
             .options
             .rows_per_endpoint
-            .max(rows.div_ceil(MAX_ENDPOINTS))
+            .max(rows.div_ceil(max_endpoints))
             .max(1);
         let (schema, bytes) = match columns {
             None => (dataset.schema(), dataset.data_bytes()),
@@ -201,7 +215,7 @@ impl Service {
             .into_iter()
             .map(|(rows, device)| (rows, Some(device)))
             .collect();
-        if runs.is_empty() || runs.len() as u64 > MAX_ENDPOINTS / 2 {
+        if runs.is_empty() || runs.len() as u64 > max_endpoints / 2 {
             runs = vec![(0..rows, None)];
         }
         for (run, device) in runs {
