@@ -1084,11 +1084,46 @@ async fn projected_tickets_are_checked(make: MakeBackend) {
         .await
         .expect("a reply under 4 MiB");
     assert!(info.endpoint.len() > 1, "{} endpoints", info.endpoint.len());
+    assert!(
+        info.endpoint.len() < 1000,
+        "{} endpoints",
+        info.endpoint.len()
+    );
     assert!(info.encoded_len() < 2 << 20, "{} bytes", info.encoded_len());
     let reversed: Vec<usize> = (0..1500).rev().collect();
     assert_same_data(
         &[wide.project(&reversed).expect("project")],
         &read_endpoints(&mut client, &info).await.expect("read"),
+    );
+    server.shutdown_and_wait().await;
+
+    // Reads are chunked by bytes: a projection of one column in ten reads as many bytes per
+    // chunk, so as many times fewer chunks (each at least one message), not as many.
+    let options = ServeOptions {
+        flight: FlightOptions {
+            read_chunk_bytes: 16 << 10,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let ten = int64_batch(20_000, 10, 0);
+    put(&mut client, path("ten"), vec![ten.clone()])
+        .await
+        .expect("put");
+    let whole = get_all(&mut client, "ten").await.expect("read");
+    let info = client
+        .get_flight_info(projected("ten", &["c4"], None))
+        .await
+        .expect("info");
+    let one = read_endpoints(&mut client, &info).await.expect("read");
+    assert_same_data(&[ten.project(&[4]).expect("project")], &one);
+    assert!(
+        whole.len() >= 50 && one.len() * 4 <= whole.len(),
+        "{} batches for all columns, {} for one",
+        whole.len(),
+        one.len()
     );
     server.shutdown_and_wait().await;
 }

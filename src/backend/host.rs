@@ -268,6 +268,10 @@ impl Partition for HostPartition {
         futures::future::ready(result).boxed()
     }
 
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        self.project(columns).ok().map(|batch| batch_bytes(&batch))
+    }
+
     fn export(
         &self,
         _columns: &[usize],

@@ -218,6 +218,13 @@ pub trait Partition: Send + Sync + fmt::Debug {
         columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
 
+    /// Bytes of Arrow buffers `columns` hold (schema positions), as a client reading them
+    /// receives them, give or take framing; `None` where the partition cannot tell without
+    /// reading its data (only on disk).
+    fn column_bytes(&self, _columns: &[usize]) -> Option<u64> {
+        None
+    }
+
     /// Describes columns `columns` for another process on this machine to map zero-copy: the
     /// GPU holding them, and per column an IPC handle and buffer offsets. Every device write to them has completed (uploads and
     /// concatenations synchronize before they return). `NotExportable` where the memory

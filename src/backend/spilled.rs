@@ -136,6 +136,13 @@ impl Partition for SpilledPartition {
         futures::future::ready(result).boxed()
     }
 
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        self.pieces.iter().try_fold(0u64, |sum, piece| {
+            let chosen = piece.project(columns).ok()?;
+            Some(sum.saturating_add(crate::arrays::batch_bytes(&chosen)))
+        })
+    }
+
     fn export(
         &self,
         _columns: &[usize],

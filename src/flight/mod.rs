@@ -187,7 +187,7 @@ impl Service {
             None => (dataset.schema(), dataset.data_bytes()),
             Some(columns) => (
                 Arc::new(project_schema(&dataset.schema(), columns)?),
-                dataset.projected_data_bytes(self.store.backend().as_ref(), columns),
+                dataset.projected_data_bytes(columns),
             ),
         };
         let mut info = FlightInfo::new()

@@ -20,6 +20,10 @@ use super::ticket::{self, TicketRequest};
 use crate::error::Error;
 use crate::store::StoreError;
 
+/// Most a projection enlarges read chunks by: where a partition's share of the chosen columns
+/// is only estimated (in the host tier or on disk), a chunk stays within this of the target.
+const MAX_CHUNK_SCALE: u64 = 64;
+
 /// The rows a ticket names, being read.
 pub(crate) struct Reading {
     pub(crate) batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
@@ -91,10 +95,20 @@ pub(crate) fn open(
         }
     };
     let options = &service.options;
+    // Chunks are planned by the bytes a row holds in all columns: a projection reads the
+    // same bytes per chunk through proportionally more rows (at most 64 times as many).
+    let chunk_bytes = match &columns {
+        None => options.read_chunk_bytes,
+        Some(columns) => {
+            let chosen = dataset.projected_data_bytes(columns);
+            let scale = (dataset.data_bytes() / chosen.max(1)).clamp(1, MAX_CHUNK_SCALE);
+            options.read_chunk_bytes.saturating_mul(scale)
+        }
+    };
     let mut batches = dataset.read_columns(
         rows,
         columns.map(Arc::from),
-        options.read_chunk_bytes,
+        chunk_bytes,
         options.read_prefetch,
     )?;
     if let Some(call) = call {

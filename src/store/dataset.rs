@@ -17,7 +17,6 @@ use super::error::StoreError;
 use super::load::readable;
 use super::memory::Reservation;
 use super::slot::{Slot, StoredPartition, Tier};
-use crate::backend::Backend;
 
 /// Bytes of a dataset in each tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -160,24 +159,20 @@ impl Dataset {
         self.data_bytes
     }
 
-    /// [`Dataset::data_bytes`] of only `columns`: each partition's bytes in the share of
-    /// its memory those columns take, as `backend` measures it where the partition is on a
-    /// device, else in their share of the schema's columns (an estimate).
-    pub fn projected_data_bytes(&self, backend: &dyn Backend, columns: &[usize]) -> u64 {
+    /// [`Dataset::data_bytes`] of only `columns`: each partition's bytes in the share its
+    /// partition says those columns hold, or, for one only on disk, their share of the
+    /// schema's columns (an estimate).
+    pub fn projected_data_bytes(&self, columns: &[usize]) -> u64 {
         let width = self.schema.fields().len().max(1) as u64;
         let all: Vec<usize> = (0..self.schema.fields().len()).collect();
         self.partitions
             .iter()
             .map(|partition| {
-                let resident = partition.slot.resident();
-                let measured = match resident.tier {
-                    Tier::Device(_) => backend
-                        .copied_size(&resident.data, columns)
-                        .and_then(|part| Ok((part, backend.copied_size(&resident.data, &all)?)))
-                        .ok()
-                        .filter(|&(_, whole)| whole > 0),
-                    Tier::Host | Tier::Disk => None,
-                };
+                let data = &partition.slot.resident().data;
+                let measured = data
+                    .column_bytes(columns)
+                    .zip(data.column_bytes(&all))
+                    .filter(|&(_, whole)| whole > 0);
                 let (part, whole) = measured.unwrap_or((columns.len() as u64, width));
                 let share = u128::from(partition.data_bytes) * u128::from(part.min(whole))
                     / u128::from(whole.max(1));

@@ -169,6 +169,9 @@ impl Partition for PretendPartition {
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
         self.inner.read(offset, len, columns)
     }
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        self.inner.column_bytes(columns)
+    }
     fn export(
         &self,
         columns: &[usize],

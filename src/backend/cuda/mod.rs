@@ -889,6 +889,14 @@ impl Partition for CudaPartition {
         task.map(flatten_join).boxed()
     }
 
+    /// The bytes of the columns' regions, from their layout: no device memory is touched.
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        columns.iter().try_fold(0u64, |sum, &index| {
+            let (_, array) = self.columns.get(index)?;
+            Some(sum.saturating_add(layout::used_bytes(array)))
+        })
+    }
+
     fn export(
         &self,
         columns: &[usize],
