@@ -85,7 +85,7 @@ async fn concatenate(backend: &Arc<dyn Backend>, inputs: &[RecordBatch]) -> Reco
     }
     let compact = backend.compact(partitions).await.expect("concatenate");
     let rows = compact.num_rows();
-    compact.read(0, rows).await.expect("read back")
+    compact.read(0, rows, None).await.expect("read back")
 }
 
 fn assert_unique_dictionary(array: &ArrayRef, context: &str) {

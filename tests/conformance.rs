@@ -12,7 +12,8 @@ use arrow::array::{Array, ArrayRef, AsArray, DictionaryArray, Int64Array};
 use arrow::datatypes::{DataType, Field, Int32Type, Schema};
 use arrow::record_batch::RecordBatch;
 use arrow_flight::encode::FlightDataEncoderBuilder;
-use arrow_flight::{FlightData, Ticket};
+use arrow_flight::error::FlightError;
+use arrow_flight::{FlightData, FlightDescriptor, Ticket};
 use common::*;
 use futures::{StreamExt, TryStreamExt};
 use gpu_flight::backend::Backend;
@@ -52,6 +53,9 @@ macro_rules! conformance {
                 shutdown_lets_running_streams_finish,
                 puts_end_compacted,
                 compaction_beyond_the_limit_fails_cleanly,
+                projection_reads_chosen_columns_in_order,
+                projection_errors_name_the_columns,
+                projected_tickets_are_checked,
             );
         }
     };
@@ -823,6 +827,303 @@ async fn compaction_beyond_the_limit_fails_cleanly(make: MakeBackend) {
     assert_eq!(
         code_of(&client.get_flight_info(path("t")).await.expect_err("absent")),
         Code::NotFound
+    );
+    server.shutdown_and_wait().await;
+}
+
+/// A GetFlightInfo or GetSchema CMD asking for `columns` of `name`, maybe compressed.
+fn projected(name: &str, columns: &[&str], compression: Option<&str>) -> FlightDescriptor {
+    let mut command = serde_json::json!({"name": name, "columns": columns});
+    if let Some(codec) = compression {
+        command["compression"] = codec.into();
+    }
+    FlightDescriptor::new_cmd(command.to_string())
+}
+
+/// Helpers of the projection scenarios (in a module: the scenario count below counts every
+/// top-level `async fn`).
+mod reads {
+    use super::*;
+
+    /// Every endpoint of `info`, read in order.
+    pub(crate) async fn read_endpoints(
+        client: &mut arrow_flight::FlightClient,
+        info: &arrow_flight::FlightInfo,
+    ) -> Result<Vec<RecordBatch>, arrow_flight::error::FlightError> {
+        let mut batches = Vec::new();
+        for endpoint in &info.endpoint {
+            let ticket = endpoint.ticket.clone().expect("endpoint has a ticket");
+            let mut part: Vec<_> = client.do_get(ticket).await?.try_collect().await?;
+            batches.append(&mut part);
+        }
+        Ok(batches)
+    }
+
+    /// The failure of a call that may fail when called or while its reply streams.
+    pub(crate) async fn do_get_error(
+        client: &mut arrow_flight::FlightClient,
+        ticket: Ticket,
+    ) -> FlightError {
+        match client.do_get(ticket).await {
+            Err(e) => e,
+            Ok(stream) => stream.try_collect::<Vec<_>>().await.expect_err("refused"),
+        }
+    }
+}
+use reads::{do_get_error, read_endpoints};
+
+async fn projection_reads_chosen_columns_in_order(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batches = vec![all_types_batch(100), all_types_batch(37)];
+    put(&mut client, path("types"), batches.clone())
+        .await
+        .expect("put");
+    let whole = client.get_flight_info(path("types")).await.expect("info");
+    // Reordered, with dictionary, nested and variable-width columns.
+    let names = ["dictionary", "i32", "struct", "list", "utf8", "map"];
+    let schema = batches[0].schema();
+    let indices: Vec<usize> = names
+        .iter()
+        .map(|n| schema.index_of(n).expect("field"))
+        .collect();
+    let expected: Vec<RecordBatch> = batches
+        .iter()
+        .map(|b| b.project(&indices).expect("project"))
+        .collect();
+    for compression in [None, Some("lz4"), Some("zstd")] {
+        let info = client
+            .get_flight_info(projected("types", &names, compression))
+            .await
+            .expect("info");
+        assert_eq!(
+            &info.clone().try_decode_schema().expect("schema"),
+            expected[0].schema().as_ref()
+        );
+        assert_eq!(info.total_records, 137);
+        assert!(
+            0 < info.total_bytes && info.total_bytes < whole.total_bytes,
+            "{} of {}",
+            info.total_bytes,
+            whole.total_bytes
+        );
+        for endpoint in &info.endpoint {
+            let ticket = &endpoint.ticket.as_ref().expect("ticket").ticket;
+            assert!(ticket.starts_with(b"\0gpu-flight-ticket/3\n"), "{ticket:?}");
+        }
+        let received = read_endpoints(&mut client, &info).await.expect("read");
+        assert_same_data(&expected, &received);
+    }
+    // One column, and every column in the schema's order: the latter reads as a PATH does.
+    let one = client
+        .get_flight_info(projected("types", &["i64"], None))
+        .await
+        .expect("info");
+    let i64_only: Vec<RecordBatch> = batches
+        .iter()
+        .map(|b| {
+            b.project(&[schema.index_of("i64").expect("i64")])
+                .expect("project")
+        })
+        .collect();
+    assert_same_data(
+        &i64_only,
+        &read_endpoints(&mut client, &one).await.expect("read"),
+    );
+    let all: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+    let every = client
+        .get_flight_info(projected("types", &all, None))
+        .await
+        .expect("info");
+    assert_eq!(every.total_bytes, whole.total_bytes);
+    assert_same_data(
+        &batches,
+        &read_endpoints(&mut client, &every).await.expect("read"),
+    );
+    // Without columns nothing changes: the whole schema, format 2 tickets.
+    for endpoint in &whole.endpoint {
+        let ticket = &endpoint.ticket.as_ref().expect("ticket").ticket;
+        assert!(ticket.starts_with(b"\0gpu-flight-ticket/2\n"), "{ticket:?}");
+    }
+    assert_same_data(
+        &batches,
+        &read_endpoints(&mut client, &whole).await.expect("read"),
+    );
+    // GetSchema answers the projected schema.
+    let projected_schema = client
+        .get_schema(projected("types", &names, None))
+        .await
+        .expect("schema");
+    assert_eq!(&projected_schema, expected[0].schema().as_ref());
+    server.shutdown_and_wait().await;
+}
+
+async fn projection_errors_name_the_columns(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(10, 2, 0)])
+        .await
+        .expect("put");
+    let cases: [(&[&str], &[&str]); 5] = [
+        (
+            &["nope", "c0", "gone"],
+            &["'nope'", "'gone'", "[\"c0\", \"c1\"]"],
+        ),
+        (&["c1", "c1"], &["repeated", "c1"]),
+        (&[], &["at least one"]),
+        (&["c0", "c1", "c0"], &["repeated", "c0"]),
+        (&["C0"], &["'C0'", "[\"c0\", \"c1\"]"]),
+    ];
+    for (columns, phrases) in cases {
+        let info = client
+            .get_flight_info(projected("t", columns, None))
+            .await
+            .expect_err("refused");
+        let schema = client
+            .get_schema(projected("t", columns, None))
+            .await
+            .expect_err("refused");
+        for error in [info, schema] {
+            assert_eq!(
+                code_of(&error),
+                Code::InvalidArgument,
+                "{columns:?}: {error}"
+            );
+            let FlightError::Tonic(status) = &error else {
+                panic!("{error}");
+            };
+            for phrase in phrases {
+                assert!(status.message().contains(phrase), "{phrase}: {error}");
+            }
+        }
+    }
+    for bad in [
+        r#"{"name": "t", "columns": "c0"}"#,
+        r#"{"name": "t", "columns": [0]}"#,
+        r#"{"name": "t", "columns": null, "column": ["c0"]}"#,
+    ] {
+        let error = client
+            .get_flight_info(FlightDescriptor::new_cmd(bad.to_owned()))
+            .await
+            .expect_err("refused");
+        assert_eq!(code_of(&error), Code::InvalidArgument, "{bad}: {error}");
+    }
+    // A missing dataset is still NOT_FOUND, whatever the columns.
+    let error = client
+        .get_flight_info(projected("missing", &["c0"], None))
+        .await
+        .expect_err("missing");
+    assert_eq!(code_of(&error), Code::NotFound);
+    server.shutdown_and_wait().await;
+}
+
+async fn projected_tickets_are_checked(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batch = int64_batch(10, 3, 0);
+    put(&mut client, path("t"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let info = client
+        .get_flight_info(projected("t", &["c2", "c0"], None))
+        .await
+        .expect("info");
+    let ticket = info.endpoint[0].ticket.clone().expect("ticket");
+    // The ticket carries indices, and reads the same twice.
+    let text = String::from_utf8_lossy(&ticket.ticket).into_owned();
+    assert!(text.contains("\"columns\":[2,0]"), "{text}");
+    for _ in 0..2 {
+        let received: Vec<RecordBatch> = client
+            .do_get(ticket.clone())
+            .await
+            .expect("do_get")
+            .try_collect()
+            .await
+            .expect("read");
+        assert_same_data(&[batch.project(&[2, 0]).expect("project")], &received);
+    }
+    // Altered projections are refused, not read.
+    for columns in ["[7]", "[0,0]", "[]", "[-1]", "[\"c0\"]"] {
+        let forged = text.replace("[2,0]", columns);
+        let error = do_get_error(&mut client, Ticket::new(forged.into_bytes())).await;
+        assert_eq!(code_of(&error), Code::InvalidArgument, "{columns}: {error}");
+    }
+    // A projected ticket of a replaced version is stale like any other.
+    put(&mut client, cmd("t", "replace"), vec![int64_batch(5, 3, 1)])
+        .await
+        .expect("replace");
+    let error = do_get_error(&mut client, ticket).await;
+    assert_eq!(code_of(&error), Code::NotFound);
+    server.shutdown_and_wait().await;
+
+    // Each ticket repeats its column list: a wide projection of a dataset of many endpoints
+    // still fits a client's 4 MiB message limit, through fewer endpoints.
+    let options = ServeOptions {
+        flight: FlightOptions {
+            rows_per_endpoint: 1,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let columns: Vec<(String, ArrayRef)> = (0..1500)
+        .map(|c| {
+            let values: ArrayRef = Arc::new(arrow::array::Int8Array::from(vec![c as i8; 5000]));
+            (format!("c{c}"), values)
+        })
+        .collect();
+    let wide = RecordBatch::try_from_iter(columns).expect("batch");
+    put(&mut client, path("wide"), vec![wide.clone()])
+        .await
+        .expect("put");
+    let names: Vec<String> = (0..1500).rev().map(|c| format!("c{c}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let info = client
+        .get_flight_info(projected("wide", &names, None))
+        .await
+        .expect("a reply under 4 MiB");
+    assert!(info.endpoint.len() > 1, "{} endpoints", info.endpoint.len());
+    assert!(
+        info.endpoint.len() < 1000,
+        "{} endpoints",
+        info.endpoint.len()
+    );
+    assert!(info.encoded_len() < 2 << 20, "{} bytes", info.encoded_len());
+    let reversed: Vec<usize> = (0..1500).rev().collect();
+    assert_same_data(
+        &[wide.project(&reversed).expect("project")],
+        &read_endpoints(&mut client, &info).await.expect("read"),
+    );
+    server.shutdown_and_wait().await;
+
+    // Reads are chunked by bytes: a projection of one column in ten reads as many bytes per
+    // chunk, so as many times fewer chunks (each at least one message), not as many.
+    let options = ServeOptions {
+        flight: FlightOptions {
+            read_chunk_bytes: 16 << 10,
+            ..FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(make(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+    let ten = int64_batch(20_000, 10, 0);
+    put(&mut client, path("ten"), vec![ten.clone()])
+        .await
+        .expect("put");
+    let whole = get_all(&mut client, "ten").await.expect("read");
+    let info = client
+        .get_flight_info(projected("ten", &["c4"], None))
+        .await
+        .expect("info");
+    let one = read_endpoints(&mut client, &info).await.expect("read");
+    assert_same_data(&[ten.project(&[4]).expect("project")], &one);
+    assert!(
+        whole.len() >= 50 && one.len() * 4 <= whole.len(),
+        "{} batches for all columns, {} for one",
+        whole.len(),
+        one.len()
     );
     server.shutdown_and_wait().await;
 }

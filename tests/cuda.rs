@@ -245,3 +245,61 @@ async fn spilled_data_gives_its_staging_memory_back() {
     }
     server.shutdown_and_wait().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn projected_reads_copy_only_the_chosen_columns_off_the_device() {
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    // Four int64 columns, two with validity bitmaps, and a string column.
+    let batch = int64_batch(100_000, 4, 0);
+    let strings = string_batch(100_000, 0);
+    let mut columns = batch.columns().to_vec();
+    columns.push(Arc::clone(strings.column(0)));
+    let mut fields: Vec<_> = batch.schema().fields().iter().cloned().collect();
+    fields.push(Arc::new(strings.schema().field(0).clone().with_name("s")));
+    let batch = RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns)
+        .expect("batch");
+    put(&mut client, path("t"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let copied = |status: &Value| counter(status, "read_bytes");
+    let mut read = async |columns: Option<&[&str]>| {
+        let descriptor = match columns {
+            Some(columns) => arrow_flight::FlightDescriptor::new_cmd(
+                serde_json::json!({"name": "t", "columns": columns}).to_string(),
+            ),
+            None => path("t"),
+        };
+        let before = status(&mut client).await;
+        let info = client.get_flight_info(descriptor).await.expect("info");
+        let mut batches = Vec::new();
+        for endpoint in info.endpoint {
+            let ticket = endpoint.ticket.expect("ticket");
+            let part: Vec<RecordBatch> =
+                futures::TryStreamExt::try_collect(client.do_get(ticket).await.expect("do_get"))
+                    .await
+                    .expect("read");
+            batches.extend(part);
+        }
+        let after = status(&mut client).await;
+        (batches, copied(&after) - copied(&before))
+    };
+    let (whole, all_bytes) = read(None).await;
+    assert_same_data(std::slice::from_ref(&batch), &whole);
+    let (one, one_bytes) = read(Some(&["c0"])).await;
+    assert_same_data(&[batch.project(&[0]).expect("project")], &one);
+    // c0 is 800 kB of the batch's 3.2 MB of integers (plus the strings): only it crosses
+    // the bus, with at most a bitmap and alignment besides.
+    assert!(
+        (8 * 100_000..=8 * 100_000 + 100_000 / 8 + 4096).contains(&one_bytes),
+        "c0 alone: {one_bytes} ({all_bytes} for all)"
+    );
+    let (two, two_bytes) = read(Some(&["s", "c1"])).await;
+    assert_same_data(&[batch.project(&[4, 1]).expect("project")], &two);
+    assert!(
+        two_bytes + 3 * 8 * 100_000 <= all_bytes,
+        "{two_bytes} of {all_bytes}"
+    );
+    server.shutdown_and_wait().await;
+}

@@ -531,6 +531,7 @@ impl Partition for PanickingPartition {
         &self,
         _offset: usize,
         _len: usize,
+        _columns: Option<&[usize]>,
     ) -> futures::future::BoxFuture<'static, Result<RecordBatch, BackendError>> {
         panic!("a bug in a backend")
     }

@@ -261,10 +261,15 @@ impl Partition for HostPartition {
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
-        let result =
-            check_rows(offset, len, self.batch.num_rows()).map(|()| self.batch.slice(offset, len));
+        let result = check_rows(offset, len, self.batch.num_rows())
+            .and_then(|()| crate::backend::project(self.batch.slice(offset, len), columns));
         futures::future::ready(result).boxed()
+    }
+
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        self.project(columns).ok().map(|batch| batch_bytes(&batch))
     }
 
     fn export(
@@ -332,6 +337,42 @@ fn physical_memory_bytes() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn projected_reads_share_only_the_chosen_columns() {
+        let batch = RecordBatch::try_from_iter([
+            (
+                "a",
+                Arc::new(arrow::array::Int64Array::from(vec![1, 2, 3])) as _,
+            ),
+            (
+                "b",
+                Arc::new(arrow::array::StringArray::from(vec!["x", "y", "z"])) as _,
+            ),
+            (
+                "c",
+                Arc::new(arrow::array::Int8Array::from(vec![7, 8, 9])) as _,
+            ),
+        ])
+        .expect("batch");
+        let partition = HostPartition {
+            bytes: batch_bytes(&batch),
+            batch: batch.clone(),
+        };
+        let read = partition.read(1, 2, Some(&[2, 0])).await.expect("read");
+        assert_eq!(read, batch.slice(1, 2).project(&[2, 0]).expect("project"));
+        // The arrays are the partition's own, not copies.
+        assert!(std::ptr::eq(
+            read.column(1).to_data().buffers()[0].as_ptr(),
+            batch.slice(1, 2).column(0).to_data().buffers()[0].as_ptr(),
+        ));
+        assert_eq!(
+            partition.read(0, 3, None).await.expect("read"),
+            batch,
+            "None reads every column"
+        );
+        assert!(partition.read(0, 1, Some(&[3])).await.is_err());
+    }
 
     #[test]
     fn cgroup_limits_parse() {

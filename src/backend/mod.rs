@@ -208,12 +208,22 @@ pub trait Partition: Send + Sync + fmt::Debug {
         self.num_rows().saturating_sub(offset)
     }
 
-    /// Copies rows `offset..offset + len` back into a host record batch.
+    /// Copies rows `offset..offset + len` of `columns` (schema positions, in that order; all
+    /// of them for `None`) back into a host record batch. Columns not asked for are not
+    /// copied: a projected read costs only what it returns.
     fn read(
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
+
+    /// Bytes of Arrow buffers `columns` hold (schema positions), as a client reading them
+    /// receives them, give or take framing; `None` where the partition cannot tell without
+    /// reading its data (only on disk).
+    fn column_bytes(&self, _columns: &[usize]) -> Option<u64> {
+        None
+    }
 
     /// Describes columns `columns` for another process on this machine to map zero-copy: the
     /// GPU holding them, and per column an IPC handle and buffer offsets. Every device write to them has completed (uploads and
@@ -386,6 +396,20 @@ fn plain(error: &BackendError) -> String {
     match error {
         BackendError::Device(reason) => reason.clone(),
         other => other.to_string(),
+    }
+}
+
+/// `columns` of a host batch (all for `None`), for partitions that hold host batches: the
+/// arrays are shared, not copied.
+pub(crate) fn project(
+    batch: RecordBatch,
+    columns: Option<&[usize]>,
+) -> Result<RecordBatch, BackendError> {
+    match columns {
+        None => Ok(batch),
+        Some(columns) => batch
+            .project(columns)
+            .map_err(|e| BackendError::Device(format!("choosing columns to read: {e}"))),
     }
 }
 

@@ -128,8 +128,19 @@ impl Partition for SpilledPartition {
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
-        futures::future::ready(self.slice(offset, len)).boxed()
+        let result = self
+            .slice(offset, len)
+            .and_then(|batch| crate::backend::project(batch, columns));
+        futures::future::ready(result).boxed()
+    }
+
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        self.pieces.iter().try_fold(0u64, |sum, piece| {
+            let chosen = piece.project(columns).ok()?;
+            Some(sum.saturating_add(crate::arrays::batch_bytes(&chosen)))
+        })
     }
 
     fn export(
@@ -171,10 +182,10 @@ mod tests {
         let spilled = keep(&pieces);
         assert_eq!((spilled.num_rows(), spilled.pieces().len()), (100, 2));
         for (offset, len) in [(0, 100), (0, 30), (29, 2), (30, 5), (99, 1), (10, 0)] {
-            let read = spilled.read(offset, len).await.expect("read");
+            let read = spilled.read(offset, len, None).await.expect("read");
             assert_eq!(read, whole.slice(offset, len), "rows {offset}+{len}");
         }
-        assert!(spilled.read(90, 11).await.is_err(), "past the end");
+        assert!(spilled.read(90, 11, None).await.is_err(), "past the end");
         let runs: Vec<usize> = [0, 29, 30, 99, 100]
             .map(|offset| spilled.contiguous_rows(offset))
             .into();

@@ -2,14 +2,16 @@
 //!
 //! A dataset is named by a PATH descriptor of exactly one element. `DoPut` also takes a CMD
 //! descriptor holding JSON `{"name": "...", "mode": "create" | "replace" | "append"}` so a client
-//! can choose what happens to an existing dataset, and `GetFlightInfo` one holding
-//! `{"name": "...", "compression": "lz4" | "zstd"}`, whose tickets then read compressed.
+//! can choose what happens to an existing dataset, and `GetFlightInfo` (and `GetSchema`) one
+//! holding a [`ReadCommand`], `{"name": "...", "columns": [...], "compression": "lz4" | "zstd"}`,
+//! whose tickets then read only those columns, compressed.
 
+use arrow::datatypes::Schema;
 use arrow_flight::FlightDescriptor;
 use arrow_flight::flight_descriptor::DescriptorType;
 
 use crate::error::Error;
-use crate::store::PutMode;
+use crate::store::{PutMode, column_indices};
 
 /// Longest dataset name, in bytes of UTF-8.
 pub const MAX_NAME_BYTES: usize = 256;
@@ -87,27 +89,81 @@ impl From<Compression> for arrow::ipc::CompressionType {
     }
 }
 
+/// A GetFlightInfo or GetSchema CMD descriptor: the dataset, how to encode its batches, and
+/// which of its columns to read, in which order (all, in the schema's order, when absent).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadCommand {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub columns: Option<Vec<String>>,
+}
+
+/// What a GetFlightInfo or GetSchema descriptor asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadTarget {
+    pub name: String,
+    pub options: ReadOptions,
+    /// Column names to read, in order; `None` reads them all. Checked against the dataset's
+    /// schema by [`projection`].
+    pub columns: Option<Vec<String>>,
+}
+
 /// The dataset a GetFlightInfo or GetSchema descriptor names, and how to read it: a PATH
-/// descriptor, or a CMD descriptor with `{"name": ..., "compression": ...}`.
-pub fn read_target(descriptor: &FlightDescriptor) -> Result<(String, ReadOptions), Error> {
+/// descriptor, or a CMD descriptor holding a [`ReadCommand`].
+pub fn read_target(descriptor: &FlightDescriptor) -> Result<ReadTarget, Error> {
     if DescriptorType::try_from(descriptor.r#type) != Ok(DescriptorType::Cmd) {
-        return Ok((dataset_name(descriptor)?, ReadOptions::default()));
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct ReadCommand {
-        name: String,
-        #[serde(default)]
-        compression: Option<Compression>,
+        return Ok(ReadTarget {
+            name: dataset_name(descriptor)?,
+            options: ReadOptions::default(),
+            columns: None,
+        });
     }
     let command: ReadCommand = parse_json_object(
         &descriptor.cmd,
-        "a GetFlightInfo CMD must be a JSON object {\"name\": \"...\", \"compression\": \"lz4\" | \"zstd\"}",
+        "a GetFlightInfo CMD must be a JSON object {\"name\": \"...\", \"columns\": [\"...\"] \
+         (optional), \"compression\": \"lz4\" | \"zstd\" (optional)}",
     )?;
-    let options = ReadOptions {
-        compression: command.compression,
-    };
-    Ok((parse_name(command.name.as_bytes())?, options))
+    Ok(ReadTarget {
+        name: parse_name(command.name.as_bytes())?,
+        options: ReadOptions {
+            compression: command.compression,
+        },
+        columns: command.columns,
+    })
+}
+
+/// The schema positions of the columns a [`ReadCommand`] names, checked against `schema` (of
+/// dataset `name`): at least one, every one known (an error names all that are not), each at
+/// most once, so never more than the schema has. The document's size bounds the list.
+pub fn projection(name: &str, schema: &Schema, columns: &[String]) -> Result<Vec<usize>, Error> {
+    let fields = schema.fields().len();
+    if columns.is_empty() {
+        return Err(Error::InvalidCommand(
+            "\"columns\" must name at least one column; leave it out to read them all".to_owned(),
+        ));
+    }
+    let indices = column_indices(name, schema, columns)?;
+    let mut seen = std::collections::HashSet::with_capacity(columns.len());
+    let repeated: Vec<&str> = columns
+        .iter()
+        .filter(|column| !seen.insert(column.as_str()))
+        .map(String::as_str)
+        .collect();
+    if !repeated.is_empty() {
+        return Err(Error::InvalidCommand(format!(
+            "\"columns\" names each column at most once; repeated: {repeated:?}"
+        )));
+    }
+    if columns.len() > fields {
+        return Err(Error::InvalidCommand(format!(
+            "\"columns\" names {} columns, but dataset '{name}' has {fields}",
+            columns.len()
+        )));
+    }
+    Ok(indices)
 }
 
 /// The dataset a PATH descriptor names.
@@ -203,25 +259,68 @@ mod tests {
     #[test]
     fn read_commands_choose_a_compression() {
         let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "compression": "zstd"}"#);
-        let (name, options) = read_target(&cmd).expect("valid");
+        let target = read_target(&cmd).expect("valid");
         assert_eq!(
-            (name.as_str(), options.compression),
+            (target.name.as_str(), target.options.compression),
             ("t", Some(Compression::Zstd))
         );
         let cmd = FlightDescriptor::new_cmd(r#"{"name": "t"}"#);
-        assert_eq!(read_target(&cmd).expect("valid").1, ReadOptions::default());
+        let all = ReadTarget {
+            name: "t".to_owned(),
+            options: ReadOptions::default(),
+            columns: None,
+        };
+        assert_eq!(read_target(&cmd).expect("valid"), all);
         let path = FlightDescriptor::new_path(vec!["t".to_owned()]);
-        assert_eq!(read_target(&path).expect("valid").1, ReadOptions::default());
+        assert_eq!(read_target(&path).expect("valid"), all);
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "columns": ["b", "a"]}"#);
+        assert_eq!(
+            read_target(&cmd).expect("valid").columns,
+            Some(vec!["b".to_owned(), "a".to_owned()])
+        );
         for bad in [
             r#"{"name": "t", "compression": "gzip"}"#,
             r#"{"name": "t", "compresion": "lz4"}"#,
             r#"{"compression": "lz4"}"#,
+            r#"{"name": "t", "columns": "a"}"#,
+            r#"{"name": "t", "columns": [1]}"#,
         ] {
             let cmd = FlightDescriptor::new_cmd(bad.to_owned());
             assert!(
                 matches!(read_target(&cmd), Err(Error::InvalidCommand(_))),
                 "{bad}"
             );
+        }
+    }
+
+    #[test]
+    fn projections_name_known_columns_once() {
+        use arrow::datatypes::{DataType, Field};
+        let schema = Schema::new(vec![
+            Field::new("a", DataType::Int32, false),
+            Field::new("b", DataType::Utf8, true),
+        ]);
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            projection("t", &schema, &names(&["b", "a"])).expect("valid"),
+            [1, 0]
+        );
+        let message = |list: &[&str]| match projection("t", &schema, &names(list)) {
+            Err(error) => tonic::Status::from(error),
+            Ok(columns) => panic!("{list:?} gave {columns:?}"),
+        };
+        for (list, expected) in [
+            (&[][..], "at least one"),
+            (&["a", "a"], "repeated: [\"a\"]"),
+            (
+                &["x", "a"],
+                "has no column 'x'; its columns are [\"a\", \"b\"]",
+            ),
+            (&["x", "y"], "has no columns 'x', 'y'"),
+        ] {
+            let status = message(list);
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{list:?}");
+            assert!(status.message().contains(expected), "{}", status.message());
         }
     }
 

@@ -62,6 +62,10 @@ const UNCHECKED_TOKEN: &str = "unauthenticated";
 /// Most endpoints one `GetFlightInfo` reply lists (about 100 bytes each).
 const MAX_ENDPOINTS: u64 = 4096;
 
+/// Most bytes the column lists of a projection's tickets add to a `GetFlightInfo` reply: each
+/// ticket repeats the list, so a wide projection is read through fewer endpoints.
+const MAX_PROJECTION_BYTES: u64 = 1 << 20;
+
 /// Protocol settings.
 #[derive(Debug, Clone)]
 pub struct FlightOptions {
@@ -151,31 +155,50 @@ impl Service {
         }
     }
 
-    /// The FlightInfo of `dataset`, whose tickets read as `read` says; it carries `descriptor`
-    /// (the caller's, for GetFlightInfo), else the dataset's PATH.
+    /// The FlightInfo of `dataset`, whose tickets read `columns` (all for `None`; checked
+    /// against its schema) as `read` says; it carries `descriptor` (the caller's, for
+    /// GetFlightInfo), else the dataset's PATH.
     fn flight_info(
         &self,
         dataset: &Dataset,
         read: ReadOptions,
+        columns: Option<&[usize]>,
         descriptor: Option<FlightDescriptor>,
     ) -> Result<FlightInfo, Error> {
         let rows = dataset.num_rows();
-        // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them: the
-        // reply must fit a client's 4 MiB message limit whatever row count a dataset declares.
+        // Endpoints follow --rows-per-endpoint, but never more than MAX_ENDPOINTS of them (nor
+        // more than a projection's lists fit in MAX_PROJECTION_BYTES): the reply must fit a
+        // client's 4 MiB message limit whatever row count a dataset declares.
+        let max_endpoints = match columns {
+            None => MAX_ENDPOINTS,
+            Some(columns) => {
+                let listed: u64 = columns.iter().map(|c| c.to_string().len() as u64 + 1).sum();
+                MAX_ENDPOINTS
+                    .min(MAX_PROJECTION_BYTES / listed.max(1))
+                    .max(1)
+            }
+        };
         let step = self
             .options
             .rows_per_endpoint
-            .max(rows.div_ceil(MAX_ENDPOINTS))
+            .max(rows.div_ceil(max_endpoints))
             .max(1);
+        let (schema, bytes) = match columns {
+            None => (dataset.schema(), dataset.data_bytes()),
+            Some(columns) => (
+                Arc::new(project_schema(&dataset.schema(), columns)?),
+                dataset.projected_data_bytes(columns),
+            ),
+        };
         let mut info = FlightInfo::new()
-            .try_with_schema(&dataset.schema())
+            .try_with_schema(&schema)
             .map_err(|e| Error::Internal(format!("encoding schema: {e}")))?
             .with_descriptor(
                 descriptor
                     .unwrap_or_else(|| FlightDescriptor::new_path(vec![dataset.name().to_owned()])),
             )
             .with_total_records(i64::try_from(rows).unwrap_or(i64::MAX))
-            .with_total_bytes(i64::try_from(dataset.data_bytes()).unwrap_or(i64::MAX))
+            .with_total_bytes(i64::try_from(bytes).unwrap_or(i64::MAX))
             .with_ordered(true)
             .with_app_metadata(
                 DatasetMetadata {
@@ -192,14 +215,20 @@ impl Service {
             .into_iter()
             .map(|(rows, device)| (rows, Some(device)))
             .collect();
-        if runs.is_empty() || runs.len() as u64 > MAX_ENDPOINTS / 2 {
+        if runs.is_empty() || runs.len() as u64 > max_endpoints / 2 {
             runs = vec![(0..rows, None)];
         }
         for (run, device) in runs {
             let mut start = run.start;
             loop {
                 let end = run.end.min(start.saturating_add(step));
-                let ticket = ticket::encode(dataset.name(), dataset.version_id(), start..end, read);
+                let ticket = ticket::encode(
+                    dataset.name(),
+                    dataset.version_id(),
+                    start..end,
+                    read,
+                    columns,
+                );
                 let mut endpoint = FlightEndpoint::new().with_ticket(Ticket::new(ticket));
                 if let Some(device) = device {
                     endpoint = endpoint.with_app_metadata(EndpointMetadata { device }.encode()?);
@@ -401,7 +430,7 @@ impl FlightService for Service {
             .list(prefix)
             .iter()
             .map(|dataset| {
-                self.flight_info(dataset, ReadOptions::default(), None)
+                self.flight_info(dataset, ReadOptions::default(), None, None)
                     .map_err(Status::from)
             })
             .collect();
@@ -413,15 +442,20 @@ impl FlightService for Service {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
         self.ensure_serving()?;
-        let (name, read) = descriptor::read_target(request.get_ref())?;
+        let target = descriptor::read_target(request.get_ref())?;
         if let Some(call) = call(&request) {
-            call.set_subject(name.as_str());
+            call.set_subject(target.name.as_str());
         }
-        let dataset = self.store.get(&name).map_err(Error::from)?;
+        let dataset = self.store.get(&target.name).map_err(Error::from)?;
+        let columns = target
+            .columns
+            .map(|names| descriptor::projection(&target.name, &dataset.schema(), &names))
+            .transpose()?;
         let descriptor = request.into_inner();
         Ok(Response::new(self.flight_info(
             &dataset,
-            read,
+            target.options,
+            columns.as_deref(),
             Some(descriptor),
         )?))
     }
@@ -441,17 +475,22 @@ impl FlightService for Service {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<SchemaResult>, Status> {
         self.ensure_serving()?;
-        let (name, _) = descriptor::read_target(request.get_ref())?;
+        let target = descriptor::read_target(request.get_ref())?;
         if let Some(call) = call(&request) {
-            call.set_subject(name.as_str());
+            call.set_subject(target.name.as_str());
         }
-        let dataset = self.store.get(&name).map_err(Error::from)?;
+        let dataset = self.store.get(&target.name).map_err(Error::from)?;
+        let schema = match target.columns {
+            None => dataset.schema(),
+            Some(names) => {
+                let columns = descriptor::projection(&target.name, &dataset.schema(), &names)?;
+                Arc::new(project_schema(&dataset.schema(), &columns)?)
+            }
+        };
         let options = IpcWriteOptions::default();
-        let result = SchemaAsIpc::new(&dataset.schema(), &options)
-            .try_into()
-            .map_err(|e: arrow::error::ArrowError| {
-                Error::Internal(format!("encoding schema: {e}"))
-            })?;
+        let result = SchemaAsIpc::new(&schema, &options).try_into().map_err(
+            |e: arrow::error::ArrowError| Error::Internal(format!("encoding schema: {e}")),
+        )?;
         Ok(Response::new(result))
     }
 
@@ -530,4 +569,14 @@ impl FlightService for Service {
         let actions = action::action_types().into_iter().map(Ok);
         Ok(Response::new(futures::stream::iter(actions).boxed()))
     }
+}
+
+/// `schema` cut down to `columns`, which are checked against it already.
+pub(crate) fn project_schema(
+    schema: &arrow::datatypes::Schema,
+    columns: &[usize],
+) -> Result<arrow::datatypes::Schema, Error> {
+    schema
+        .project(columns)
+        .map_err(|e| Error::Internal(format!("projecting the schema: {e}")))
 }

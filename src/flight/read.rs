@@ -20,6 +20,10 @@ use super::ticket::{self, TicketRequest};
 use crate::error::Error;
 use crate::store::StoreError;
 
+/// Most a projection enlarges read chunks by: where a partition's share of the chosen columns
+/// is only estimated (in the host tier or on disk), a chunk stays within this of the target.
+const MAX_CHUNK_SCALE: u64 = 64;
+
 /// The rows a ticket names, being read.
 pub(crate) struct Reading {
     pub(crate) batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
@@ -53,17 +57,18 @@ pub(crate) fn open(
     if let Some(call) = &call {
         call.set_subject(request.name());
     }
-    let (dataset, rows, read) = match request {
+    let (dataset, rows, read, columns) = match request {
         TicketRequest::Whole { name } => {
             let dataset = service.store.get(&name)?;
             let rows = 0..dataset.num_rows();
-            (dataset, rows, ReadOptions::default())
+            (dataset, rows, ReadOptions::default(), None)
         }
         TicketRequest::Rows {
             name,
             version,
             rows,
             options,
+            columns,
         } => {
             let dataset = service.store.get(&name)?;
             let current = dataset.version_id();
@@ -78,12 +83,34 @@ pub(crate) fn open(
             if current.tag != version.tag {
                 return Err(StoreError::ForeignTicket { name }.into());
             }
-            (dataset, rows, options)
+            (dataset, rows, options, columns)
         }
     };
-    tracing::debug!(dataset = dataset.name(), ?rows, "DoGet");
+    tracing::debug!(dataset = dataset.name(), ?rows, ?columns, "DoGet");
+    let schema = match &columns {
+        None => dataset.schema(),
+        Some(columns) => {
+            check_columns(&dataset.schema(), columns)?;
+            Arc::new(super::project_schema(&dataset.schema(), columns)?)
+        }
+    };
     let options = &service.options;
-    let mut batches = dataset.read(rows, options.read_chunk_bytes, options.read_prefetch)?;
+    // Chunks are planned by the bytes a row holds in all columns: a projection reads the
+    // same bytes per chunk through proportionally more rows (at most 64 times as many).
+    let chunk_bytes = match &columns {
+        None => options.read_chunk_bytes,
+        Some(columns) => {
+            let chosen = dataset.projected_data_bytes(columns);
+            let scale = (dataset.data_bytes() / chosen.max(1)).clamp(1, MAX_CHUNK_SCALE);
+            options.read_chunk_bytes.saturating_mul(scale)
+        }
+    };
+    let mut batches = dataset.read_columns(
+        rows,
+        columns.map(Arc::from),
+        chunk_bytes,
+        options.read_prefetch,
+    )?;
     if let Some(call) = call {
         batches = batches
             .inspect(move |batch| {
@@ -95,8 +122,25 @@ pub(crate) fn open(
     }
     Ok(Reading {
         batches,
-        schema: dataset.schema(),
+        schema,
         compression: read.compression.map(Into::into),
         running: service.lifecycle.track(),
     })
+}
+
+/// A ticket's projection, which a client could have altered, against the schema of the
+/// version it names: each column in it, at most once (the ticket was issued so).
+fn check_columns(schema: &arrow::datatypes::Schema, columns: &[usize]) -> Result<(), Error> {
+    let mut seen = vec![false; schema.fields().len()];
+    for &column in columns {
+        match seen.get_mut(column) {
+            Some(seen) if !*seen => *seen = true,
+            _ => {
+                return Err(Error::InvalidTicket(format!(
+                    "corrupt ticket: column {column} is repeated or not in the dataset"
+                )));
+            }
+        }
+    }
+    Ok(())
 }

@@ -52,8 +52,12 @@ impl DatasetMetadata {
     }
 }
 
-/// Format 1 tickets carried a version number without a tag.
+/// Format 1 tickets carried a version number without a tag. Format 2 tickets read every
+/// column; format 3, issued only for a projection, adds the column indices to read, in order
+/// (indices, not names: a ticket stays bounded by the schema's width). Tickets of all columns
+/// stay format 2, so that they read the same on a server of either format.
 const FORMAT_VERSION: u32 = 2;
+const PROJECTED_FORMAT_VERSION: u32 = 3;
 
 /// What a ticket asks `DoGet` for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +71,8 @@ pub enum TicketRequest {
         version: Version,
         rows: Range<u64>,
         options: ReadOptions,
+        /// Schema positions of the columns to read, in order; `None` reads them all.
+        columns: Option<Vec<usize>>,
     },
 }
 
@@ -89,10 +95,19 @@ struct TicketBody {
     end: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     compression: Option<super::descriptor::Compression>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    columns: Option<Vec<usize>>,
 }
 
-/// Encodes a server-issued ticket.
-pub fn encode(name: &str, version: Version, rows: Range<u64>, options: ReadOptions) -> Bytes {
+/// Encodes a server-issued ticket; `columns` is a projection already checked against the
+/// dataset's schema.
+pub fn encode(
+    name: &str,
+    version: Version,
+    rows: Range<u64>,
+    options: ReadOptions,
+    columns: Option<&[usize]>,
+) -> Bytes {
     let body = TicketBody {
         name: name.to_owned(),
         version: version.number,
@@ -100,8 +115,13 @@ pub fn encode(name: &str, version: Version, rows: Range<u64>, options: ReadOptio
         start: rows.start,
         end: rows.end,
         compression: options.compression,
+        columns: columns.map(<[usize]>::to_vec),
     };
-    let mut ticket = format!("{}{FORMAT_VERSION}\n", String::from_utf8_lossy(MAGIC)).into_bytes();
+    let format = match columns {
+        None => FORMAT_VERSION,
+        Some(_) => PROJECTED_FORMAT_VERSION,
+    };
+    let mut ticket = format!("{}{format}\n", String::from_utf8_lossy(MAGIC)).into_bytes();
     // Serializing a struct of strings and integers cannot fail.
     ticket.extend(serde_json::to_vec(&body).unwrap_or_default());
     Bytes::from(ticket)
@@ -134,7 +154,8 @@ pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
             Err(e) => Err(Error::InvalidTicket(format!("corrupt ticket: {e}"))),
         };
     }
-    if version != FORMAT_VERSION.to_string().as_bytes() {
+    let projected = version == PROJECTED_FORMAT_VERSION.to_string().as_bytes();
+    if version != FORMAT_VERSION.to_string().as_bytes() && !projected {
         return Err(Error::InvalidTicket(format!(
             "ticket format {} is not supported by this server (it issues format {FORMAT_VERSION}); \
              call GetFlightInfo for a fresh ticket",
@@ -149,6 +170,17 @@ pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
             body.start, body.end
         )));
     }
+    // Format 2 has no projection, format 3 always one; which columns exist is checked
+    // against the dataset when the ticket is read.
+    match (&body.columns, projected) {
+        (None, false) => {}
+        (Some(columns), true) if !columns.is_empty() => {}
+        _ => {
+            return Err(Error::InvalidTicket(
+                "corrupt ticket: its columns".to_owned(),
+            ));
+        }
+    }
     Ok(TicketRequest::Rows {
         name: parse_name(body.name.as_bytes())?,
         version: Version {
@@ -159,6 +191,7 @@ pub fn decode(ticket: &[u8]) -> Result<TicketRequest, Error> {
         options: ReadOptions {
             compression: body.compression,
         },
+        columns: body.columns,
     })
 }
 
@@ -175,15 +208,36 @@ mod tests {
             },
         ] {
             let version = Version { number: 7, tag: 42 };
-            let ticket = encode("trips", version, 10..20, options);
-            assert_eq!(
-                decode(&ticket).expect("valid"),
-                TicketRequest::Rows {
-                    name: "trips".to_owned(),
-                    version,
-                    rows: 10..20,
-                    options,
-                }
+            for columns in [None, Some(vec![2, 0])] {
+                let ticket = encode("trips", version, 10..20, options, columns.as_deref());
+                let format = if columns.is_some() { b'3' } else { b'2' };
+                assert_eq!(ticket[MAGIC.len()], format, "all columns stay format 2");
+                assert_eq!(
+                    decode(&ticket).expect("valid"),
+                    TicketRequest::Rows {
+                        name: "trips".to_owned(),
+                        version,
+                        rows: 10..20,
+                        options,
+                        columns,
+                    }
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn projections_belong_to_format_3_only() {
+        for bad in [
+            &b"\0gpu-flight-ticket/2\n{\"name\":\"t\",\"version\":1,\"tag\":2,\"start\":0,\"end\":1,\"columns\":[0]}"[..],
+            b"\0gpu-flight-ticket/3\n{\"name\":\"t\",\"version\":1,\"tag\":2,\"start\":0,\"end\":1}",
+            b"\0gpu-flight-ticket/3\n{\"name\":\"t\",\"version\":1,\"tag\":2,\"start\":0,\"end\":1,\"columns\":[]}",
+            b"\0gpu-flight-ticket/3\n{\"name\":\"t\",\"version\":1,\"tag\":2,\"start\":0,\"end\":1,\"columns\":[-1]}",
+        ] {
+            assert!(
+                matches!(decode(bad), Err(Error::InvalidTicket(_))),
+                "{}",
+                String::from_utf8_lossy(bad)
             );
         }
     }
@@ -201,7 +255,7 @@ mod tests {
     #[test]
     fn corrupt_tickets_are_rejected() {
         let version = Version { number: 7, tag: 42 };
-        let mut ticket = encode("trips", version, 10..20, ReadOptions::default()).to_vec();
+        let mut ticket = encode("trips", version, 10..20, ReadOptions::default(), None).to_vec();
         ticket.truncate(ticket.len() - 3);
         for bad in [
             ticket,

@@ -159,6 +159,28 @@ impl Dataset {
         self.data_bytes
     }
 
+    /// [`Dataset::data_bytes`] of only `columns`: each partition's bytes in the share its
+    /// partition says those columns hold, or, for one only on disk, their share of the
+    /// schema's columns (an estimate).
+    pub fn projected_data_bytes(&self, columns: &[usize]) -> u64 {
+        let width = self.schema.fields().len().max(1) as u64;
+        let all: Vec<usize> = (0..self.schema.fields().len()).collect();
+        self.partitions
+            .iter()
+            .map(|partition| {
+                let data = &partition.slot.resident().data;
+                let measured = data
+                    .column_bytes(columns)
+                    .zip(data.column_bytes(&all))
+                    .filter(|&(_, whole)| whole > 0);
+                let (part, whole) = measured.unwrap_or((columns.len() as u64, width));
+                let share = u128::from(partition.data_bytes) * u128::from(part.min(whole))
+                    / u128::from(whole.max(1));
+                u64::try_from(share).unwrap_or(u64::MAX)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     pub(crate) fn partitions(&self) -> &[StoredPartition] {
         &self.partitions
     }
@@ -190,6 +212,27 @@ impl Dataset {
         chunk_bytes: u64,
         prefetch: usize,
     ) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+        self.read_columns(rows, None, chunk_bytes, prefetch)
+    }
+
+    /// [`Dataset::read`] of only `columns` (schema positions, in that order; all for
+    /// `None`): the backend never copies the others out of its memory.
+    pub fn read_columns(
+        self: &Arc<Self>,
+        rows: Range<u64>,
+        columns: Option<Arc<[usize]>>,
+        chunk_bytes: u64,
+        prefetch: usize,
+    ) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+        if let Some(columns) = &columns
+            && let Some(&bad) = columns.iter().find(|&&c| c >= self.schema.fields().len())
+        {
+            return Err(StoreError::UnknownColumn {
+                name: self.name.clone(),
+                columns: vec![format!("#{bad}")],
+                available: format!("#0 to #{}", self.schema.fields().len().saturating_sub(1)),
+            });
+        }
         if rows.start > rows.end || rows.end > self.num_rows() {
             return Err(StoreError::RowsOutOfRange {
                 name: self.name.clone(),
@@ -214,11 +257,15 @@ impl Dataset {
             .map_ok(move |chunk| {
                 let slot = Arc::clone(&dataset.partitions[chunk.partition].slot);
                 slot.touch();
+                let columns = columns.clone();
                 async move {
                     // Held until the read is done, so that a spill meanwhile frees nothing
                     // under it.
                     let resident = readable(&slot).await?;
-                    let batch = resident.data.read(chunk.offset, chunk.len).await;
+                    let batch = resident
+                        .data
+                        .read(chunk.offset, chunk.len, columns.as_deref())
+                        .await;
                     drop(resident);
                     batch.map_err(StoreError::from)
                 }

@@ -85,10 +85,14 @@ pub enum StoreError {
         end: u64,
         rows: u64,
     },
-    #[error("dataset '{name}' has no column '{column}'; its columns are {available}")]
+    /// Columns a request names that the dataset lacks: every one of them.
+    #[error(
+        "dataset '{name}' has no {}; its columns are {available}",
+        quoted(columns)
+    )]
     UnknownColumn {
         name: String,
-        column: String,
+        columns: Vec<String>,
         available: String,
     },
     #[error(
@@ -170,6 +174,15 @@ impl From<files::FilesError> for StoreError {
             files::FilesError::Corrupt { .. } => Self::Corrupt(error.to_string()),
             _ => Self::Persist(error.to_string()),
         }
+    }
+}
+
+/// `column 'a'`, or `columns 'a', 'b'`.
+fn quoted(columns: &[String]) -> String {
+    let list: Vec<String> = columns.iter().map(|c| format!("'{c}'")).collect();
+    match list.len() {
+        1 => format!("column {}", list[0]),
+        _ => format!("columns {}", list.join(", ")),
     }
 }
 

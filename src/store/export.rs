@@ -173,7 +173,7 @@ impl Exporter {
                 .map(|f| f.name().clone())
                 .collect(),
         };
-        let columns = column_indices(&dataset, &names)?;
+        let columns = column_indices(dataset.name(), &dataset.schema(), &names)?;
         check_partitions(&dataset, request.one_partition)?;
         // Where the memory cannot be exported at all (host memory), say so before copying.
         if self.backend.holds_host_memory() {
@@ -262,7 +262,7 @@ impl Exporter {
     /// What `lease` exports, partition by partition.
     fn describe(&self, lease: Lease) -> Result<Export, StoreError> {
         let dataset = &lease.dataset;
-        let columns = column_indices(dataset, &lease.terms.columns)?;
+        let columns = column_indices(dataset.name(), &dataset.schema(), &lease.terms.columns)?;
         let replica_columns: Vec<usize> = (0..columns.len()).collect();
         let partitions = dataset
             .partitions()
@@ -297,24 +297,40 @@ impl Exporter {
     }
 }
 
-/// The schema positions of columns `names` of `dataset`.
-fn column_indices(dataset: &Dataset, names: &[String]) -> Result<Vec<usize>, StoreError> {
-    let schema = dataset.schema();
-    names
+/// The schema positions of columns `names` of dataset `name`, whose schema is `schema`; an
+/// error names every unknown one.
+pub fn column_indices(
+    name: &str,
+    schema: &arrow::datatypes::Schema,
+    names: &[String],
+) -> Result<Vec<usize>, StoreError> {
+    // A map, not `Schema::index_of`'s scan: a client's list may be as long as its document.
+    let mut positions = std::collections::HashMap::with_capacity(schema.fields().len());
+    for (index, field) in schema.fields().iter().enumerate() {
+        positions.entry(field.name().as_str()).or_insert(index);
+    }
+    let mut unknown = Vec::new();
+    let indices: Vec<usize> = names
         .iter()
-        .map(|column| {
-            schema
-                .index_of(column)
-                .map_err(|_| StoreError::UnknownColumn {
-                    name: dataset.name().to_owned(),
-                    column: column.clone(),
-                    available: format!(
-                        "{:?}",
-                        schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>()
-                    ),
-                })
+        .filter_map(|column| match positions.get(column.as_str()) {
+            Some(&index) => Some(index),
+            None => {
+                unknown.push(column.clone());
+                None
+            }
         })
-        .collect()
+        .collect();
+    if !unknown.is_empty() {
+        return Err(StoreError::UnknownColumn {
+            name: name.to_owned(),
+            columns: unknown,
+            available: format!(
+                "{:?}",
+                schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>()
+            ),
+        });
+    }
+    Ok(indices)
 }
 
 /// Most partitions an export describes: its document grows with partitions times columns.

@@ -212,17 +212,20 @@ impl Partition for DiskPartition {
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
         if let Err(error) = crate::backend::check_rows(offset, len, self.rows()) {
             return futures::future::ready(Err(error)).boxed();
         }
         let partition = self.clone();
+        let columns = columns.map(<[usize]>::to_vec);
         async move {
             let rows = offset as u64..(offset + len) as u64;
-            partition
-                .read_rows(rows)
-                .await
-                .map_err(|e| BackendError::Device(format!("reading from the data directory: {e}")))
+            // Segments are whole record batches: the file is read, then the columns chosen.
+            let batch = partition.read_rows(rows).await.map_err(|e| {
+                BackendError::Device(format!("reading from the data directory: {e}"))
+            })?;
+            crate::backend::project(batch, columns.as_deref())
         }
         .boxed()
     }

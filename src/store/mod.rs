@@ -61,7 +61,9 @@ use std::time::Duration;
 pub use catalog::{Damaged, Dropped};
 pub use dataset::{Dataset, TierBytes, Version};
 pub use error::StoreError;
-pub use export::{Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS};
+pub use export::{
+    Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS, column_indices,
+};
 pub use lease::{Lease, LeaseTerms};
 pub use memory::ARRAY_OVERHEAD;
 pub use options::{Durability, PutMode, StoreOptions, default_host_memory_limit};

@@ -394,7 +394,7 @@ impl Tiers {
         let rows_per_piece = usize::try_from((SPILL_PIECE_BYTES / per_row).max(1)).unwrap_or(1);
         let data = Arc::clone(&resident.data);
         let pieces: Vec<RecordBatch> = futures::stream::iter((0..rows).step_by(rows_per_piece))
-            .map(move |offset| data.read(offset, rows_per_piece.min(rows - offset)))
+            .map(move |offset| data.read(offset, rows_per_piece.min(rows - offset), None))
             .buffered(SPILL_READS_AHEAD)
             .map_err(StoreError::from)
             // Each copied out of staging memory as soon as it is read, which then goes back

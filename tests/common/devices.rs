@@ -165,8 +165,12 @@ impl Partition for PretendPartition {
         &self,
         offset: usize,
         len: usize,
+        columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
-        self.inner.read(offset, len)
+        self.inner.read(offset, len, columns)
+    }
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        self.inner.column_bytes(columns)
     }
     fn export(
         &self,

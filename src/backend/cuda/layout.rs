@@ -95,6 +95,18 @@ pub(super) struct DeviceArray {
     pub(super) dictionary: Option<ArrayRef>,
 }
 
+/// Bytes an array's regions span (validity, buffers, children, a dictionary's values),
+/// without the alignment between them.
+pub(super) fn used_bytes(array: &DeviceArray) -> u64 {
+    let regions: usize = array
+        .validity
+        .iter()
+        .chain(&array.buffers)
+        .map(|r| r.len)
+        .sum();
+    (regions as u64).saturating_add(array.children.iter().map(used_bytes).sum::<u64>())
+}
+
 impl DeviceArray {
     /// Moves every region `by` bytes further into the allocation.
     pub(super) fn shift(&mut self, by: usize) {
@@ -390,6 +402,33 @@ mod tests {
         assert_eq!(
             list.children[0].len, 3,
             "the child holds exactly the referenced rows"
+        );
+    }
+
+    #[test]
+    fn used_bytes_count_a_columns_regions_and_children() {
+        let plan = UploadPlan::new(&batch()).expect("plan");
+        let [id, word, list] = &plan.columns[..] else {
+            panic!("three columns");
+        };
+        assert_eq!(used_bytes(id), 1 + 32, "validity and values");
+        assert_eq!(used_bytes(word), 20 + 6, "offsets and values");
+        let child: usize = list.children[0]
+            .validity
+            .iter()
+            .chain(&list.children[0].buffers)
+            .map(|r| r.len)
+            .sum();
+        let own: usize = list
+            .validity
+            .iter()
+            .chain(&list.buffers)
+            .map(|r| r.len)
+            .sum();
+        assert_eq!(
+            used_bytes(list),
+            (own + child) as u64,
+            "the child's rows too"
         );
     }
 

@@ -118,6 +118,8 @@ struct Counters {
     upload_syncs: AtomicU64,
     read_chunks: AtomicU64,
     read_syncs: AtomicU64,
+    /// Bytes reads copied from the device to host memory.
+    read_bytes: AtomicU64,
     concat_launches: AtomicU64,
     /// Copies onto this GPU from another (moves and `ipc-export` replicas), and their bytes.
     peer_copies: AtomicU64,
@@ -721,6 +723,7 @@ impl Shared {
             "upload_syncs": c.upload_syncs.load(Ordering::Relaxed),
             "read_chunks": c.read_chunks.load(Ordering::Relaxed),
             "read_syncs": c.read_syncs.load(Ordering::Relaxed),
+            "read_bytes": c.read_bytes.load(Ordering::Relaxed),
             "concat_launches": c.concat_launches.load(Ordering::Relaxed),
             "peer_copies": c.peer_copies.load(Ordering::Relaxed),
             "peer_copy_bytes": c.peer_copy_bytes.load(Ordering::Relaxed),
@@ -831,23 +834,45 @@ impl Partition for CudaPartition {
         &self,
         offset: usize,
         len: usize,
+        projection: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>> {
         if let Err(error) = check_rows(offset, len, self.rows) {
             return futures::future::ready(Err(error)).boxed();
         }
+        // Only the chosen columns are ever copied off the device.
+        let chosen: Vec<usize> = match projection {
+            Some(columns) => columns.to_vec(),
+            None => (0..self.columns.len()).collect(),
+        };
+        let schema = match projection {
+            None => Arc::clone(&self.schema),
+            Some(columns) => match self.schema.project(columns) {
+                Ok(schema) => Arc::new(schema),
+                Err(e) => {
+                    return futures::future::ready(Err(BackendError::Device(format!(
+                        "choosing columns to read: {e}"
+                    ))))
+                    .boxed();
+                }
+            },
+        };
         let shared = Arc::clone(&self.shared);
         let allocations = Arc::clone(&self.allocations);
         let columns = Arc::clone(&self.columns);
-        let schema = Arc::clone(&self.schema);
         let task = tokio::task::spawn_blocking(move || {
-            let stored: Vec<Stored<'_>> = columns
+            let stored: Vec<Stored<'_>> = chosen
                 .iter()
-                .map(|(allocation, array)| Stored {
-                    allocation: &allocations[*allocation].inner,
-                    array,
+                .map(|&index| {
+                    let (allocation, array) = columns.get(index).ok_or_else(|| {
+                        BackendError::Device(format!("no column {index} in this partition"))
+                    })?;
+                    Ok(Stored {
+                        allocation: &allocations[*allocation].inner,
+                        array,
+                    })
                 })
-                .collect();
-            let (batch, syncs) = shared.with_stream(|stream| {
+                .collect::<Result<_, BackendError>>()?;
+            let (batch, syncs, bytes) = shared.with_stream(|stream| {
                 read::read_rows(&stored, &schema, offset..offset + len, stream, &shared.pool)
             })?;
             shared.counters.read_chunks.fetch_add(1, Ordering::Relaxed);
@@ -855,9 +880,21 @@ impl Partition for CudaPartition {
                 .counters
                 .read_syncs
                 .fetch_add(syncs, Ordering::Relaxed);
+            shared
+                .counters
+                .read_bytes
+                .fetch_add(bytes, Ordering::Relaxed);
             Ok(batch)
         });
         task.map(flatten_join).boxed()
+    }
+
+    /// The bytes of the columns' regions, from their layout: no device memory is touched.
+    fn column_bytes(&self, columns: &[usize]) -> Option<u64> {
+        columns.iter().try_fold(0u64, |sum, &index| {
+            let (_, array) = self.columns.get(index)?;
+            Some(sum.saturating_add(layout::used_bytes(array)))
+        })
     }
 
     fn export(

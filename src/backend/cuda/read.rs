@@ -94,15 +94,16 @@ enum AfterRound<'a> {
     },
 }
 
-/// Copies rows `rows` of a partition's columns back into a host record batch. Returns the
-/// batch and the number of stream synchronizations it took.
+/// Copies rows `rows` of a partition's columns (those chosen: `schema` describes them) back
+/// into a host record batch. Returns the batch, the number of stream synchronizations it took
+/// and the bytes copied from the device.
 pub(super) fn read_rows(
     columns: &[Stored<'_>],
     schema: &SchemaRef,
     rows: Range<usize>,
     stream: &mut Stream,
     pool: &Arc<PinnedPool>,
-) -> Result<(RecordBatch, u64), BackendError> {
+) -> Result<(RecordBatch, u64, u64), BackendError> {
     let mut outputs: Vec<OutArray> = Vec::new();
     let mut roots = Vec::with_capacity(columns.len());
     let mut work = Vec::with_capacity(columns.len());
@@ -118,6 +119,7 @@ pub(super) fn read_rows(
 
     let mut leases: Vec<PinnedLease> = Vec::new();
     let mut syncs = 0;
+    let mut copied = 0u64;
     while !work.is_empty() {
         let round = leases.len();
         let mut copies: Vec<(&DeviceAllocation, Region, Slot)> = Vec::new();
@@ -189,6 +191,10 @@ pub(super) fn read_rows(
                 Ok(())
             })?;
             syncs += 1;
+            copied += copies
+                .iter()
+                .map(|(_, region, _)| region.len as u64)
+                .sum::<u64>();
         }
         let bytes = lease.buffer_mut().as_mut_slice();
         for step in after {
@@ -243,7 +249,7 @@ pub(super) fn read_rows(
         RecordBatch::try_new_with_options(Arc::clone(schema), arrays, &options).map_err(|e| {
             BackendError::Device(format!("rebuilding a batch read from the device: {e}"))
         })?;
-    Ok((batch, syncs))
+    Ok((batch, syncs, copied))
 }
 
 /// Reads the first and last of `len + 1` offsets in a slot and rebases them to start at 0.

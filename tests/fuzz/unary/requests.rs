@@ -54,12 +54,19 @@ impl UnaryRig {
             }
             4 => {
                 let (name, codec) = (self.some_name(rng), read_codec(rng));
+                let columns = read_columns(rng);
                 log.push(format!(
-                    "read CMD {:?} compression {codec}",
-                    abbreviate(&name)
+                    "read CMD {:?} compression {codec} columns {}",
+                    abbreviate(&name),
+                    abbreviate(&columns)
                 ));
+                let columns = if columns.is_empty() {
+                    String::new()
+                } else {
+                    format!(r#", "columns": {columns}"#)
+                };
                 FlightDescriptor::new_cmd(format!(
-                    r#"{{"name": {}, "compression": {codec}}}"#,
+                    r#"{{"name": {}, "compression": {codec}{columns}}}"#,
                     serde_json::Value::from(name)
                 ))
             }
@@ -82,11 +89,28 @@ impl UnaryRig {
         let mut ticket = match rng.random_range(0..10) {
             0..=4 => {
                 let name = self.fixture_name(rng);
-                // Tickets for plain replies, and for LZ4 or ZSTD compressed ones.
-                let (descriptor, how) = match rng.random_range(0..3) {
+                // Tickets for plain replies, LZ4 or ZSTD compressed ones, and projected ones
+                // (the fixture's columns reversed; mutations then rewrite their indices).
+                let columns: Vec<String> = self
+                    .fixtures
+                    .iter()
+                    .find(|(fixture, _)| *fixture == name)
+                    .map(|(_, batches)| {
+                        let schema = batches[0].schema();
+                        schema
+                            .fields()
+                            .iter()
+                            .rev()
+                            .map(|f| f.name().clone())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let (descriptor, how) = match rng.random_range(0..4) {
                     0 => (path(name), "plain"),
                     1 => (compressed_read(name, "lz4"), "lz4"),
-                    _ => (compressed_read(name, "zstd"), "zstd"),
+                    2 => (compressed_read(name, "zstd"), "zstd"),
+                    _ if columns.is_empty() => (path(name), "plain"),
+                    _ => (projected_read(name, &columns), "projected"),
                 };
                 let info = timed("GetFlightInfo", self.client.get_flight_info(descriptor))
                     .await?
@@ -338,6 +362,37 @@ fn forged_ticket(rng: &mut StdRng, name: &str) -> Vec<u8> {
 /// A GetFlightInfo descriptor whose tickets read `name` compressed with `codec`.
 fn compressed_read(name: &str, codec: &str) -> FlightDescriptor {
     FlightDescriptor::new_cmd(serde_json::json!({"name": name, "compression": codec}).to_string())
+}
+
+/// A GetFlightInfo descriptor whose tickets read `columns` of `name`.
+fn projected_read(name: &str, columns: &[String]) -> FlightDescriptor {
+    FlightDescriptor::new_cmd(serde_json::json!({"name": name, "columns": columns}).to_string())
+}
+
+/// A `columns` value for a read command, as JSON (empty: none given): columns of the
+/// fixtures, and lists the server must refuse (empty, repeated, unknown, not names, long).
+fn read_columns(rng: &mut StdRng) -> String {
+    let long = || serde_json::json!(vec!["x"; 3000]).to_string();
+    let lists = [
+        "",
+        r#"["c0"]"#,
+        r#"["c2", "c0"]"#,
+        r#"["id", "s"]"#,
+        r#"["dictionary", "i32", "struct", "map"]"#,
+        r#"["l"]"#,
+        "[]",
+        r#"["c0", "c0"]"#,
+        r#"["nope", "gone"]"#,
+        r#""c0""#,
+        "[0]",
+        "null",
+        r#"[""]"#,
+        r#"["c0", null]"#,
+    ];
+    match rng.random_range(0..=lists.len()) {
+        i if i < lists.len() => lists[i].to_owned(),
+        _ => long(),
+    }
 }
 
 /// A `compression` value for a read command, as JSON: a codec, or one the server must refuse.
