@@ -12,8 +12,7 @@ use arrow::array::{Array, ArrayRef, AsArray, DictionaryArray, Int64Array};
 use arrow::datatypes::{DataType, Field, Int32Type, Schema};
 use arrow::record_batch::RecordBatch;
 use arrow_flight::encode::FlightDataEncoderBuilder;
-use arrow_flight::error::FlightError;
-use arrow_flight::{FlightClient, FlightData, FlightDescriptor, Ticket};
+use arrow_flight::{FlightData, Ticket};
 use common::*;
 use futures::{StreamExt, TryStreamExt};
 use gpu_flight::backend::Backend;
@@ -408,33 +407,6 @@ async fn malformed_ipc_mid_stream_leaves_no_trace(make: MakeBackend) {
         Code::NotFound
     );
     server.shutdown_and_wait().await;
-}
-
-/// Sends `batches` (of three Int64 columns) under `descriptor`, then the abort marker with `reason`; the put's error.
-async fn put_then_abort(
-    client: &mut FlightClient,
-    descriptor: FlightDescriptor,
-    batches: Vec<RecordBatch>,
-    reason: &str,
-) -> FlightError {
-    let mut messages: Vec<FlightData> = FlightDataEncoderBuilder::new()
-        .with_schema(int64_batch(1, 3, 0).schema())
-        .with_flight_descriptor(Some(descriptor))
-        .build(futures::stream::iter(batches.into_iter().map(Ok)))
-        .try_collect()
-        .await
-        .expect("encode");
-    messages.push(FlightData {
-        app_metadata: serde_json::json!({ "abort": reason }).to_string().into(),
-        ..FlightData::default()
-    });
-    match client
-        .do_put(futures::stream::iter(messages.into_iter().map(Ok)))
-        .await
-    {
-        Err(e) => e,
-        Ok(stream) => stream.try_collect::<Vec<_>>().await.expect_err("abandoned"),
-    }
 }
 
 async fn abort_marker_discards_the_put(make: MakeBackend) {
