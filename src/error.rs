@@ -59,6 +59,8 @@ pub enum Error {
     Unsupported(&'static str),
     #[error("the client stream broke off: {0}")]
     ClientGone(String),
+    #[error("the client abandoned the put: {0}")]
+    PutAbandoned(String),
     #[error("the server is shutting down; retry against another server or after it restarts")]
     ShuttingDown,
     #[error("internal error (a bug in gpu-flight, please report it): {0}")]
@@ -93,6 +95,7 @@ impl Error {
             Self::ReplyTooLarge { .. } => Code::FailedPrecondition,
             Self::UnknownAction(_) | Self::Unsupported(_) => Code::Unimplemented,
             Self::ClientGone(_) => Code::Cancelled,
+            Self::PutAbandoned(_) => Code::Aborted,
             Self::ShuttingDown => Code::Unavailable,
             Self::Internal(_) => Code::Internal,
             Self::Auth(error) => auth_code(error),

@@ -40,6 +40,8 @@ macro_rules! conformance {
                 memory_limit_is_resource_exhausted_and_others_survive,
                 vanished_client_leaves_no_trace,
                 malformed_ipc_mid_stream_leaves_no_trace,
+                abort_marker_discards_the_put,
+                other_app_metadata_is_ignored,
                 schema_change_mid_stream_is_refused,
                 small_receive_limit_reads_100_mb,
                 messages_stay_under_the_limit,
@@ -408,6 +410,98 @@ async fn malformed_ipc_mid_stream_leaves_no_trace(make: MakeBackend) {
         ),
         Code::NotFound
     );
+    server.shutdown_and_wait().await;
+}
+
+async fn abort_marker_discards_the_put(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batches: Vec<_> = (0..3).map(|i| int64_batch(20_000, 3, i)).collect();
+
+    let error = put_then_abort(&mut client, path("fresh"), batches.clone(), "reader failed").await;
+    assert_eq!(code_of(&error), Code::Aborted, "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("the client abandoned the put: reader failed"),
+        "{error}"
+    );
+    assert_eq!(used_bytes(&mut client).await, 0);
+    let absent = client
+        .get_flight_info(path("fresh"))
+        .await
+        .expect_err("absent");
+    assert_eq!(code_of(&absent), Code::NotFound);
+    assert_eq!(status(&mut client).await["datasets"], 0);
+
+    let kept = int64_batch(100, 3, 99);
+    put(&mut client, path("kept"), vec![kept.clone()])
+        .await
+        .expect("create");
+    let baseline = used_bytes(&mut client).await;
+    for mode in ["replace", "append"] {
+        let long = "x".repeat(100_000);
+        let error = put_then_abort(&mut client, cmd("kept", mode), batches.clone(), &long).await;
+        assert_eq!(code_of(&error), Code::Aborted, "{mode}: {error}");
+        assert!(
+            error.to_string().len() < 2_000,
+            "{mode}: the reason is bounded"
+        );
+        assert_eq!(used_bytes(&mut client).await, baseline, "{mode}");
+        assert_same_data(
+            std::slice::from_ref(&kept),
+            &get_all(&mut client, "kept").await.expect("get"),
+        );
+    }
+    // An abort before any batch (right after the schema) discards as well.
+    let error = put_then_abort(&mut client, cmd("kept", "replace"), Vec::new(), "").await;
+    assert_eq!(code_of(&error), Code::Aborted, "{error}");
+    assert_same_data(&[kept], &get_all(&mut client, "kept").await.expect("get"));
+    assert_eq!(status(&mut client).await["datasets"], 1);
+    assert_eq!(used_bytes(&mut client).await, baseline);
+    server.shutdown_and_wait().await;
+}
+
+async fn other_app_metadata_is_ignored(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let batches: Vec<_> = (0..2).map(|i| int64_batch(1000, 2, i)).collect();
+    let mut messages: Vec<FlightData> = FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("t")))
+        .build(futures::stream::iter(batches.clone().into_iter().map(Ok)))
+        .try_collect()
+        .await
+        .expect("encode");
+    // Metadata beside a batch, and alone: none of it is the abort marker.
+    messages[1].app_metadata = br#"{"abort": "beside a batch"}"#.to_vec().into();
+    for metadata in [
+        &b"not json"[..],
+        br#"{"other": 1}"#,
+        br#"{"abort": "x", "other": 1}"#,
+        br#"{"abort": 5}"#,
+        br#"["abort"]"#,
+        br#""abort""#,
+    ] {
+        messages.insert(
+            2,
+            FlightData {
+                app_metadata: metadata.to_vec().into(),
+                ..FlightData::default()
+            },
+        );
+    }
+    let summary: serde_json::Value = {
+        let replies: Vec<_> = client
+            .do_put(futures::stream::iter(messages.into_iter().map(Ok)))
+            .await
+            .expect("put")
+            .try_collect()
+            .await
+            .expect("committed");
+        serde_json::from_slice(&replies[0].app_metadata).expect("summary")
+    };
+    assert_eq!(summary["rows"], 2000);
+    assert_same_data(&batches, &get_all(&mut client, "t").await.expect("get"));
     server.shutdown_and_wait().await;
 }
 

@@ -35,6 +35,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use arrow::ipc::{self, MessageHeader};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use arrow_flight::FlightData;
+use serde::Deserialize;
 
 use crate::arrays::owned;
 use crate::error::Error;
@@ -52,6 +53,49 @@ pub(crate) enum Decoded {
     Dictionary,
     /// A message with no IPC content, such as a descriptor alone.
     Nothing,
+    /// The client's [`PutAbort`] marker: the put is to be discarded, for this reason (bounded).
+    Abandoned(String),
+}
+
+/// The `app_metadata` of a `DoPut` message without IPC content (no header, no body) by which a
+/// client abandons its put: JSON `{"abort": "<reason>"}`. A client cannot cancel a gRPC stream
+/// through pyarrow.flight, and ending it commits what was sent, so this is how a client whose
+/// own data failed midway says not to commit. Any other `app_metadata` is ignored.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PutAbort {
+    pub abort: String,
+}
+
+/// Most bytes of a [`PutAbort`] reason repeated in the error the client gets back (and logs).
+const MAX_ABORT_REASON_BYTES: usize = 512;
+
+impl PutAbort {
+    /// The marker, if `app_metadata` is one; anything else is not. Only a JSON object counts
+    /// (serde would fill the struct from `["..."]` too); its size is the message's, already
+    /// bounded and paid for, so a long reason still aborts.
+    fn parse(app_metadata: &[u8]) -> Option<Self> {
+        if app_metadata.is_empty() {
+            return None;
+        }
+        let object: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(app_metadata).ok()?;
+        Self::deserialize(serde_json::Value::Object(object)).ok()
+    }
+
+    /// The reason, cut to [`MAX_ABORT_REASON_BYTES`] on a character boundary.
+    fn into_reason(self) -> String {
+        let mut reason = self.abort;
+        if reason.len() > MAX_ABORT_REASON_BYTES {
+            let mut end = MAX_ABORT_REASON_BYTES;
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.truncate(end);
+            reason.push_str("...");
+        }
+        reason
+    }
 }
 
 /// Decodes one `DoPut` stream: remembers its schema and dictionaries between messages.
@@ -92,7 +136,10 @@ impl PutDecoder {
     ) -> Result<Decoded, Error> {
         if data.data_header.is_empty() {
             if data.data_body.is_empty() {
-                return Ok(Decoded::Nothing);
+                return Ok(match PutAbort::parse(&data.app_metadata) {
+                    Some(marker) => Decoded::Abandoned(marker.into_reason()),
+                    None => Decoded::Nothing,
+                });
             }
             return Err(invalid("a FlightData message has a body but no IPC header"));
         }

@@ -10,8 +10,9 @@
 //!
 //! **A put commits only on a clean end**: the receiving task must report [`Received::End`],
 //! which it does only when the request stream ended with END_STREAM. A transport error, a reset,
-//! a keepalive timeout, shutdown, or the receiving task dying for any reason ends the put with an
-//! error instead, and dropping the pending put frees everything it had uploaded.
+//! a keepalive timeout, shutdown, the client's abort marker (`decode::PutAbort`), or the
+//! receiving task dying for any reason ends the put with an error instead, and dropping the
+//! pending put frees everything it had uploaded.
 //!
 //! Receiving runs on its own task a few messages ahead of decoding: gRPC's copy out of the
 //! HTTP/2 frames and Arrow's copy of each body into aligned memory then proceed on different
@@ -219,6 +220,8 @@ pub(crate) async fn receive(
             }
             Decoded::Dictionary => dictionary_charges.extend(charge),
             Decoded::Nothing => {}
+            // Returning drops the pending put, its uploads and every charge: nothing commits.
+            Decoded::Abandoned(reason) => return Err(Error::PutAbandoned(reason)),
         }
     }
     while let Some(uploaded) = uploads.next().await {

@@ -182,6 +182,33 @@ pub async fn put(
     put_with_schema(client, descriptor, schema, batches).await
 }
 
+/// Sends `batches` (of three Int64 columns) under `descriptor`, then the abort marker with `reason`; the put's error.
+pub async fn put_then_abort(
+    client: &mut FlightClient,
+    descriptor: FlightDescriptor,
+    batches: Vec<RecordBatch>,
+    reason: &str,
+) -> FlightError {
+    let mut messages: Vec<arrow_flight::FlightData> = FlightDataEncoderBuilder::new()
+        .with_schema(int64_batch(1, 3, 0).schema())
+        .with_flight_descriptor(Some(descriptor))
+        .build(futures::stream::iter(batches.into_iter().map(Ok)))
+        .try_collect()
+        .await
+        .expect("encode");
+    messages.push(arrow_flight::FlightData {
+        app_metadata: serde_json::json!({ "abort": reason }).to_string().into(),
+        ..arrow_flight::FlightData::default()
+    });
+    match client
+        .do_put(futures::stream::iter(messages.into_iter().map(Ok)))
+        .await
+    {
+        Err(e) => e,
+        Ok(stream) => stream.try_collect::<Vec<_>>().await.expect_err("abandoned"),
+    }
+}
+
 pub async fn put_with_schema(
     client: &mut FlightClient,
     descriptor: FlightDescriptor,

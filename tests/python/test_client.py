@@ -64,6 +64,46 @@ def test_large_batches_are_sent_in_slices(gf, monkeypatch):
     assert gf.get(name).equals(table)
 
 
+class SourceFailed(Exception):
+    pass
+
+
+def failing_source(table, batches=2):
+    """Yields `batches` batches of `table`, then raises SourceFailed."""
+
+    def generate():
+        yield from table.to_batches(max_chunksize=table.num_rows // (batches + 1))[:batches]
+        raise SourceFailed("the source broke")
+
+    return generate()
+
+
+@pytest.mark.parametrize("wrap", ["iterable", "reader"])
+def test_a_source_that_raises_abandons_the_put(make_server, wrap):
+    server = make_server()
+    table = pa.table({"x": pa.array(range(30_000), pa.int64())})
+    kept = pa.table({"x": pa.array([-1, -2], pa.int64())})
+
+    def source():
+        batches = failing_source(table)
+        return batches if wrap == "iterable" else pa.RecordBatchReader.from_batches(table.schema, batches)
+
+    with gpu_flight.connect(server.location) as gf:
+        with pytest.raises(SourceFailed, match="the source broke"):
+            gf.put("fresh", source())
+        assert "fresh" not in gf.list()
+        gf.put("kept", kept)
+        baseline = server.used_bytes()
+        for mode in ("append", "replace"):
+            with pytest.raises(SourceFailed):
+                gf.put("kept", source(), mode=mode)
+            assert gf.get("kept").equals(kept)
+        assert gf.list() == ["kept"]
+        assert server.used_bytes() == baseline
+        # The connection still serves puts.
+        assert gf.put("kept", table, mode="append").total_rows == 30_002
+
+
 def test_reader_is_lazy_and_in_endpoint_order(make_server):
     server = make_server("--rows-per-endpoint", "100")
     with gpu_flight.connect(server.location) as gf:

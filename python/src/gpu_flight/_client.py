@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, Optional, Union
@@ -119,6 +120,23 @@ def _slices(batch: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBatch]:
         yield batch.slice(start, rows)
 
 
+ABORT_REASON_CHARS = 1000
+"""The most characters of the caller's error sent as the reason of an abandoned put."""
+
+
+def _abandon(writer: flight.FlightStreamWriter, error: BaseException) -> None:
+    """Tells the server to discard the put (the abort marker: app_metadata alone, JSON
+    `{"abort": reason}`), then closes the stream. The server's answer, ABORTED, or the error
+    of a stream that had already failed, is swallowed: the caller's `error` is what matters."""
+    reason = f"{type(error).__name__}: {error}"[:ABORT_REASON_CHARS]
+    try:
+        with contextlib.suppress(pa.ArrowException):
+            writer.write_metadata(pa.py_buffer(json.dumps({"abort": reason}).encode()))
+    finally:
+        with contextlib.suppress(pa.ArrowException):
+            writer.close()
+
+
 class Client:
     """A connection to one gpu-flight server; make one with `gpu_flight.connect`.
 
@@ -183,22 +201,32 @@ class Client:
         compresses the bodies sent. Readers and iterables are streamed batch by batch, never
         held whole. The put commits when the stream ends, atomically.
 
-        pyarrow.flight cannot cancel a put in progress: if reading `data` raises midway, the
-        stream is still ended cleanly and the batches sent before the error are committed.
-        Where that matters, put to a temporary name and `copy` it (as gpu_flight.dask does).
+        If reading `data` raises midway, the put is abandoned: the server is told to discard it
+        (docs/protocol.md, the abort marker), so nothing is committed and the dataset is left as
+        it was, and that same exception is raised here.
         """
         reader = _as_reader(data)
         descriptor = _command(name=name, mode=mode, device=device)
         writer, results = self._flight.do_put(descriptor, reader.schema, options=self._options(compression))
+        pieces = (piece for batch in reader for piece in _slices(batch, PUT_MESSAGE_BYTES))
+        abandoned = False
         try:
-            for batch in reader:
-                for piece in _slices(batch, PUT_MESSAGE_BYTES):
-                    writer.write_batch(piece)
+            while True:
+                try:
+                    piece = next(pieces, None)
+                except BaseException as error:
+                    abandoned = True
+                    _abandon(writer, error)
+                    raise
+                if piece is None:
+                    break
+                writer.write_batch(piece)
             writer.done_writing()
             # None when the server refused the put: close() then raises its error.
             answer = results.read()
         finally:
-            writer.close()
+            if not abandoned:
+                writer.close()
         if answer is None:
             raise flight.FlightInternalError("the server committed no put and returned no error")
         return PutResult.from_json(answer.to_pybytes())
