@@ -104,6 +104,24 @@ def test_a_source_that_raises_abandons_the_put(make_server, wrap):
         assert gf.put("kept", table, mode="append").total_rows == 30_002
 
 
+def test_a_batch_that_cannot_be_sent_abandons_the_put(make_server):
+    """A reader does not check its batches against its schema; the writer refuses the odd one
+    only after the batches before it went out. The put must be abandoned, not committed."""
+    server = make_server()
+    kept = pa.table({"a": pa.array([7], pa.int64())})
+
+    def batches():
+        yield pa.record_batch({"a": pa.array([1, 2], pa.int64())})
+        yield pa.record_batch({"a": pa.array(["x"], pa.string())})
+
+    with gpu_flight.connect(server.location) as gf:
+        gf.put("kept", kept)
+        reader = pa.RecordBatchReader.from_batches(kept.schema, batches())
+        with pytest.raises(pa.ArrowInvalid):
+            gf.put("kept", reader, mode="replace")
+        assert gf.get("kept").equals(kept)
+
+
 def test_reader_is_lazy_and_in_endpoint_order(make_server):
     server = make_server("--rows-per-endpoint", "100")
     with gpu_flight.connect(server.location) as gf:

@@ -1,5 +1,6 @@
 """gpu_flight.dask on a two-process distributed cluster against the real binary."""
 
+import time
 import uuid
 
 import gpu_flight
@@ -7,6 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+dask = pytest.importorskip("dask")
 dd = pytest.importorskip("dask.dataframe")
 distributed = pytest.importorskip("distributed")
 from gpu_flight.dask import read_dataset, write_dataset  # noqa: E402
@@ -129,3 +131,31 @@ def test_a_failed_task_leaves_the_target_as_it_was(cluster, dask_server):
                 write_dataset(bad, dask_server.location, name, mode=mode)
             assert gf.get(name).equals(before)
         assert gf.list(f"{name}.tmp-") == []
+
+
+def test_a_failed_task_on_a_local_scheduler_leaves_no_temporary(dask_server, monkeypatch):
+    """The local schedulers re-raise a task's failure while the other tasks still run: the
+    temporaries those put later must be dropped all the same."""
+    import gpu_flight.dask as gfd
+
+    def no_cluster():
+        raise ValueError("no distributed client")
+
+    real = gfd._write_partition
+
+    def write(frame, name, schema, uri, connect_kwargs):
+        if name.endswith("-0"):
+            # Strings where the schema says int64: this partition's put fails at once.
+            return real(frame.assign(i=frame["i"].astype(str) + "x"), name, schema, uri, connect_kwargs)
+        time.sleep(1.0)  # the others are still being put when it does
+        return real(frame, name, schema, uri, connect_kwargs)
+
+    monkeypatch.setattr(distributed, "default_client", no_cluster)
+    monkeypatch.setattr(gfd, "_write_partition", write)
+    name = unique()
+    ddf = dd.from_pandas(source().to_pandas(), npartitions=4)
+    with dask.config.set(scheduler="threads", num_workers=4), pytest.raises(pa.ArrowException):
+        write_dataset(ddf, dask_server.location, name, mode="create")
+    time.sleep(2.0)  # anything still running has finished its put by now
+    with gpu_flight.connect(dask_server.location) as gf:
+        assert gf.list(name) == []

@@ -121,20 +121,25 @@ def _slices(batch: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBatch]:
 
 
 ABORT_REASON_CHARS = 1000
+ABANDONED = "the client abandoned the put"
+"""How the server's ABORTED answer to the abort marker begins."""
 """The most characters of the caller's error sent as the reason of an abandoned put."""
 
 
-def _abandon(writer: flight.FlightStreamWriter, error: BaseException) -> None:
+def _abandon(writer: flight.FlightStreamWriter, error: BaseException) -> Optional[pa.ArrowException]:
     """Tells the server to discard the put (the abort marker: app_metadata alone, JSON
-    `{"abort": reason}`), then closes the stream. The server's answer, ABORTED, or the error
-    of a stream that had already failed, is swallowed: the caller's `error` is what matters."""
+    `{"abort": reason}`), then closes the stream. Returns the error closing raised unless it is
+    the server's answer to the marker: a refusal the server had sent before, which says more
+    than `error` about a stream that failed."""
     reason = f"{type(error).__name__}: {error}"[:ABORT_REASON_CHARS]
+    with contextlib.suppress(pa.ArrowException):
+        writer.write_metadata(pa.py_buffer(json.dumps({"abort": reason}).encode()))
     try:
-        with contextlib.suppress(pa.ArrowException):
-            writer.write_metadata(pa.py_buffer(json.dumps({"abort": reason}).encode()))
-    finally:
-        with contextlib.suppress(pa.ArrowException):
-            writer.close()
+        writer.close()
+    except pa.ArrowException as closing:
+        if ABANDONED not in str(closing):
+            return closing
+    return None
 
 
 class Client:
@@ -209,24 +214,23 @@ class Client:
         descriptor = _command(name=name, mode=mode, device=device)
         writer, results = self._flight.do_put(descriptor, reader.schema, options=self._options(compression))
         pieces = (piece for batch in reader for piece in _slices(batch, PUT_MESSAGE_BYTES))
-        abandoned = False
+        # Until the stream is ended on purpose, any failure (the caller's data, a batch that
+        # cannot be sent, an interrupt) abandons the put: closing would end it cleanly, and the
+        # server would commit what it had.
         try:
-            while True:
-                try:
-                    piece = next(pieces, None)
-                except BaseException as error:
-                    abandoned = True
-                    _abandon(writer, error)
-                    raise
-                if piece is None:
-                    break
+            for piece in pieces:
                 writer.write_batch(piece)
+        except BaseException as error:
+            refusal = _abandon(writer, error)
+            if refusal is not None and isinstance(error, pa.ArrowException):
+                raise refusal from error
+            raise
+        try:
             writer.done_writing()
             # None when the server refused the put: close() then raises its error.
             answer = results.read()
         finally:
-            if not abandoned:
-                writer.close()
+            writer.close()
         if answer is None:
             raise flight.FlightInternalError("the server committed no put and returned no error")
         return PutResult.from_json(answer.to_pybytes())

@@ -116,15 +116,21 @@ def read_dataset(
 
 def _write_partition(
     frame: Any, name: str, schema: pa.Schema, uri: str, connect_kwargs: dict[str, Any]
-) -> int:
-    """Puts one partition as a temporary dataset; returns its rows."""
-    if type(frame).__module__.startswith("cudf"):
-        table = frame.to_arrow(preserve_index=False)
-    else:
-        table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
-    table = table.cast(schema) if not table.schema.equals(schema) else table
-    with connect(uri, **connect_kwargs) as client:
-        return client.put(name, table, mode="create").rows
+) -> tuple[int, Optional[BaseException]]:
+    """Puts one partition as a temporary dataset; returns its rows, or the error that stopped
+    it. A task never raises, so every scheduler runs them all to their end before the
+    temporary datasets are dropped (a local scheduler re-raises the first failure while the
+    other tasks still run)."""
+    try:
+        if type(frame).__module__.startswith("cudf"):
+            table = frame.to_arrow(preserve_index=False)
+        else:
+            table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+        table = table.cast(schema) if not table.schema.equals(schema) else table
+        with connect(uri, **connect_kwargs) as client:
+            return client.put(name, table, mode="create").rows, None
+    except Exception as error:  # handed to the caller by write_dataset
+        return 0, error
 
 
 def write_dataset(
@@ -166,7 +172,11 @@ def write_dataset(
                 dask.delayed(_write_partition)(part, temporary, schema, uri, connect_kwargs)
                 for part, temporary in zip(parts, temporaries)
             ]
-            rows = sum(_compute_all(dask, tasks))
+            outcomes = _compute_all(dask, tasks)
+            for _, error in outcomes:
+                if error is not None:
+                    raise error
+            rows = sum(written for written, _ in outcomes)
 
             def batches() -> Iterator[pa.RecordBatch]:
                 for temporary in temporaries:
@@ -180,7 +190,7 @@ def write_dataset(
     return int(rows)
 
 
-def _compute_all(dask: Any, tasks: list[Any]) -> list[int]:
+def _compute_all(dask: Any, tasks: list[Any]) -> list[tuple[int, Optional[BaseException]]]:
     """Computes `tasks`, and on a distributed cluster waits for every one to end before raising
     a failure, so no put of a partition lands after the temporary datasets are dropped."""
     try:
