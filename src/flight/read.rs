@@ -20,9 +20,11 @@ use super::ticket::{self, TicketRequest};
 use crate::error::Error;
 use crate::store::StoreError;
 
-/// Most a projection enlarges read chunks by: where a partition's share of the chosen columns
-/// is only estimated (in the host tier or on disk), a chunk stays within this of the target.
-const MAX_CHUNK_SCALE: u64 = 64;
+/// Most a projection enlarges read chunks by. The scale is the dataset's, not each
+/// partition's: where one partition's rows are mostly the chosen columns, its chunks are up to
+/// this many times `--read-chunk-bytes` (pinned staging on a GPU, times the prefetch), so it
+/// stays small.
+const MAX_CHUNK_SCALE: u64 = 8;
 
 /// The rows a ticket names, being read.
 pub(crate) struct Reading {
@@ -96,7 +98,7 @@ pub(crate) fn open(
     };
     let options = &service.options;
     // Chunks are planned by the bytes a row holds in all columns: a projection reads the
-    // same bytes per chunk through proportionally more rows (at most 64 times as many).
+    // same bytes per chunk through proportionally more rows (at most 8 times as many).
     let chunk_bytes = match &columns {
         None => options.read_chunk_bytes,
         Some(columns) => {
