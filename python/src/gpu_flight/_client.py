@@ -206,9 +206,11 @@ class Client:
         compresses the bodies sent. Readers and iterables are streamed batch by batch, never
         held whole. The put commits when the stream ends, atomically.
 
-        If reading `data` raises midway, the put is abandoned: the server is told to discard it
+        If anything fails before the stream is ended (reading `data` raises, a batch does not
+        match the schema, an interrupt), the put is abandoned: the server is told to discard it
         (docs/protocol.md, the abort marker), so nothing is committed and the dataset is left as
-        it was, and that same exception is raised here.
+        it was. That exception is raised here, or the server's own refusal if it had refused
+        the put first.
         """
         reader = _as_reader(data)
         descriptor = _command(name=name, mode=mode, device=device)
