@@ -26,9 +26,13 @@ fi
 # The Python package, editable, with Dask (tests/python/test_client.py and test_dask.py use it).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e './python[dask]'
 
-step "ruff (the Python package and its tests)"
-.venv/bin/ruff check --config python/pyproject.toml python tests/python/test_client.py tests/python/test_dask.py
-.venv/bin/ruff format --check --config python/pyproject.toml python tests/python/test_client.py tests/python/test_dask.py
+step "ruff and mypy (the Python package and its tests)"
+package_tests="tests/python/test_client.py tests/python/test_dask.py tests/python/test_device_interface.py tests/python/test_ipc.py"
+# shellcheck disable=SC2086 # the list is split on purpose
+.venv/bin/ruff check --config python/pyproject.toml python $package_tests
+# shellcheck disable=SC2086
+.venv/bin/ruff format --check --config python/pyproject.toml python $package_tests
+.venv/bin/mypy --config-file python/pyproject.toml python/src
 # `cargo test` built the binary already (a separate `cargo build` would rebuild dependencies
 # without the dev-dependencies' features), in cargo's target directory: target/ unless
 # CARGO_TARGET_DIR (or a cargo config) puts it elsewhere, which cargo itself reports.

@@ -14,17 +14,14 @@ onto GPU 1 for each lease instead.
 
 import argparse
 import json
-import pathlib
 import statistics
-import sys
 import time
 
+import cupy as cp
+import gpu_flight
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpu_flight_ipc import ExportedDataset, device_uuid  # noqa: E402
 
 COLUMNS = 8
 CHUNK_ROWS = 1 << 20  # 64 MiB per batch of 8 int64 columns
@@ -33,23 +30,19 @@ CHUNK_ROWS = 1 << 20  # 64 MiB per batch of 8 int64 columns
 def put_dataset(client, name, gib, device=None):
     rows = gib * (1 << 30) // (8 * COLUMNS)
     schema = pa.schema([(f"c{i}", pa.int64()) for i in range(COLUMNS)])
-    command = {"name": name, "mode": "replace"}
-    if device is not None:
-        command["device"] = device
-    descriptor = flight.FlightDescriptor.for_command(json.dumps(command))
-    writer, reader = client.do_put(descriptor, schema)
-    for start in range(0, rows, CHUNK_ROWS):
-        n = min(CHUNK_ROWS, rows - start)
-        base = np.arange(start, start + n, dtype=np.int64)
-        writer.write_batch(pa.record_batch([base * (i + 1) for i in range(COLUMNS)], schema=schema))
-    writer.done_writing()
-    reader.read()
-    writer.close()
+
+    def batches():
+        for start in range(0, rows, CHUNK_ROWS):
+            base = np.arange(start, start + min(CHUNK_ROWS, rows - start), dtype=np.int64)
+            yield pa.record_batch([base * (i + 1) for i in range(COLUMNS)], schema=schema)
+
+    client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode="replace", device=device)
     return rows
 
 
 def action(client, name, body):
-    results = list(client.do_action(flight.Action(name, json.dumps(body).encode())))
+    raw = client.flight_client
+    results = list(raw.do_action(flight.Action(name, json.dumps(body).encode()), options=client.call_options))
     return json.loads(results[0].body.to_pybytes())
 
 
@@ -69,14 +62,14 @@ def time_ipc(client, name, repeat, device, copy):
     opens, closes = [], []
     for _ in range(repeat):
         started = time.perf_counter()
-        exported = ExportedDataset(client, name, device=device, copy=copy)
+        exported = client.export(name, device=device, copy=copy)
         opened = time.perf_counter()
         exported.close()
         closed = time.perf_counter()
         opens.append(opened - started)
         closes.append(closed - opened)
-    with ExportedDataset(client, name, device=device, copy=copy) as exported:  # the mapped bytes are the data
-        last = exported["c7"].to_cupy()[-1].item()
+    with client.export(name, device=device, copy=copy) as exported:  # the mapped bytes are the data
+        last = cp.asarray(exported.partitions[-1]["c7"])[-1].item()
         handles = len({c["handle"] for p in exported.document["partitions"] for c in p["columns"]})
         access = ",".join(p.access for p in exported.partitions)
     return opens, closes, last, handles, access
@@ -86,8 +79,7 @@ def time_do_get(client, name, repeat):
     best = float("inf")
     for _ in range(repeat):
         started = time.perf_counter()
-        reader = client.do_get(flight.Ticket(name.encode()))
-        rows = sum(chunk.data.num_rows for chunk in reader)
+        rows = sum(batch.num_rows for batch in client.reader(name))
         best = min(best, time.perf_counter() - started)
     return best, rows
 
@@ -99,13 +91,13 @@ def main():
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--get-repeat", type=int, default=2)
     parser.add_argument("--put-device", type=int, help="the server's device to put the dataset on")
-    parser.add_argument("--consumer-device", type=int, help="this process's GPU (CuPy ordinal)")
+    parser.add_argument("--consumer-device", type=int, help="this process's GPU (its CUDA ordinal)")
     parser.add_argument("--copy", action="store_true", help="replicate onto the consumer's GPU per lease")
     args = parser.parse_args()
     consumer = {}
     if args.consumer_device is not None:
-        consumer = {"device": device_uuid(args.consumer_device), "copy": args.copy}
-    client = flight.connect(args.server)
+        consumer = {"device": gpu_flight.device_uuid(args.consumer_device), "copy": args.copy}
+    client = gpu_flight.connect(args.server)
     print(f"{COLUMNS} int64 columns; IPC = ipc-export + opening every handle (median / best of {args.repeat})")
     print(f"put on server device {args.put_device}; consumer on GPU {args.consumer_device}; copy {args.copy}")
     print(
@@ -127,7 +119,7 @@ def main():
             f" {export_only * 1e3:>12.3f} {statistics.median(closes) * 1e3:>9.3f} {get_s:>8.2f} {nbytes / get_s / 1e9:>11.2f}"
             f" {get_s / ipc_median:>8.0f}x  ({access})"
         )
-        list(client.do_action(flight.Action("drop", f'{{"name": "{name}"}}'.encode())))
+        client.drop(name)
 
 
 if __name__ == "__main__":

@@ -224,20 +224,26 @@ def test_imports_without_gpu_libraries():
 
         class Block:
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("cupy", "cudf", "torch", "dask", "distributed"):
+                if name.split(".")[0] in ("cupy", "cudf", "torch", "dask", "distributed", "cuda"):
                     raise ImportError(f"{name} is blocked")
                 return None
 
         sys.meta_path.insert(0, Block())
         import gpu_flight
         import gpu_flight.dask as gd
-        assert not {"cupy", "cudf", "torch", "dask"} & set(sys.modules)
+        assert not {"cupy", "cudf", "torch", "dask", "cuda"} & set(sys.modules)
         try:
             gd.read_dataset("grpc://127.0.0.1:1", "x")
         except ImportError as error:
             assert "gpu-flight[dask]" in str(error), error
         else:
             raise AssertionError("read_dataset without dask")
+        try:  # device=0 needs CUDA before anything is sent
+            gpu_flight.connect("grpc://127.0.0.1:1").export("x", device=0)
+        except ImportError as error:
+            assert "cuda-bindings" in str(error) and "gpu-flight[cuda]" in str(error), error
+        else:
+            raise AssertionError("export without cuda-bindings")
         print("ok")
         """
     )

@@ -7,6 +7,13 @@
         temps = client.get("weather", columns=["temp"])
 
 Pure Python over pyarrow; `gpu_flight.dask` (extra `dask`) reads and writes Dask DataFrames.
+On the server's node, `client.export(name)` (extra `cuda`) maps a dataset's GPU memory into
+this process without copying it, for cuDF, CuPy, PyTorch and any consumer of the Arrow device
+interface:
+
+    with client.export("weather") as weather:
+        frame = weather.to_cudf()                 # cuDF, zero-copy where its layout allows
+        temps = cupy.asarray(weather["temp"])     # a CuPy view of the server's memory
 
 Errors are pyarrow's own, carrying the server's message (and the gRPC code's name):
 NOT_FOUND is `pyarrow.ArrowKeyError`, INVALID_ARGUMENT `pyarrow.ArrowInvalid`, UNIMPLEMENTED
@@ -18,18 +25,27 @@ pyarrow maps them, every one a `pyarrow.ArrowException` whose text holds the cod
 """
 
 from ._client import Client, Compression, Mode, PutData, connect
+from ._cuda import CudaError
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult
+from ._export import Bitmap, Column, DeviceNotVisible, Export, Partition, device_uuid
 
 __all__ = [
+    "Bitmap",
     "Client",
+    "Column",
     "Compression",
     "CopyResult",
+    "CudaError",
     "Device",
+    "DeviceNotVisible",
     "DropResult",
+    "Export",
     "Mode",
     "MoveResult",
+    "Partition",
     "PutData",
     "PutResult",
     "connect",
+    "device_uuid",
 ]
 __version__ = "0.1.0"

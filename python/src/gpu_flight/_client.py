@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult, parse
+from ._export import DEFAULT_LEASE_SECONDS, Export, open_export
 
 Mode = Literal["create", "replace", "append"]
 Compression = Literal["lz4", "zstd"]
@@ -325,3 +326,29 @@ class Client:
         if device is not None:
             body["device"] = device
         return CopyResult.from_json(self._action("copy", body))
+
+    # Zero-copy on the same node
+
+    def export(
+        self,
+        name: str,
+        columns: Optional[Sequence[str]] = None,
+        device: Optional[Union[int, str]] = None,
+        copy: bool = False,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
+    ) -> Export:
+        """Maps the dataset's GPU memory (or its `columns`) into this process, without copying
+        it: for a process on the server's node, with the server's GPUs visible. Needs the
+        `cuda-bindings` package (extra `cuda`); a server on the host backend refuses with
+        FAILED_PRECONDITION.
+
+        `device` is the GPU this process computes on: its CUDA ordinal here (as CuPy and
+        PyTorch number devices) or its UUID. Partitions on other GPUs are then mapped on it
+        for peer access (read over NVLink or PCIe), or with `copy=True` copied onto it by the
+        server for the lease (role `write`). Without `device`, each partition is mapped on
+        the GPU holding it. `lease_seconds` bounds how long the memory stays valid.
+
+        Returns an `Export`; use it as a context manager. Raises `DeviceNotVisible` (after
+        releasing the lease) if the dataset is on a GPU this process cannot see.
+        """
+        return open_export(self, name, columns, device, copy, lease_seconds)
