@@ -9,6 +9,8 @@ import gpu_flight
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+import trustme
+
 from test_flight import all_types_table
 
 
@@ -250,3 +252,38 @@ def test_imports_without_gpu_libraries():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_tls_mutual_certificates_and_basic_login(make_server, tmp_path):
+    """connect() over TLS: the server verified against tls_root_certs, the client's own
+    certificate for mutual TLS, and a Basic login whose session token rides on every call."""
+    from test_security import tls_flags, user_entry
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost", "127.0.0.1")
+    leaf.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    (tmp_path / "server.pem").write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    users = tmp_path / "tokens.toml"
+    users.write_text(user_entry("carol", "write", "correct horse"))
+    users.chmod(0o600)
+    server = make_server(*tls_flags(tmp_path, mutual=True), "--auth-tokens", str(users))
+    location = server.location.replace("127.0.0.1", "localhost")
+    mine = ca.issue_cert("client@example.com")
+    keys = {
+        "tls_root_certs": ca.cert_pem.bytes(),
+        "cert_chain": b"".join(blob.bytes() for blob in mine.cert_chain_pems),
+        "private_key": mine.private_key_pem.bytes(),
+    }
+    with gpu_flight.connect(location, username="carol", password="correct horse", **keys) as gf:
+        gf.put("tls", pa.table({"x": [1, 2, 3]}))
+        assert gf.get("tls").to_pydict() == {"x": [1, 2, 3]}
+        assert gf.list() == ["tls"]
+    with pytest.raises(flight.FlightUnauthenticatedError, match="wrong password"):
+        gpu_flight.connect(location, username="carol", password="wrong", **keys)
+    stranger = {**keys, "tls_root_certs": trustme.CA().cert_pem.bytes()}
+    with (
+        gpu_flight.connect(location, token="x", timeout=5, **stranger) as gf,
+        pytest.raises(flight.FlightUnavailableError),
+    ):
+        gf.list()

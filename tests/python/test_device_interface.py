@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from gpu_flight import _cdata
+
 from test_flight import all_types_table
 
 

@@ -14,8 +14,9 @@ import gpu_flight
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import BACKEND
 from gpu_flight import _cdata, _cuda
+
+from conftest import BACKEND
 from test_flight import action, all_types_table, get, put, unique
 
 cuda_only = pytest.mark.skipif(BACKEND != "cuda", reason="CUDA IPC needs GPU_FLIGHT_BACKEND=cuda")

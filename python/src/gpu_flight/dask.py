@@ -47,25 +47,23 @@ def _read_partition(
 ) -> Any:
     """Reads one endpoint. `columns` is Dask's projection: when it selects fewer columns than
     the ticket streams, a projected ticket for the same endpoint is asked for, so only those
-    columns travel."""
+    columns travel. A projection so wide that its FlightInfo lists fewer endpoints than the
+    graph's (its tickets repeat the column list) is read through the graph's ticket instead,
+    and selected here."""
     with connect(part.uri, **dict(part.connect_kwargs)) as client:
         options = client.call_options
         wanted = None if columns is None else tuple(columns)
-        if wanted is None or wanted == part.columns:
-            ticket = flight.Ticket(part.ticket)
-        else:
+        ticket = flight.Ticket(part.ticket)
+        if wanted is not None and wanted != part.columns:
             info = client.info(part.name, columns=list(wanted))
-            if len(info.endpoints) != part.endpoints:
-                raise flight.FlightServerError(
-                    f"dataset {part.name!r} changed since the Dask graph was built: rebuild it"
-                )
-            ticket = info.endpoints[part.index].ticket
-            # The graph's ticket must still be current now: then the projected ticket, issued
-            # before, is for the same version (versions only move forward). A stale one fails
-            # with the server's NOT_FOUND, as an unprojected read would.
-            check = client.flight_client.do_get(flight.Ticket(part.ticket), options=options)
-            check.schema  # noqa: B018 (the first message carries the ticket's verdict)
-            check.cancel()
+            if len(info.endpoints) == part.endpoints:
+                ticket = info.endpoints[part.index].ticket
+                # The graph's ticket must still be current now: then the projected ticket,
+                # issued before, is for the same version (versions only move forward). A stale
+                # one fails with the server's NOT_FOUND, as an unprojected read would.
+                check = client.flight_client.do_get(flight.Ticket(part.ticket), options=options)
+                check.schema  # noqa: B018 (the first message carries the ticket's verdict)
+                check.cancel()
         table = client.flight_client.do_get(ticket, options=options).read_all()
     if wanted is not None:
         table = table.select(list(wanted))
