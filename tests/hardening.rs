@@ -919,3 +919,26 @@ async fn a_put_no_row_of_which_could_be_read_back_is_refused_and_the_widest_acce
     assert_same_data(&sent, &received);
     server.shutdown_and_wait().await;
 }
+
+#[tokio::test]
+async fn the_longest_names_on_the_most_endpoints_fit_a_clients_message_limit() {
+    // Every ticket repeats the dataset's name: at the most endpoints a reply lists, a name of
+    // the most bytes a name may have still leaves the reply far under a client's 4 MiB.
+    let options = ServeOptions {
+        flight: gpu_flight::flight::FlightOptions {
+            rows_per_endpoint: 1,
+            ..gpu_flight::flight::FlightOptions::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(host(), limited(1 << 30), options).await;
+    let mut client = server.client().await;
+    let name = "n".repeat(gpu_flight::flight::descriptor::MAX_NAME_BYTES);
+    put(&mut client, path(&name), vec![null_batch(4096 * 25)])
+        .await
+        .expect("put");
+    let info = client.get_flight_info(path(&name)).await.expect("info");
+    assert_eq!(info.endpoint.len(), 4096);
+    assert!(info.encoded_len() < 2 << 20, "{} bytes", info.encoded_len());
+    server.shutdown_and_wait().await;
+}

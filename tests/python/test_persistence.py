@@ -11,13 +11,14 @@ import sys
 import textwrap
 import time
 
+import gpu_flight
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 from conftest import Server
 from test_flight import get, put
-from test_ipc import consumer_module, cuda_only
+from test_ipc import cuda_only
 
 # A client that writes until it is stopped, printing what the server acknowledged: creates of
 # d<i>, and replaces of r (version i), each a table that says which it is.
@@ -164,7 +165,6 @@ def test_a_second_server_on_the_same_directory_is_refused(tmp_path):
 
 @cuda_only
 def test_after_a_restart_ipc_export_loads_the_files_onto_the_gpu(tmp_path):
-    ipc = consumer_module()
     data_dir = tmp_path / "data"
     data = expected(7)
     server = Server("--data-dir", str(data_dir))
@@ -176,7 +176,7 @@ def test_after_a_restart_ipc_export_loads_the_files_onto_the_gpu(tmp_path):
     try:
         assert server.status()["tiers"]["loads"] == 0
         with server.client() as client:
-            with ipc.ExportedDataset(client, "t") as exported:
+            with gpu_flight.connect(server.location) as gf, gf.export("t") as exported:
                 assert exported.to_arrow().to_pylist() == data.to_pylist()
             info = client.get_flight_info(flight.FlightDescriptor.for_path("t"))
             tiers = json.loads(info.app_metadata)["tiers"]

@@ -441,15 +441,17 @@ def test_command_line_errors_say_what_was_expected():
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="ipc-export needs GPU_FLIGHT_BACKEND=cuda")
 def test_lease_ids_are_shown_to_their_owner_and_admins(make_server, credentials):
-    from test_ipc import consumer_module
+    import gpu_flight
 
-    ipc = consumer_module()
     path, tokens = credentials
     server = make_server("--auth-tokens", str(path))
     with server.client() as client:
         put(client, "leased", TABLE.select(["id"]), bearer(tokens["write"]))
         writer = bearer(tokens["write"])
-        with ipc.ExportedDataset(client, "leased", options=writer) as exported:
+        with (
+            gpu_flight.connect(server.location, token=tokens["write"]) as gf,
+            gf.export("leased") as exported,
+        ):
             assert exported["id"].to_arrow().equals(TABLE.column("id").combine_chunks())
 
             def shown(options):

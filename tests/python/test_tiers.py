@@ -5,13 +5,14 @@ only when every tier is full, and the refusal says what each holds."""
 
 import json
 
+import gpu_flight
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 from conftest import BACKEND
 from test_flight import action, get, put, unique
-from test_ipc import consumer_module, cuda_only
+from test_ipc import cuda_only
 
 ROWS = 1_000_000  # 8 MB of int64 and 8 MB of float64 a dataset
 
@@ -65,7 +66,6 @@ def test_a_put_is_refused_only_when_every_tier_is_full(make_server):
 
 @cuda_only
 def test_a_spilled_dataset_comes_back_to_the_gpu_to_be_exported(make_server):
-    ipc = consumer_module()
     server = make_server("--memory-limit", "32MiB", "--host-memory-limit", "512MiB")
     names = [unique("back") for _ in range(4)]
     with server.client() as client:
@@ -73,7 +73,7 @@ def test_a_spilled_dataset_comes_back_to_the_gpu_to_be_exported(make_server):
             put(client, name, dataset(seed), chunk=250_000)
         assert tiers_of(client, names[0])["host"] > 0
         restores = server.status()["tiers"]["restores"]
-        with ipc.ExportedDataset(client, names[0]) as exported:
+        with gpu_flight.connect(server.location) as gf, gf.export(names[0]) as exported:
             assert exported.to_arrow().equals(get(client, names[0]).combine_chunks())
             assert tiers_of(client, names[0])["host"] == 0
         assert server.status()["tiers"]["restores"] > restores
