@@ -72,6 +72,11 @@ def part_of(batch, pin):
     )
 
 
+def stream_of(capsule):
+    pointer = _cdata.capsule_pointer(capsule, b"arrow_device_array_stream")
+    return ctypes.cast(pointer, ctypes.POINTER(_cdata.ArrowDeviceArrayStream))
+
+
 @pytest.fixture
 def batch():
     return all_types_table(300).combine_chunks().to_batches()[0]
@@ -129,10 +134,7 @@ def test_the_stream_yields_every_part_then_ends(batch):
     pin = CountingPin()
     parts = [part_of(batch.slice(0, 0) if i == 1 else batch, pin) for i in range(3)]
     capsule = _cdata.device_stream_capsule(_cdata.ARROW_DEVICE_CPU, batch.schema, iter(parts), pin)
-    stream = ctypes.cast(
-        _cdata.capsule_pointer(capsule, b"arrow_device_array_stream"),
-        ctypes.POINTER(_cdata.ArrowDeviceArrayStream),
-    )
+    stream = stream_of(capsule)
     assert stream.contents.device_type == _cdata.ARROW_DEVICE_CPU
     schema_memory = ctypes.create_string_buffer(128)  # sizeof(struct ArrowSchema) is 72
     assert stream.contents.get_schema(stream, ctypes.addressof(schema_memory)) == 0
@@ -166,10 +168,7 @@ def test_a_failing_part_is_the_streams_last_error(batch):
         raise RuntimeError("the export was closed")
 
     capsule = _cdata.device_stream_capsule(_cdata.ARROW_DEVICE_CPU, batch.schema, parts(), pin)
-    stream = ctypes.cast(
-        _cdata.capsule_pointer(capsule, b"arrow_device_array_stream"),
-        ctypes.POINTER(_cdata.ArrowDeviceArrayStream),
-    )
+    stream = stream_of(capsule)
     first = _cdata.ArrowDeviceArray()
     assert stream.contents.get_next(stream, ctypes.byref(first)) == 0
     first.array.release(ctypes.pointer(first.array))
@@ -271,3 +270,98 @@ def test_cudf_child_names_follow_the_nesting():
         "item": {"x": {"offsets": {}, "item": {}}, "y": {}},
     }
     assert _cudf._child_names(pa.int64()) == {}
+
+
+def test_a_document_that_fails_halfway_releases_what_was_filled():
+    inner = pa.StructArray.from_arrays([pa.array([1, 2, 3], pa.int8())], names=["c"])
+    batch = pa.record_batch(
+        {
+            "ok": pa.array([1, 2, 3], pa.int64()),
+            "s": pa.StructArray.from_arrays([pa.array([1, 2, 3], pa.int32()), inner], names=["a", "b"]),
+        }
+    )
+    pin = CountingPin()
+    part = part_of(batch, pin)
+    part.columns[1]["children"][1]["children"] = []  # the inner struct's child is missing
+    with pytest.raises(ValueError, match="children"):
+        _cdata.device_array_capsules(part)
+    assert pin.held == 0, "nothing filled before the failure keeps its pin"
+    assert pin.taken > 0
+    capsule = _cdata.device_stream_capsule(_cdata.ARROW_DEVICE_CPU, batch.schema, iter([part]), pin)
+    stream = stream_of(capsule)
+    out = _cdata.ArrowDeviceArray()
+    assert stream.contents.get_next(stream, ctypes.byref(out)) == 5
+    del capsule, stream
+    gc.collect()
+    assert pin.held == 0
+
+
+def test_an_interrupt_while_streaming_is_an_error_not_the_end(batch):
+    pin = CountingPin()
+
+    def parts():
+        yield part_of(batch, pin)
+        raise KeyboardInterrupt
+
+    capsule = _cdata.device_stream_capsule(_cdata.ARROW_DEVICE_CPU, batch.schema, parts(), pin)
+    stream = stream_of(capsule)
+    first = _cdata.ArrowDeviceArray()
+    assert stream.contents.get_next(stream, ctypes.byref(first)) == 0
+    first.array.release(ctypes.pointer(first.array))
+    assert stream.contents.get_next(stream, ctypes.byref(_cdata.ArrowDeviceArray())) == 5
+    message = ctypes.cast(stream.contents.get_last_error(stream), ctypes.c_char_p).value
+    assert message == b"KeyboardInterrupt: "
+
+
+SHUTDOWN = """
+import sys
+sys.path[:0] = [{tests!r}]
+import numpy as np
+import pyarrow as pa
+from test_device_interface import CountingPin, part_of
+from gpu_flight import _cdata
+
+pin = CountingPin()
+values = np.arange(1000)
+
+def work():
+    batch = pa.record_batch({{"i": pa.array(range(3000), pa.int64())}})
+    schema, array = _cdata.device_array_capsules(part_of(batch, pin))
+    imported = pa.RecordBatch._import_from_c_device_capsule(schema, array)
+    capsule = _cdata.dlpack_capsule(values.ctypes.data, 1000, _cdata.dlpack_type("i", 8), 1, 0, pin)
+    view = np.from_dlpack(type("T", (), {{"__dlpack__": lambda self, **k: capsule,
+                                         "__dlpack_device__": lambda self: (1, 0)}})())
+    try:
+        raise ValueError("views alive in this frame")
+    except ValueError as error:
+        saved = error  # a frame <-> traceback cycle, collected at exit with the module's globals
+        return saved
+
+kept = work()
+print(pin.held > 0, flush=True)
+"""
+
+
+def test_structs_still_held_at_interpreter_exit_are_released_safely():
+    import pathlib
+    import subprocess
+    import sys
+
+    script = SHUTDOWN.format(tests=str(pathlib.Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "True"
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_cudf_plan_works_without_pyarrows_newer_decimal_predicates(monkeypatch):
+    """pyarrow 17 and 18 (which the package allows) have no is_decimal32/64."""
+    from types import SimpleNamespace
+
+    from gpu_flight import _cudf
+
+    monkeypatch.delattr(pa.types, "is_decimal32", raising=False)
+    monkeypatch.delattr(pa.types, "is_decimal64", raising=False)
+    schema = all_types_table(4).schema
+    assert set(_cudf.plan(SimpleNamespace(schema=schema, partitions=[None]))) >= {"bool", "map"}
+    assert _cudf.route(pa.decimal128(10, 2))[0] == _cudf.VIEW

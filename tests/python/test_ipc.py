@@ -30,6 +30,13 @@ def leases(server):
     return server.status()["leases"]
 
 
+def settle(server):
+    """Waits for every lease to end: the last view's release ends its lease on the package's
+    lease thread, just after the garbage collector ran."""
+    gc.collect()
+    server.wait_for(lambda: leases(server) == [], timeout=10)
+
+
 @pytest.fixture
 def gf(server):
     with gpu_flight.connect(server.location) as client:
@@ -145,8 +152,7 @@ def test_every_type_through_the_arrow_device_array_equals_do_get(server, client,
             assert got.column(field.name).equals(expected.column(field.name).combine_chunks()), field.name
         assert exported.to_arrow().equals(expected.combine_chunks())
         del schema_capsule, array_capsule, device_array
-    gc.collect()
-    assert leases(server) == []
+    settle(server)
 
 
 @cuda_only
@@ -180,8 +186,7 @@ def test_the_device_stream_gives_every_partition_in_order(server, gf):
         assert pa.Table.from_batches(batches).equals(expected.combine_chunks())
         stream.contents.release(stream)
         del capsule
-    gc.collect()
-    assert leases(server) == []
+    settle(server)
 
 
 @cuda_only
@@ -220,8 +225,7 @@ def test_fixed_width_columns_are_zero_copy_cupy_and_torch_views(server, gf):
                 cp.asarray(strings[column])
         assert set(strings["s"].buffers()) == {"offsets", "values"}
         assert strings["s"].to_arrow().to_pylist() == ["a", "bc"]
-    gc.collect()
-    assert leases(server) == []
+    settle(server)
 
 
 @cuda_only
@@ -244,21 +248,24 @@ def test_views_keep_the_memory_until_they_are_dropped(server, gf):
     with pytest.raises(RuntimeError, match="closed"):
         first["b"]
     assert len(leases(server)) == 2
+    before = second.expires_at
+    assert second.renew(900) > before, "renewed after close(): the tensor still uses it"
     assert view.sum().item() == float(np.arange(10_000).sum() * 2)
     del view
     gc.collect()
-    assert first.released and len(leases(server)) == 1
+    assert first.released
+    server.wait_for(lambda: len(leases(server)) == 1, timeout=10)
     assert tensor.sum().item() == float(np.arange(10_000).sum() * 2)
     del tensor
-    gc.collect()
-    assert second.released and leases(server) == []
-    assert _cuda.MAPPINGS.count() == 0
+    settle(server)
+    assert second.released and _cuda.MAPPINGS.count() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        second.renew()
 
     forgotten = gf.export(name)
     assert len(leases(server)) == 1
     del forgotten  # never closed: collected
-    gc.collect()
-    assert leases(server) == []
+    settle(server)
 
 
 @cuda_only
@@ -273,8 +280,7 @@ def test_released_and_expired_leases_give_memory_back(server, client, gf):
     assert device_bytes(server) > start, "the lease holds the dropped dataset"
     assert cp.asarray(exported["x"])[5].item() == 5, "still mapped and readable"
     exported.close()
-    gc.collect()
-    assert device_bytes(server) == start
+    assert device_bytes(server) == start, "closed with nothing taken: released at once"
 
     gf.put(name, pa.table({"x": np.arange(2_000_000)}))
     action(client, "ipc-export", {"name": name, "lease_seconds": 1})
@@ -349,8 +355,7 @@ def test_a_consumer_names_its_device_and_gets_every_partition(server, client, gf
             assert exported.to_arrow().equals(expected)
     with gf.export(name, device=_cuda.uuid(0)) as exported:
         assert exported.partitions[0].device == 0
-    gc.collect()
-    assert leases(server) == []
+    settle(server)
 
 
 @cuda_only
@@ -373,8 +378,7 @@ def test_to_cudf_takes_every_column_cudf_can_hold(server, gf):
             if _cudf.route(table.schema.field(column).type)[0] == _cudf.VIEW and "decimal" not in column:
                 assert got.column(column).to_pylist() == table.column(column).to_pylist(), column
         del frame, got
-    gc.collect()
-    assert leases(server) == []
+    settle(server)
 
 
 @cuda_only
@@ -416,6 +420,5 @@ def test_a_dataset_spread_over_two_gpus_maps_from_either(make_server):
         assert exported.partitions[0].device == 1
         assert server.status()["leases"][0]["replica_bytes"] >= 8_000_000
         assert exported.to_arrow().equals(gf.get(subset))
-    gc.collect()
-    assert server.status()["leases"] == []
+    settle(server)
     assert [d["used_bytes"] for d in server.status()["devices"]] == before

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ def _register(owner: Any) -> int:
     return key
 
 
-def _unregister(key: Optional[int]) -> Any:
+def _unregister(key: Optional[int], _lock: Any = _lock, _live: dict[int, Any] = _live) -> Any:
     if key is None:
         return None
     with _lock:
@@ -175,11 +176,13 @@ def _capsule(memory: Any, name: bytes, destructor: Any) -> Any:
     return _capsule_new(pointer, name, destructor)
 
 
-def _drop_capsule_memory(pointer: Optional[int]) -> Any:
+def _drop_capsule_memory(
+    pointer: Optional[int], _lock: Any = _lock, _memory: dict[int, Any] = _capsule_memory
+) -> Any:
     if not pointer:
         return None
     with _lock:
-        return _capsule_memory.pop(pointer, None)
+        return _memory.pop(pointer, None)
 
 
 def capsule_pointer(capsule: Any, name: bytes) -> int:
@@ -277,7 +280,12 @@ def _fill(
     struct.release = _release_array
 
 
-def _on_release_array(array: Any) -> None:
+_null_release = ReleaseArray()
+
+
+def _on_release_array(
+    array: Any, _unregister: Any = _unregister, _sys: Any = sys, _null_release: Any = _null_release
+) -> None:
     struct = array.contents
     node = _unregister(struct.private_data)
     for i in range(struct.n_children):
@@ -286,12 +294,19 @@ def _on_release_array(array: Any) -> None:
             child.release(struct.children[i])
     if struct.dictionary and struct.dictionary.contents.release:
         struct.dictionary.contents.release(struct.dictionary)
-    struct.release = ReleaseArray()
-    if node is not None:
+    struct.release = _null_release
+    if node is not None and not _sys.is_finalizing():  # at exit the leases are released already
         node.pin.release()
 
 
 _release_array = ReleaseArray(_on_release_array)
+
+
+def _release_filled(structs: Sequence[ArrowArray]) -> None:
+    """Releases those of `structs` filled before a failure, so none keeps its pin."""
+    for struct in structs:
+        if struct.release:
+            struct.release(ctypes.pointer(struct))
 
 
 def column_array(
@@ -308,12 +323,15 @@ def column_array(
             f"which has {len(types)}"
         )
     children = [ArrowArray() for _ in types]
-    for child, child_type, child_doc in zip(children, types, doc["children"]):
-        column_array(child, child_type, child_doc, base, pin)
-    dictionary = None
-    if pa.types.is_dictionary(storage(data_type)):
-        dictionary = ArrowArray()
-        column_array(dictionary, storage(data_type).value_type, doc["dictionary"], base, pin)
+    dictionary = ArrowArray() if pa.types.is_dictionary(storage(data_type)) else None
+    try:
+        for child, child_type, child_doc in zip(children, types, doc["children"]):
+            column_array(child, child_type, child_doc, base, pin)
+        if dictionary is not None:
+            column_array(dictionary, storage(data_type).value_type, doc["dictionary"], base, pin)
+    except BaseException:
+        _release_filled([*children, *([dictionary] if dictionary is not None else [])])
+        raise
     _fill(
         struct,
         length=int(doc["length"]),
@@ -347,9 +365,7 @@ def batch_array(out: ArrowDeviceArray, part: DevicePart) -> None:
         for child, field, doc, base in zip(children, part.schema, part.columns, part.bases):
             column_array(child, field.type, doc, base, part.pin)
     except BaseException:
-        for child in children:
-            if child.release:
-                child.release(ctypes.pointer(child))
+        _release_filled(children)
         raise
     _fill(
         out.array,
@@ -365,8 +381,13 @@ def batch_array(out: ArrowDeviceArray, part: DevicePart) -> None:
     out.sync_event = part.sync_event
 
 
-def _on_drop_device_array(capsule: int) -> None:
-    device_array = _drop_capsule_memory(_capsule_pointer(capsule, DEVICE_ARRAY))
+def _on_drop_device_array(
+    capsule: int,
+    _drop: Any = _drop_capsule_memory,
+    _pointer: Any = _capsule_pointer,
+    _name: bytes = DEVICE_ARRAY,
+) -> None:
+    device_array = _drop(_pointer(capsule, _name))
     if device_array is not None and device_array.array.release:
         device_array.array.release(ctypes.pointer(device_array.array))
 
@@ -414,8 +435,8 @@ def _on_stream_schema(stream: Any, out: int) -> int:
         return 22  # EINVAL: released
     try:
         state.schema._export_to_c(out)
-    except Exception as error:
-        state.error = str(error).encode()
+    except BaseException as error:  # an interrupt too: nothing may escape into C
+        state.error = f"{type(error).__name__}: {error}".encode()
         return 5  # EIO
     return 0
 
@@ -432,7 +453,7 @@ def _on_stream_next(stream: Any, out: Any) -> int:
         part = next(state.parts, None)
         if part is not None:
             batch_array(out.contents, part)
-    except Exception as error:
+    except BaseException as error:  # an interrupt too: nothing may escape into C
         state.error = f"{type(error).__name__}: {error}".encode()
         return 5
     return 0  # with release NULL at the end of the stream
@@ -452,18 +473,23 @@ def _on_stream_error(stream: Any) -> Optional[int]:
 _stream_error = GetLastError(_on_stream_error)
 
 
-def _on_release_stream(stream: Any) -> None:
+def _on_release_stream(stream: Any, _unregister: Any = _unregister, _sys: Any = sys) -> None:
     state = _unregister(stream.contents.private_data)
     stream.contents.release = ReleaseStream()
-    if state is not None:
+    if state is not None and not _sys.is_finalizing():
         state.pin.release()
 
 
 _release_stream = ReleaseStream(_on_release_stream)
 
 
-def _on_drop_stream(capsule: int) -> None:
-    stream = _drop_capsule_memory(_capsule_pointer(capsule, DEVICE_STREAM))
+def _on_drop_stream(
+    capsule: int,
+    _drop: Any = _drop_capsule_memory,
+    _pointer: Any = _capsule_pointer,
+    _name: bytes = DEVICE_STREAM,
+) -> None:
+    stream = _drop(_pointer(capsule, _name))
     if stream is not None and stream.release:
         stream.release(ctypes.pointer(stream))
 
@@ -493,20 +519,27 @@ def dlpack_type(dtype_char: str, itemsize: int) -> DLDataType:
     return DLDataType(code, itemsize * 8, 1)
 
 
-def _on_delete_tensor(managed: Any) -> None:
+def _on_delete_tensor(managed: Any, _unregister: Any = _unregister, _sys: Any = sys) -> None:
     kept = _unregister(managed.contents.manager_ctx)
-    if kept is not None:
+    if kept is not None and not _sys.is_finalizing():
         kept[0].release()
 
 
 _delete_tensor = DeleteTensor(_on_delete_tensor)
 
 
-def _on_drop_tensor(capsule: int) -> None:
+def _on_drop_tensor(
+    capsule: int,
+    _valid: Any = _capsule_is_valid,
+    _pointer: Any = _capsule_pointer,
+    _name: bytes = DLTENSOR,
+    _ctypes: Any = ctypes,
+    _managed: Any = DLManagedTensor,
+) -> None:
     # A consumer renames the capsule "used_dltensor" when it takes the tensor, and calls its
     # deleter when done; one still named "dltensor" was never taken, so it is deleted here.
-    if _capsule_is_valid(capsule, DLTENSOR):
-        managed = ctypes.cast(_capsule_pointer(capsule, DLTENSOR), ctypes.POINTER(DLManagedTensor))
+    if _valid(capsule, _name):
+        managed = _ctypes.cast(_pointer(capsule, _name), _ctypes.POINTER(_managed))
         managed.contents.deleter(managed)
 
 
@@ -532,3 +565,35 @@ def dlpack_capsule(
     managed.manager_ctx = _register((pin, managed, shape))
     managed.deleter = _delete_tensor
     return _capsule_new(ctypes.addressof(managed), DLTENSOR, _drop_tensor)
+
+
+# Consumers may release what they hold at any time, interpreter shutdown included, when the
+# module's globals may already be collected or cleared: the callbacks are made immortal (and
+# hold what they use in default arguments), so a late release never runs through freed memory.
+_increment = ctypes.pythonapi["Py_IncRef"]
+_increment.argtypes = [ctypes.py_object]
+_increment.restype = None
+for _kept in (
+    _release_array,
+    _drop_device_array,
+    _stream_schema,
+    _stream_next,
+    _stream_error,
+    _null_release,
+    _release_stream,
+    _drop_stream,
+    _delete_tensor,
+    _drop_tensor,
+    _live,
+    _capsule_memory,
+    _lock,
+    DEVICE_ARRAY,
+    DEVICE_STREAM,
+    DLTENSOR,
+    _capsule_pointer,
+    _capsule_is_valid,
+    _unregister,
+    _drop_capsule_memory,
+):
+    _increment(_kept)
+del _kept

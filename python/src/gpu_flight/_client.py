@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, Optional, Union
 
 import pyarrow as pa
@@ -67,7 +68,9 @@ def connect(
     except BaseException:
         raw.close()
         raise
-    return Client(raw, headers=headers, timeout=timeout)
+    return Client(
+        raw, headers=headers, timeout=timeout, reconnect=functools.partial(flight.connect, uri, **kwargs)
+    )
 
 
 def _command(**fields: Any) -> flight.FlightDescriptor:
@@ -157,10 +160,13 @@ class Client:
         *,
         headers: Sequence[tuple[bytes, bytes]] = (),
         timeout: Optional[float] = None,
+        reconnect: Optional[Callable[[], flight.FlightClient]] = None,
     ) -> None:
         self._flight = flight_client
         self._headers = list(headers)
         self._timeout = timeout
+        self._reconnect = reconnect  # a new connection like this one, for a release after close()
+        self._closed = False
 
     @property
     def flight_client(self) -> flight.FlightClient:
@@ -172,14 +178,18 @@ class Client:
         """Call options carrying this client's credentials and timeout, for `flight_client`."""
         return self._options()
 
-    def _options(self, compression: Optional[str] = None) -> flight.FlightCallOptions:
+    def _options(
+        self, compression: Optional[str] = None, timeout: Optional[float] = None
+    ) -> flight.FlightCallOptions:
         write_options = None if compression is None else pa.ipc.IpcWriteOptions(compression=compression)
-        return flight.FlightCallOptions(
-            timeout=self._timeout, headers=self._headers, write_options=write_options
-        )
+        if self._timeout is not None:
+            timeout = self._timeout if timeout is None else min(timeout, self._timeout)
+        return flight.FlightCallOptions(timeout=timeout, headers=self._headers, write_options=write_options)
 
     def close(self) -> None:
-        """Closes the connection; calls in progress fail."""
+        """Closes the connection; calls in progress fail. Exports made through it still
+        release their leases when they end (on a connection of their own)."""
+        self._closed = True
         self._flight.close()
 
     def __enter__(self) -> Client:
@@ -298,9 +308,23 @@ class Client:
 
     # Actions
 
-    def _action(self, action: str, body: Optional[dict[str, Any]] = None) -> bytes:
+    def _action(
+        self,
+        action: str,
+        body: Optional[dict[str, Any]] = None,
+        timeout: Optional[float] = None,
+        reconnect: bool = False,
+    ) -> bytes:
+        """Runs `action`; `timeout` caps the client's own; with `reconnect`, on a fresh
+        connection once this client is closed."""
         payload = b"" if body is None else json.dumps(body).encode()
-        results = list(self._flight.do_action(flight.Action(action, payload), options=self._options()))
+        call = flight.Action(action, payload)
+        options = self._options(timeout=timeout)
+        if reconnect and self._closed and self._reconnect is not None:
+            with self._reconnect() as fresh:
+                results = list(fresh.do_action(call, options=options))
+        else:
+            results = list(self._flight.do_action(call, options=options))
         if len(results) != 1:
             raise flight.FlightInternalError(f"the {action} action returned {len(results)} results, not 1")
         body_bytes: bytes = results[0].body.to_pybytes()

@@ -131,7 +131,7 @@ class Mappings:
             entry = self._open[(handle, ordinal)]
             entry[1] -= 1
             if entry[1] == 0:
-                del self._open[(handle, ordinal)]
+                del self._open[(handle, ordinal)]  # forgotten even if closing fails: not reusable
                 with on_device(ordinal):
                     call("cuIpcCloseMemHandle", entry[0])
 
@@ -155,7 +155,11 @@ class Event:
         driver = _driver()
         with on_device(ordinal):
             self._event = call("cuEventCreate", driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-            call("cuEventRecord", self._event, 0)
+            try:
+                call("cuEventRecord", self._event, 0)
+            except BaseException:
+                call("cuEventDestroy", self._event)
+                raise
         # The Arrow spec's sync_event for CUDA is a CUevent*: the address of the handle.
         self._slot = ctypes.c_void_p(int(self._event))
 

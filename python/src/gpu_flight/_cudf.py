@@ -15,7 +15,8 @@ view is decided from the schema before anything is imported (`plan`), so a calle
 - a dataset held in several partitions is concatenated (a device copy);
 - timestamps with a time zone are imported as UTC and localized again (cuDF recomputes them).
 
-Decimals keep their values and scale; cuDF widens their precision to its maximum.
+Decimals keep their values and scale; cuDF widens their precision to its maximum. Timestamps
+inside lists and structs keep their values but lose their time zone (UTC).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ DEVICE = "device"  # cuDF's device import takes it, converting it (a copy on the
 HOST = "host"  # through the host: cuDF's device import refuses the type
 
 
+def _is(predicate: str, data_type: pa.DataType) -> bool:
+    """`pa.types.<predicate>(data_type)`, False where this pyarrow has no such predicate."""
+    check = getattr(pa.types, predicate, None)
+    return bool(check(data_type)) if check is not None else False
+
+
 def route(data_type: pa.DataType) -> tuple[str, str]:
     """How a column of `data_type` reaches cuDF: (VIEW, ""), or (DEVICE or HOST, why)."""
     t = _cdata.storage(data_type)
@@ -55,8 +62,8 @@ def route(data_type: pa.DataType) -> tuple[str, str]:
         or pa.types.is_large_string(t)
         or pa.types.is_timestamp(t)
         or pa.types.is_duration(t)
-        or pa.types.is_decimal32(t)
-        or pa.types.is_decimal64(t)
+        or _is("is_decimal32", t)  # pyarrow 19 and later
+        or _is("is_decimal64", t)
         or pa.types.is_decimal128(t)
     )
     if plain:
@@ -64,7 +71,10 @@ def route(data_type: pa.DataType) -> tuple[str, str]:
     if pa.types.is_list(t) or pa.types.is_struct(t):
         worst = (VIEW, "")
         for i in range(t.num_fields):
-            inner, why = route(t.field(i).type)
+            inner_type = _cdata.storage(t.field(i).type)
+            if pa.types.is_timestamp(inner_type):
+                continue  # a view; nested, its time zone is dropped (UTC values)
+            inner, why = route(inner_type)
             if inner == HOST:
                 return HOST, f"it holds {t.field(i).type}, which cuDF's device import refuses"
             if inner == DEVICE and worst[0] == VIEW:
@@ -123,6 +133,16 @@ def _child_names(data_type: pa.DataType) -> dict[str, Any]:
     return {}
 
 
+def _current_device() -> int:
+    """The CUDA runtime's current device here: where cuDF allocates and computes."""
+    from cuda.bindings import runtime
+
+    error, device = runtime.cudaGetDevice()
+    if error != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaGetDevice failed: {error}")
+    return int(device)
+
+
 def _cudf_version(cudf: Any) -> tuple[int, int]:
     major, minor = str(cudf.__version__).split(".")[:2]
     return int(major), int(minor)
@@ -137,6 +157,14 @@ def to_cudf(export: Export) -> Any:
     if _cudf_version(cudf) < (25, 8):
         raise ImportError(
             f"to_cudf needs cuDF 25.08 or later (pylibcudf.Table.from_arrow), not {cudf.__version__}"
+        )
+    current = _current_device()
+    elsewhere = sorted({p.device for p in export.partitions if p.device != current})
+    if elsewhere:
+        raise ValueError(
+            f"{export.name!r} is mapped on CUDA device(s) {elsewhere}, and this process computes on "
+            f"device {current}: cuDF builds the frame there, so export it onto that GPU with "
+            f"client.export(name, device={current})"
         )
     copies = plan(export)
     for name, why in copies.items():

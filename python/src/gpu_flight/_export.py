@@ -20,6 +20,9 @@ from __future__ import annotations
 import atexit
 import base64
 import functools
+import logging
+import os
+import queue
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -33,6 +36,8 @@ from ._documents import parse
 if TYPE_CHECKING:
     from ._client import Client
 
+log = logging.getLogger("gpu_flight")
+
 DOCUMENT_VERSION = 2
 DEFAULT_LEASE_SECONDS = 300
 
@@ -45,14 +50,20 @@ class DeviceNotVisible(RuntimeError):
 class _Lease:
     """The server's lease on an export and what this process opened under it: the mapped
     handles and the sync events. Counts its users (the Export and everything handed out);
-    the last one to go unmaps the memory and releases the lease."""
+    when the last one goes, the lease is queued to be ended: unmapped, then released.
+
+    Ending never runs where the last user went (a finalizer, or a consumer's release callback,
+    which may come in the middle of anything, the package's own locks included), but on the
+    lease thread, or at once in `Export.close()` and `Client.export()`."""
 
     def __init__(self, release_lease: Callable[[str], None], lease: str) -> None:
         self.lease = lease
         self._release_lease = release_lease
         self._lock = threading.Lock()
         self._users = 1  # the Export's own
+        self._pid = os.getpid()
         self.ended = False
+        self.done = threading.Event()  # set once end() has run
         self.mappings: list[tuple[bytes, int]] = []
         self.events: dict[int, _cuda.Event] = {}
         _live_leases.add(self)
@@ -64,31 +75,58 @@ class _Lease:
             self._users += 1
 
     def release(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child: the lease and the mappings are the parent's
         with self._lock:
             self._users -= 1
             last = self._users == 0 and not self.ended
             if last:
                 self.ended = True
         if last:
-            self._end()
+            _ending.put(self)  # SimpleQueue.put is safe from finalizers and callbacks
 
     def users(self) -> int:
         with self._lock:
             return self._users
 
-    def _end(self) -> None:
-        # Unmap before releasing: once the lease ends the server may reuse the memory.
+    def end(self, unmap: bool = True) -> None:
+        """Unmaps every handle and destroys the events, then releases the lease; if any
+        unmap failed, the lease is left to expire instead (the server may reuse memory
+        once it ends, and a handle is still mapped)."""
         try:
-            for handle, ordinal in self.mappings:
-                _cuda.MAPPINGS.release(handle, ordinal)
-            for event in self.events.values():
-                event.destroy()
+            self._end(unmap)
         finally:
-            self.mappings, self.events = [], {}
-            self._release_lease(self.lease)
+            self.done.set()
+
+    def _end(self, unmap: bool) -> None:
+        mappings, events = self.mappings, list(self.events.values())
+        self.mappings, self.events = [], {}
+        failures = []
+        if unmap:
+            for handle, ordinal in mappings:
+                try:
+                    _cuda.MAPPINGS.release(handle, ordinal)
+                except Exception as error:  # every handle is tried, whatever one does
+                    failures.append(error)
+            for event in events:
+                try:
+                    event.destroy()
+                except Exception as error:
+                    failures.append(error)
+        if failures:
+            log.warning(
+                "export lease %s: %d handles or events could not be closed (%s); the lease is left to expire",
+                self.lease,
+                len(failures),
+                failures[0],
+            )
+            return
+        self._release_lease(self.lease)
 
     def end_at_exit(self) -> None:
         """At interpreter exit: the lease is released; the mappings die with the process."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             if self.ended:
                 return
@@ -97,10 +135,46 @@ class _Lease:
 
 
 _live_leases: weakref.WeakSet[_Lease] = weakref.WeakSet()
+_ending: queue.SimpleQueue[_Lease] = queue.SimpleQueue()
+_ender: Optional[threading.Thread] = None
+_ender_pid = 0
+
+
+def end_pending() -> None:
+    """Ends the leases whose last user has gone, here and now (a safe point)."""
+    while True:
+        try:
+            lease = _ending.get_nowait()
+        except queue.Empty:
+            return
+        lease.end()
+
+
+def _end_leases_forever() -> None:
+    while True:
+        lease = _ending.get()
+        try:
+            lease.end()
+        except Exception:  # the thread must outlive any one lease
+            log.exception("ending export lease %s", lease.lease)
+
+
+def _start_lease_thread() -> None:
+    """Starts the thread that ends leases, once per process (called where it is safe to)."""
+    global _ender, _ender_pid
+    if _ender is None or _ender_pid != os.getpid() or not _ender.is_alive():
+        _ender = threading.Thread(target=_end_leases_forever, name="gpu-flight-leases", daemon=True)
+        _ender_pid = os.getpid()
+        _ender.start()
 
 
 @atexit.register
 def _release_leases_at_exit() -> None:
+    while True:  # leases queued to end: released only; the mappings die with the process
+        try:
+            _ending.get_nowait().end(unmap=False)
+        except queue.Empty:
+            break
     for lease in list(_live_leases):
         lease.end_at_exit()
 
@@ -161,9 +235,10 @@ class Column(_Held):
 
     A fixed-width column (integers, floats, dates, times, timestamps, durations; a dictionary
     column's keys) is a one-dimensional array through `__cuda_array_interface__` and DLPack:
-    `cupy.asarray(column)`, `torch.from_dlpack(column)`. The interface marks it read-only (it
-    is the server's memory), which PyTorch's `as_tensor` refuses: use DLPack there. Its nulls
-    hold arbitrary values;
+    `cupy.asarray(column)`, `torch.from_dlpack(column)`. These views are the server's memory:
+    never write to them (copy first). The interface marks them read-only, which CuPy does not
+    enforce and PyTorch's `as_tensor` refuses (use DLPack there); DLPack 0.8 has no read-only
+    flag, so a tensor is writable. Its nulls hold arbitrary values;
     `validity` is the bitmap that says which. Every column is reachable through the Arrow
     device protocol of its partition, and `to_arrow()` copies it to the host.
     """
@@ -361,6 +436,7 @@ class Export:
             self.num_rows = int(document["num_rows"])
             self.schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(document["schema"])))
             for part in document["partitions"]:
+                _check_partition(self.schema, part)
                 where = document["consumer_device"] if part["access"] == "peer" else part["device"]
                 ordinal = _cuda.find_device(where["uuid"], where["pci_bus_id"])
                 if ordinal is None:
@@ -439,8 +515,10 @@ class Export:
         return _cudf.plan(self)
 
     def renew(self, lease_seconds: int = DEFAULT_LEASE_SECONDS) -> str:
-        """Extends the lease to `lease_seconds` from now; returns the new expiry (RFC 3339)."""
-        self._check_open()
+        """Extends the lease to `lease_seconds` from now; returns the new expiry (RFC 3339).
+        Works after `close()` too, while views taken from the export keep it."""
+        if self.released:
+            raise RuntimeError(f"the export of {self.name!r} has ended: its lease is released")
         body = {
             "name": self.name,
             "lease": self.lease,
@@ -456,6 +534,9 @@ class Export:
         from the export are still alive; then it ends with the last of them. Idempotent."""
         self.partitions = []
         self._close()
+        end_pending()
+        if self._state.ended:  # nothing taken from it is alive: done when this returns
+            self._state.done.wait(2 * RELEASE_SECONDS)
 
     def __enter__(self) -> Export:
         return self
@@ -464,13 +545,31 @@ class Export:
         self.close()
 
 
+def _check_partition(schema: pa.Schema, part: dict[str, Any]) -> None:
+    """What the structs built from a partition's document rely on: a column per field, and
+    handles of CUDA's size."""
+    if len(part["columns"]) != len(schema):
+        raise RuntimeError(
+            f"the export document lists {len(part['columns'])} columns for a schema of {len(schema)}"
+        )
+    for column in part["columns"]:
+        if len(base64.b64decode(column["handle"])) != IPC_HANDLE_BYTES:
+            raise RuntimeError(f"column {column['name']!r} has no {IPC_HANDLE_BYTES}-byte CUDA IPC handle")
+
+
+IPC_HANDLE_BYTES = 64
+RELEASE_SECONDS = 5.0
+"""The longest an `ipc-release` may take: it runs at exit and on the lease thread, where a
+server that does not answer must not hold the process (the lease then expires)."""
+
+
 def _release(client: Client, lease: str) -> None:
     try:
-        client._action("ipc-release", {"lease": lease})
+        client._action("ipc-release", {"lease": lease}, timeout=RELEASE_SECONDS, reconnect=True)
     except pa.ArrowKeyError:
         pass  # NOT_FOUND: it expired already
-    except pa.ArrowException:
-        pass  # the server or the connection is gone: the lease expires on its own
+    except pa.ArrowException as error:
+        log.warning("export lease %s was not released (%s); it expires on the server", lease, error)
 
 
 def device_uuid(ordinal: int) -> str:
@@ -507,4 +606,6 @@ def open_export(
         body["copy"] = bool(copy)
     elif copy:
         raise ValueError("copy=True copies onto this process's GPU: pass device=")
+    _start_lease_thread()
+    end_pending()
     return Export(client, name, parse(client._action("ipc-export", body), "ipc-export result"))
