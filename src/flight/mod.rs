@@ -27,6 +27,7 @@ pub mod ipc_export;
 mod lifecycle;
 mod put;
 mod read;
+pub mod sql;
 pub mod ticket;
 
 use std::ops::Range;

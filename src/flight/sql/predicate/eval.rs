@@ -1,0 +1,435 @@
+//! A [`Predicate`] resolved against a schema, and its evaluation with arrow's kernels.
+//!
+//! Resolution reads each literal as a value of its column's type, once per schema, so that
+//! evaluation is only kernel calls. Integer, date and timestamp columns compare exactly with
+//! literals between two of their values: `x > 2.5` becomes `x > 2` and `x = 2.5` is false on every
+//! non-NULL row; a literal beyond the type's range becomes a constant.
+
+use std::sync::Arc;
+
+use arrow::array::timezone::Tz;
+use arrow::array::{
+    Array, ArrayRef, ArrowPrimitiveType, BooleanArray, Datum, LargeStringArray, PrimitiveArray,
+    Scalar, StringArray, StringViewArray,
+};
+use arrow::buffer::BooleanBuffer;
+use arrow::compute::kernels::boolean::{and_kleene, not, or_kleene};
+use arrow::compute::kernels::cast_utils::string_to_datetime;
+use arrow::compute::kernels::cmp;
+use arrow::compute::{is_not_null, is_null};
+use arrow::datatypes::*;
+use arrow::error::ArrowError;
+use arrow::record_batch::RecordBatch;
+
+use super::number::{Bound, Exact};
+use super::{CmpOp, Literal, Operand, Predicate};
+use crate::flight::sql::error::SqlError;
+
+/// A predicate ready to evaluate over batches of one schema.
+#[derive(Debug, Clone)]
+pub struct Filter {
+    root: Node,
+    /// The columns the filter reads: index, name and type, checked against each batch.
+    columns: Vec<(usize, FieldRef)>,
+}
+
+#[derive(Debug, Clone)]
+enum Node {
+    Leaf { column: usize, test: Test },
+    And(Vec<Node>),
+    Or(Vec<Node>),
+    Not(Box<Node>),
+}
+
+#[derive(Debug, Clone)]
+enum Test {
+    Compare(CmpOp, Scalar<ArrayRef>),
+    IsNull,
+    IsNotNull,
+    /// The same answer on every non-NULL value (NULL on NULL ones): a literal no value can equal,
+    /// or beyond the type's range.
+    Constant(bool),
+    /// NULL on every row: a comparison with NULL.
+    Null,
+}
+
+impl Filter {
+    pub(super) fn new(predicate: &Predicate, schema: &Schema) -> Result<Self, SqlError> {
+        let mut columns = Vec::new();
+        let root = resolve(predicate, schema, &mut columns)?;
+        Ok(Self { root, columns })
+    }
+
+    /// Evaluates the filter over `batch` (of the schema it was prepared for): true where a row
+    /// matches, false or NULL where it does not.
+    pub fn evaluate(&self, batch: &RecordBatch) -> Result<BooleanArray, SqlError> {
+        let schema = batch.schema_ref();
+        for (index, field) in &self.columns {
+            let same = schema
+                .fields()
+                .get(*index)
+                .is_some_and(|f| f.name() == field.name() && f.data_type() == field.data_type());
+            if !same {
+                return Err(SqlError::invalid(format!(
+                    "the batch has no column \"{}\" of type {} at position {index}: the filter \
+                     was prepared for another schema",
+                    field.name(),
+                    field.data_type()
+                )));
+            }
+        }
+        evaluate(&self.root, batch)
+    }
+}
+
+fn resolve(
+    predicate: &Predicate,
+    schema: &Schema,
+    columns: &mut Vec<(usize, FieldRef)>,
+) -> Result<Node, SqlError> {
+    Ok(match predicate {
+        Predicate::Compare { column, op, value } => {
+            let (column, field) = find(schema, column, columns)?;
+            let test = compare(field, *op, value)?;
+            Node::Leaf { column, test }
+        }
+        Predicate::IsNull { column, negated } => {
+            let (column, _) = find(schema, column, columns)?;
+            let test = if *negated {
+                Test::IsNotNull
+            } else {
+                Test::IsNull
+            };
+            Node::Leaf { column, test }
+        }
+        Predicate::InList {
+            column,
+            list,
+            negated,
+        } => {
+            let (column, field) = find(schema, column, columns)?;
+            let any = list
+                .iter()
+                .map(|value| {
+                    let test = compare(field, CmpOp::Eq, value)?;
+                    Ok(Node::Leaf { column, test })
+                })
+                .collect::<Result<_, SqlError>>()?;
+            negate(Node::Or(any), *negated)
+        }
+        Predicate::Between {
+            column,
+            low,
+            high,
+            negated,
+        } => {
+            let (column, field) = find(schema, column, columns)?;
+            let low = compare(field, CmpOp::GtEq, low)?;
+            let high = compare(field, CmpOp::LtEq, high)?;
+            let within = Node::And(vec![
+                Node::Leaf { column, test: low },
+                Node::Leaf { column, test: high },
+            ]);
+            negate(within, *negated)
+        }
+        Predicate::And(children) => Node::And(resolve_all(children, schema, columns)?),
+        Predicate::Or(children) => Node::Or(resolve_all(children, schema, columns)?),
+        Predicate::Not(child) => Node::Not(Box::new(resolve(child, schema, columns)?)),
+    })
+}
+
+fn resolve_all(
+    children: &[Predicate],
+    schema: &Schema,
+    columns: &mut Vec<(usize, FieldRef)>,
+) -> Result<Vec<Node>, SqlError> {
+    children
+        .iter()
+        .map(|c| resolve(c, schema, columns))
+        .collect()
+}
+
+fn negate(node: Node, negated: bool) -> Node {
+    if negated {
+        Node::Not(Box::new(node))
+    } else {
+        node
+    }
+}
+
+/// The column named exactly `name` (names are case-sensitive), noted in `columns`.
+fn find<'a>(
+    schema: &'a Schema,
+    name: &str,
+    columns: &mut Vec<(usize, FieldRef)>,
+) -> Result<(usize, &'a Field), SqlError> {
+    if let Some((index, field)) = schema.fields().find(name) {
+        if !columns.iter().any(|(i, _)| *i == index) {
+            columns.push((index, Arc::clone(field)));
+        }
+        return Ok((index, field));
+    }
+    let hint = match schema
+        .fields()
+        .iter()
+        .find(|f| f.name().eq_ignore_ascii_case(name))
+    {
+        Some(f) => format!(
+            " (column names are case-sensitive: \"{}\" exists)",
+            f.name()
+        ),
+        None => String::new(),
+    };
+    Err(SqlError::invalid(format!(
+        "unknown column \"{name}\"{hint}"
+    )))
+}
+
+/// The test `column op value`, the value read as one of the column's type.
+fn compare(field: &Field, op: CmpOp, value: &Operand) -> Result<Test, SqlError> {
+    let literal = match value {
+        Operand::Literal(literal) => literal,
+        Operand::Placeholder(i) => {
+            return Err(SqlError::invalid(format!(
+                "parameter {} has no value: bind the statement's parameters first",
+                i.saturating_add(1)
+            )));
+        }
+    };
+    if *literal == Literal::Null {
+        return Ok(Test::Null);
+    }
+    // Arrow's comparison kernels look through one dictionary layer: compare with its values.
+    let data_type = match field.data_type() {
+        DataType::Dictionary(_, values) => values.as_ref(),
+        other => other,
+    };
+    let mismatch = || {
+        SqlError::invalid(format!(
+            "column \"{}\" ({}) cannot be compared with {}",
+            field.name(),
+            field.data_type(),
+            describe(literal)
+        ))
+    };
+    let number = || match literal {
+        Literal::Number(text) => Exact::parse(text).ok_or_else(mismatch),
+        _ => Err(mismatch()),
+    };
+    let float = || match literal {
+        Literal::Number(text) => text.parse::<f64>().map_err(|_| mismatch()),
+        _ => Err(mismatch()),
+    };
+    let instant = |zone: Option<&str>, unit_nanos: i128| match literal {
+        Literal::Date(text) | Literal::Timestamp(text) | Literal::String(text) => nanos(text, zone)
+            .map(|n| Bound {
+                floor: n.div_euclid(unit_nanos),
+                exact: n.rem_euclid(unit_nanos) == 0,
+            }),
+        _ => Err(mismatch()),
+    };
+    let string = || match literal {
+        Literal::String(s) => Ok(s.as_str()),
+        _ => Err(mismatch()),
+    };
+    const DAY: i128 = 86_400_000_000_000;
+    Ok(match data_type {
+        DataType::Int8 => integer::<Int8Type>(op, number()?.bound(), data_type),
+        DataType::Int16 => integer::<Int16Type>(op, number()?.bound(), data_type),
+        DataType::Int32 => integer::<Int32Type>(op, number()?.bound(), data_type),
+        DataType::Int64 => integer::<Int64Type>(op, number()?.bound(), data_type),
+        DataType::UInt8 => integer::<UInt8Type>(op, number()?.bound(), data_type),
+        DataType::UInt16 => integer::<UInt16Type>(op, number()?.bound(), data_type),
+        DataType::UInt32 => integer::<UInt32Type>(op, number()?.bound(), data_type),
+        DataType::UInt64 => integer::<UInt64Type>(op, number()?.bound(), data_type),
+        // A literal is read as the nearest value of the column's float type, so that
+        // `x = 0.1` finds the float32 written as 0.1.
+        DataType::Float16 => {
+            let v = <Float16Type as ArrowPrimitiveType>::Native::from_f64(float()?);
+            scalar::<Float16Type>(op, v, data_type)
+        }
+        #[allow(clippy::cast_possible_truncation)]
+        DataType::Float32 => scalar::<Float32Type>(op, float()? as f32, data_type),
+        DataType::Float64 => scalar::<Float64Type>(op, float()?, data_type),
+        DataType::Decimal128(precision, scale) | DataType::Decimal256(precision, scale) => {
+            let digits = number()?.scaled(*precision, *scale).ok_or_else(|| {
+                SqlError::invalid(format!(
+                    "{} does not fit column \"{}\" ({}): it must have at most {} digits, {} \
+                     after the point",
+                    describe(literal),
+                    field.name(),
+                    field.data_type(),
+                    precision,
+                    scale
+                ))
+            })?;
+            let parse_error = || SqlError::invalid(format!("{digits} is not a decimal value"));
+            if matches!(data_type, DataType::Decimal128(..)) {
+                let raw = digits.parse::<i128>().map_err(|_| parse_error())?;
+                scalar::<Decimal128Type>(op, raw, data_type)
+            } else {
+                let raw = i256::from_string(&digits).ok_or_else(parse_error)?;
+                scalar::<Decimal256Type>(op, raw, data_type)
+            }
+        }
+        DataType::Date32 => integer::<Date32Type>(op, instant(None, DAY)?, data_type),
+        DataType::Date64 => integer::<Date64Type>(op, instant(None, 1_000_000)?, data_type),
+        DataType::Timestamp(unit, zone) => {
+            let zone = zone.as_deref();
+            match unit {
+                TimeUnit::Second => {
+                    integer::<TimestampSecondType>(op, instant(zone, 1_000_000_000)?, data_type)
+                }
+                TimeUnit::Millisecond => {
+                    integer::<TimestampMillisecondType>(op, instant(zone, 1_000_000)?, data_type)
+                }
+                TimeUnit::Microsecond => {
+                    integer::<TimestampMicrosecondType>(op, instant(zone, 1_000)?, data_type)
+                }
+                TimeUnit::Nanosecond => {
+                    integer::<TimestampNanosecondType>(op, instant(zone, 1)?, data_type)
+                }
+            }
+        }
+        DataType::Boolean => match literal {
+            Literal::Boolean(b) => compare_with(op, Arc::new(BooleanArray::from(vec![*b]))),
+            _ => return Err(mismatch()),
+        },
+        DataType::Utf8 => compare_with(op, Arc::new(StringArray::from(vec![string()?]))),
+        DataType::LargeUtf8 => compare_with(op, Arc::new(LargeStringArray::from(vec![string()?]))),
+        DataType::Utf8View => compare_with(op, Arc::new(StringViewArray::from(vec![string()?]))),
+        _ => {
+            return Err(SqlError::Unsupported(format!(
+                "column \"{}\" has type {}, which WHERE does not filter: conditions take integer, \
+                 float, decimal, date, timestamp, boolean and string columns (and dictionaries \
+                 of them)",
+                field.name(),
+                field.data_type()
+            )));
+        }
+    })
+}
+
+/// Nanoseconds since the epoch of a date or timestamp text, read in `zone` (UTC without one)
+/// where the text names no zone; i128, so that no valid date overflows.
+fn nanos(text: &str, zone: Option<&str>) -> Result<i128, SqlError> {
+    let tz: Tz = zone
+        .unwrap_or("+00:00")
+        .parse()
+        .map_err(|e: ArrowError| SqlError::invalid(format!("time zone {zone:?}: {e}")))?;
+    let at = string_to_datetime(&tz, text)
+        .map_err(|e| SqlError::invalid(format!("'{text}' is not a date or timestamp: {e}")))?;
+    Ok(i128::from(at.timestamp()) * 1_000_000_000 + i128::from(at.timestamp_subsec_nanos()))
+}
+
+/// `column op value` on a column of integers (or days, or time units) for a value that may lie
+/// between two of them or beyond the type's range.
+fn integer<T>(op: CmpOp, value: Bound, data_type: &DataType) -> Test
+where
+    T: ArrowPrimitiveType,
+    T::Native: TryFrom<i128>,
+{
+    let (op, at) = match (op, value.exact) {
+        (CmpOp::Eq, false) => return Test::Constant(false),
+        (CmpOp::NotEq, false) => return Test::Constant(true),
+        // floor < value < floor + 1
+        (CmpOp::Lt, false) => (CmpOp::LtEq, value.floor),
+        (CmpOp::GtEq, false) => (CmpOp::Gt, value.floor),
+        (op, _) => (op, value.floor),
+    };
+    match T::Native::try_from(at) {
+        Ok(v) => scalar::<T>(op, v, data_type),
+        // Every integer type holds 0, so a value it cannot hold lies above or below all of it.
+        Err(_) => Test::Constant(match op {
+            CmpOp::Eq => false,
+            CmpOp::NotEq => true,
+            CmpOp::Lt | CmpOp::LtEq => at > 0,
+            CmpOp::Gt | CmpOp::GtEq => at < 0,
+        }),
+    }
+}
+
+fn scalar<T: ArrowPrimitiveType>(op: CmpOp, value: T::Native, data_type: &DataType) -> Test {
+    let array = PrimitiveArray::<T>::from_value(value, 1).with_data_type(data_type.clone());
+    compare_with(op, Arc::new(array))
+}
+
+fn compare_with(op: CmpOp, value: ArrayRef) -> Test {
+    Test::Compare(op, Scalar::new(value))
+}
+
+fn describe(literal: &Literal) -> String {
+    match literal {
+        Literal::Null => "NULL".to_owned(),
+        Literal::Boolean(b) => format!("the boolean {}", if *b { "TRUE" } else { "FALSE" }),
+        Literal::Number(n) => format!("the number {n}"),
+        Literal::String(s) => format!("the string '{s}'"),
+        Literal::Date(d) => format!("DATE '{d}'"),
+        Literal::Timestamp(t) => format!("TIMESTAMP '{t}'"),
+    }
+}
+
+fn evaluate(node: &Node, batch: &RecordBatch) -> Result<BooleanArray, SqlError> {
+    let rows = batch.num_rows();
+    let kernel_error = |e: ArrowError| SqlError::invalid(format!("evaluating WHERE: {e}"));
+    match node {
+        Node::Leaf { column, test } => {
+            let array = batch.column(*column);
+            match test {
+                Test::Compare(op, value) => compare_kernel(*op, array, value).map_err(kernel_error),
+                Test::IsNull => is_null(array).map_err(kernel_error),
+                Test::IsNotNull => is_not_null(array).map_err(kernel_error),
+                Test::Constant(answer) => {
+                    let values = if *answer {
+                        BooleanBuffer::new_set(rows)
+                    } else {
+                        BooleanBuffer::new_unset(rows)
+                    };
+                    Ok(BooleanArray::new(values, array.logical_nulls()))
+                }
+                Test::Null => Ok(BooleanArray::new_null(rows)),
+            }
+        }
+        Node::And(children) => fold(children, batch, true, and_kleene),
+        Node::Or(children) => fold(children, batch, false, or_kleene),
+        Node::Not(child) => not(&evaluate(child, batch)?).map_err(kernel_error),
+    }
+}
+
+/// Combines the children's answers with `kernel`; `empty` is the answer of no children.
+fn fold(
+    children: &[Node],
+    batch: &RecordBatch,
+    empty: bool,
+    kernel: fn(&BooleanArray, &BooleanArray) -> Result<BooleanArray, ArrowError>,
+) -> Result<BooleanArray, SqlError> {
+    let Some((first, rest)) = children.split_first() else {
+        let values = if empty {
+            BooleanBuffer::new_set(batch.num_rows())
+        } else {
+            BooleanBuffer::new_unset(batch.num_rows())
+        };
+        return Ok(BooleanArray::new(values, None));
+    };
+    let mut acc = evaluate(first, batch)?;
+    for child in rest {
+        acc = kernel(&acc, &evaluate(child, batch)?)
+            .map_err(|e| SqlError::invalid(format!("evaluating WHERE: {e}")))?;
+    }
+    Ok(acc)
+}
+
+fn compare_kernel(
+    op: CmpOp,
+    array: &dyn Datum,
+    value: &dyn Datum,
+) -> Result<BooleanArray, ArrowError> {
+    match op {
+        CmpOp::Eq => cmp::eq(array, value),
+        CmpOp::NotEq => cmp::neq(array, value),
+        CmpOp::Lt => cmp::lt(array, value),
+        CmpOp::LtEq => cmp::lt_eq(array, value),
+        CmpOp::Gt => cmp::gt(array, value),
+        CmpOp::GtEq => cmp::gt_eq(array, value),
+    }
+}
