@@ -16,6 +16,7 @@ use arrow::record_batch::RecordBatch;
 use serde::{Deserialize, Serialize};
 
 use super::error::SqlError;
+pub use build::{MAX_IN_LIST, MAX_PARAMETERS};
 pub(super) use build::{describe, from_expr};
 pub use eval::Filter;
 

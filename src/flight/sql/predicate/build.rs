@@ -12,10 +12,10 @@ use super::{CmpOp, Literal, Operand, Predicate};
 use crate::flight::sql::error::SqlError;
 
 /// The most values one `IN` list may hold.
-pub(in crate::flight::sql) const MAX_IN_LIST: usize = 10_000;
+pub const MAX_IN_LIST: usize = 10_000;
 
 /// The highest parameter number (`$n`) and the most `?` a statement may take.
-pub(in crate::flight::sql) const MAX_PARAMETERS: usize = 10_000;
+pub const MAX_PARAMETERS: usize = 10_000;
 
 /// Predicate nesting beyond sqlparser's own limit (which counts parser calls, not our levels).
 const MAX_DEPTH: usize = 128;

@@ -433,3 +433,211 @@ fn compare_kernel(
         CmpOp::GtEq => cmp::gt_eq(array, value),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::{
+        Date32Array, Decimal128Array, DictionaryArray, Float32Array, Int8Array, Int64Array,
+        TimestampSecondArray, UInt64Array,
+    };
+
+    use super::*;
+    use crate::flight::sql::query::parse;
+
+    /// The rows `condition` keeps over a one-column batch named `x`, as Some(true/false) or None.
+    fn run(array: ArrayRef, condition: &str) -> Vec<Option<bool>> {
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "x",
+            array.data_type().clone(),
+            true,
+        )]));
+        let batch = RecordBatch::try_new(schema, vec![array]).expect("a batch");
+        let query = parse(&format!("SELECT * FROM t WHERE {condition}")).expect("parsed");
+        let filter = query.filter.expect("a filter");
+        filter
+            .evaluate(&batch)
+            .unwrap_or_else(|e| panic!("{condition}: {e}"))
+            .iter()
+            .collect()
+    }
+
+    fn error(array: ArrayRef, condition: &str) -> String {
+        let schema = Schema::new(vec![Field::new("x", array.data_type().clone(), true)]);
+        let query = parse(&format!("SELECT * FROM t WHERE {condition}")).expect("parsed");
+        query
+            .filter
+            .expect("a filter")
+            .check(&schema)
+            .expect_err(condition)
+            .to_string()
+    }
+
+    const T: Option<bool> = Some(true);
+    const F: Option<bool> = Some(false);
+    const N: Option<bool> = None;
+
+    #[test]
+    fn integers_compare_exactly() {
+        let x: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), Some(2), Some(3), None]));
+        assert_eq!(run(Arc::clone(&x), "x > 2.5"), [F, F, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x >= 2.5"), [F, F, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x < 2.5"), [T, T, F, N]);
+        assert_eq!(run(Arc::clone(&x), "x <= 2.5"), [T, T, F, N]);
+        assert_eq!(run(Arc::clone(&x), "x = 2.5"), [F, F, F, N]);
+        assert_eq!(run(Arc::clone(&x), "x <> 2.5"), [T, T, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x = 2.0"), [F, T, F, N]);
+        assert_eq!(run(Arc::clone(&x), "2 < x"), [F, F, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x < -2.5"), [F, F, F, N]);
+        assert_eq!(run(Arc::clone(&x), "x < 1e30"), [T, T, T, N]);
+        assert_eq!(
+            run(Arc::clone(&x), "x > 99999999999999999999999"),
+            [F, F, F, N]
+        );
+        assert_eq!(run(Arc::clone(&x), "x = NULL"), [N, N, N, N]);
+        assert_eq!(run(Arc::clone(&x), "x IN (1, 3.5, 3)"), [T, F, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x IN (1, NULL)"), [T, N, N, N]);
+        assert_eq!(run(Arc::clone(&x), "x NOT IN (1, NULL)"), [F, N, N, N]);
+        assert_eq!(run(Arc::clone(&x), "x BETWEEN 1.5 AND 3"), [F, T, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x NOT BETWEEN 1.5 AND 3"), [T, F, F, N]);
+        assert_eq!(run(Arc::clone(&x), "x IS NULL"), [F, F, F, T]);
+        assert_eq!(run(Arc::clone(&x), "NOT x IS NOT NULL"), [F, F, F, T]);
+        let small: ArrayRef = Arc::new(Int8Array::from(vec![-128, 127]));
+        assert_eq!(run(Arc::clone(&small), "x > 127"), [F, F]);
+        assert_eq!(run(Arc::clone(&small), "x >= -128"), [T, T]);
+        assert_eq!(run(small, "x < 300"), [T, T]);
+        let wide: ArrayRef = Arc::new(UInt64Array::from(vec![u64::MAX, 0]));
+        assert_eq!(run(Arc::clone(&wide), "x = 18446744073709551615"), [T, F]);
+        assert_eq!(run(wide, "x < -1"), [F, F]);
+        let e = error(Arc::new(Int64Array::from(vec![1])), "x = 'a'");
+        assert!(
+            e.contains("\"x\" (Int64)") && e.contains("the string 'a'"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn three_valued_logic() {
+        let x: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), Some(5), None]));
+        assert_eq!(run(Arc::clone(&x), "x > 2 OR x IS NULL"), [F, T, T]);
+        assert_eq!(run(Arc::clone(&x), "x > 2 OR x = 1"), [T, T, N]);
+        assert_eq!(run(Arc::clone(&x), "x > 2 AND x < 9"), [F, T, N]);
+        assert_eq!(run(Arc::clone(&x), "NOT (x > 2)"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&x), "x = NULL OR x = 1"), [T, N, N]);
+        assert_eq!(run(Arc::clone(&x), "x = NULL AND x = 1"), [N, F, N]);
+        assert_eq!(run(x, "NOT (x = NULL)"), [N, N, N]);
+    }
+
+    #[test]
+    fn floats_decimals_strings_booleans() {
+        let f: ArrayRef = Arc::new(Float32Array::from(vec![Some(0.1), Some(2.5), None]));
+        assert_eq!(run(Arc::clone(&f), "x = 0.1"), [T, F, N]);
+        assert_eq!(run(f, "x > 1"), [F, T, N]);
+        let d: ArrayRef = Arc::new(
+            Decimal128Array::from(vec![Some(12345), Some(-100), None])
+                .with_precision_and_scale(10, 2)
+                .expect("a decimal"),
+        );
+        assert_eq!(run(Arc::clone(&d), "x = 123.45"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x = 123.450"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x < -0.99"), [F, T, N]);
+        let e = error(Arc::clone(&d), "x = 1.234");
+        assert!(
+            e.contains("does not fit") && e.contains("Decimal128(10, 2)"),
+            "{e}"
+        );
+        let e = error(d, "x = 123456789012");
+        assert!(e.contains("does not fit"), "{e}");
+        let s: ArrayRef = Arc::new(StringArray::from(vec![Some("a"), Some("b"), None]));
+        assert_eq!(run(Arc::clone(&s), "x = 'b'"), [F, T, N]);
+        assert_eq!(
+            run(Arc::clone(&s), "x >= 'a' AND x IN ('a', 'c')"),
+            [T, F, N]
+        );
+        let e = error(s, "x = 1");
+        assert!(e.contains("(Utf8)") && e.contains("number 1"), "{e}");
+        let dict: ArrayRef = Arc::new(
+            vec![Some("p"), None, Some("q"), Some("p")]
+                .into_iter()
+                .collect::<DictionaryArray<Int32Type>>(),
+        );
+        assert_eq!(run(Arc::clone(&dict), "x = 'p'"), [T, N, F, T]);
+        assert_eq!(run(dict, "x IS NULL"), [F, T, F, F]);
+        let b: ArrayRef = Arc::new(BooleanArray::from(vec![Some(true), Some(false), None]));
+        assert_eq!(run(Arc::clone(&b), "x"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&b), "NOT x"), [F, T, N]);
+        assert_eq!(run(b, "x = FALSE"), [F, T, N]);
+    }
+
+    #[test]
+    fn dates_and_timestamps() {
+        let d: ArrayRef = Arc::new(Date32Array::from(vec![Some(19723), Some(19724), None]));
+        assert_eq!(run(Arc::clone(&d), "x = DATE '2024-01-01'"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x > '2024-01-01'"), [F, T, N]);
+        assert_eq!(
+            run(Arc::clone(&d), "x > TIMESTAMP '2024-01-01 12:00:00'"),
+            [F, T, N]
+        );
+        assert_eq!(run(d, "x = TIMESTAMP '2024-01-01 12:00:00'"), [F, F, N]);
+        // 2024-01-01 00:00:00 UTC and one second later, in a column zoned +02:00.
+        let ts: ArrayRef = Arc::new(
+            TimestampSecondArray::from(vec![Some(1_704_067_200), Some(1_704_067_201), None])
+                .with_timezone("+02:00"),
+        );
+        assert_eq!(
+            run(Arc::clone(&ts), "x = TIMESTAMP '2024-01-01 02:00:00'"),
+            [T, F, N]
+        );
+        assert_eq!(
+            run(Arc::clone(&ts), "x = TIMESTAMP '2024-01-01 00:00:00Z'"),
+            [T, F, N]
+        );
+        assert_eq!(
+            run(Arc::clone(&ts), "x > TIMESTAMP '2024-01-01T00:00:00.5Z'"),
+            [F, T, N]
+        );
+        assert_eq!(
+            run(Arc::clone(&ts), "x = TIMESTAMP '2024-01-01T00:00:00.5Z'"),
+            [F, F, N]
+        );
+        let named: ArrayRef = Arc::new(
+            TimestampSecondArray::from(vec![1_704_067_200]).with_timezone("Europe/Berlin"),
+        );
+        assert_eq!(run(named, "x = TIMESTAMP '2024-01-01 01:00:00'"), [T]);
+        let naive: ArrayRef = Arc::new(TimestampSecondArray::from(vec![1_704_067_200]));
+        assert_eq!(run(Arc::clone(&naive), "x = '2024-01-01 00:00:00'"), [T]);
+        let e = error(naive, "x = 5");
+        assert!(e.contains("Timestamp(s)") || e.contains("Timestamp"), "{e}");
+    }
+
+    #[test]
+    fn unknown_columns_and_schema_changes() {
+        let schema = Schema::new(vec![Field::new("Price", DataType::Int64, true)]);
+        let filter = parse("SELECT * FROM t WHERE price > 1")
+            .expect("parsed")
+            .filter;
+        let e = filter
+            .expect("a filter")
+            .check(&schema)
+            .expect_err("unknown");
+        assert!(e.to_string().contains("unknown column \"price\""), "{e}");
+        assert!(e.to_string().contains("case-sensitive"), "{e}");
+        let filter = parse("SELECT * FROM t WHERE Price > 1 AND Price < 5")
+            .expect("parsed")
+            .filter
+            .expect("a filter");
+        assert_eq!(filter.columns(), ["Price"]);
+        let prepared = filter.prepare(&schema).expect("prepared");
+        let other = Arc::new(Schema::new(vec![Field::new(
+            "Price",
+            DataType::Int32,
+            true,
+        )]));
+        let batch = RecordBatch::try_new(
+            other,
+            vec![Arc::new(arrow::array::Int32Array::from(vec![1]))],
+        )
+        .expect("a batch");
+        let e = prepared.evaluate(&batch).expect_err("another schema");
+        assert!(e.to_string().contains("another schema"), "{e}");
+    }
+}
