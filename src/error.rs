@@ -63,6 +63,15 @@ pub enum Error {
     PutAbandoned(String),
     #[error("the server is shutting down; retry against another server or after it restarts")]
     ShuttingDown,
+    /// Prepared statements hold what the server allows them: the message says which limit.
+    #[error("{0}")]
+    PreparedStatementsFull(String),
+    /// Valid SQL that Flight SQL here does not run; the message says what it runs.
+    #[error("{0}")]
+    SqlUnsupported(String),
+    /// SQL that is not valid, or not meaningful for the dataset it names.
+    #[error("{0}")]
+    SqlInvalid(String),
     #[error("internal error (a bug in gpu-flight, please report it): {0}")]
     Internal(String),
     #[error(transparent)]
@@ -97,6 +106,9 @@ impl Error {
             Self::ClientGone(_) => Code::Cancelled,
             Self::PutAbandoned(_) => Code::Aborted,
             Self::ShuttingDown => Code::Unavailable,
+            Self::PreparedStatementsFull(_) => Code::ResourceExhausted,
+            Self::SqlUnsupported(_) => Code::Unimplemented,
+            Self::SqlInvalid(_) => Code::InvalidArgument,
             Self::Internal(_) => Code::Internal,
             Self::Auth(error) => auth_code(error),
             Self::Store(error) => store_code(error),

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use tokio::sync::Semaphore;
 
 pub use certificate::ClientCertificate;
@@ -420,6 +420,13 @@ enum Credential<'a> {
     Basic(String, String),
 }
 
+/// Base64 as Basic credentials come: the standard alphabet, padded or not.
+const BASIC: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
+
 fn parse_authorization(header: Option<&[u8]>) -> Result<Credential<'_>, AuthError> {
     let header = header.ok_or(AuthError::Missing)?;
     let header = std::str::from_utf8(header)
@@ -432,7 +439,8 @@ fn parse_authorization(header: Option<&[u8]>) -> Result<Credential<'_>, AuthErro
         return Ok(Credential::Bearer(value));
     }
     if scheme.eq_ignore_ascii_case("basic") {
-        let decoded = STANDARD
+        // With or without padding: arrow-go (ADBC's Flight SQL driver) sends it without.
+        let decoded = BASIC
             .decode(value)
             .ok()
             .and_then(|bytes| String::from_utf8(bytes).ok())
@@ -520,7 +528,11 @@ mod tests {
     }
 
     fn basic(user: &str, password: &str) -> Vec<u8> {
-        format!("Basic {}", STANDARD.encode(format!("{user}:{password}"))).into_bytes()
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+        )
+        .into_bytes()
     }
 
     #[test]
@@ -577,6 +589,14 @@ mod tests {
             .await
             .expect("ok");
         assert_eq!(principal.role, Role::Read);
+        // Unpadded, as arrow-go sends it ("alice:pw" is 8 bytes: padded, it ends in "=").
+        let unpadded = format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD_NO_PAD.encode("alice:pw")
+        );
+        auth.handshake(Some(unpadded.as_bytes()), None)
+            .await
+            .expect("unpadded Basic credentials");
         assert_eq!(
             check(&auth, Some(&bearer(&session))).expect("session"),
             principal
@@ -724,7 +744,11 @@ mod tests {
             let mut header = prefixes[rng.random_range(0..prefixes.len())].to_vec();
             let tail: Vec<u8> = (0..rng.random_range(0..64)).map(|_| rng.random()).collect();
             if rng.random_bool(0.5) {
-                header.extend(STANDARD.encode(&tail).into_bytes());
+                header.extend(
+                    base64::engine::general_purpose::STANDARD
+                        .encode(&tail)
+                        .into_bytes(),
+                );
             } else {
                 header.extend(tail);
             }
@@ -734,7 +758,11 @@ mod tests {
         for _ in 0..20 {
             let tail: Vec<u8> = (0..rng.random_range(0..24)).map(|_| rng.random()).collect();
             let mut header = b"Basic ".to_vec();
-            header.extend(STANDARD.encode(&tail).into_bytes());
+            header.extend(
+                base64::engine::general_purpose::STANDARD
+                    .encode(&tail)
+                    .into_bytes(),
+            );
             assert!(
                 auth.handshake(Some(&header), None).await.is_err(),
                 "{header:?}"

@@ -57,6 +57,11 @@ pub enum Action {
     IpcRelease,
     Move,
     Copy,
+    /// The Flight specification's `CancelFlightInfo` and `RenewFlightEndpoint`.
+    FlightInfo,
+    /// Flight SQL's `CreatePreparedStatement` and `ClosePreparedStatement` (and the ones it
+    /// refuses as unimplemented).
+    PreparedStatements,
 }
 
 impl Action {
@@ -69,6 +74,8 @@ impl Action {
             Self::IpcRelease => "ipc-release",
             Self::Move => "move",
             Self::Copy => "copy",
+            Self::PreparedStatements => "Flight SQL prepared statement",
+            Self::FlightInfo => "CancelFlightInfo or RenewFlightEndpoint",
         }
     }
 }
@@ -105,9 +112,13 @@ pub fn required_role(operation: Operation) -> Option<Role> {
         Operation::Action(A::Drop | A::Move | A::Copy | A::IpcExport { copy: true }) => {
             Some(Role::Write)
         }
-        Operation::Action(A::Status | A::IpcExport { copy: false } | A::IpcRelease) => {
-            Some(Role::Read)
-        }
+        Operation::Action(
+            A::Status
+            | A::IpcExport { copy: false }
+            | A::IpcRelease
+            | A::PreparedStatements
+            | A::FlightInfo,
+        ) => Some(Role::Read),
     }
 }
 
@@ -165,6 +176,8 @@ mod tests {
             (Action::IpcExport { copy: true }, Role::Write),
             (Action::IpcRelease, Role::Read),
             (Action::Status, Role::Read),
+            (Action::PreparedStatements, Role::Read),
+            (Action::FlightInfo, Role::Read),
         ] {
             assert_eq!(
                 required_role(Operation::Action(action)),

@@ -55,6 +55,7 @@ impl ServeArgs {
                 self.host_devices - 1
             )));
         }
+        check_advertised(&self.advertise_uri)?;
         let tls = self.tls_cert.is_some();
         for spec in &self.listen {
             match ListenAddr::tls_scheme(spec) {
@@ -223,6 +224,34 @@ pub fn exposed_listener_warning(flag: &str, address: SocketAddr) -> Option<Strin
     ))
 }
 
+/// Most `--advertise-uri` values, and the longest: every endpoint repeats them all.
+const MAX_ADVERTISED: usize = 8;
+const MAX_ADVERTISED_BYTES: usize = 256;
+
+/// `--advertise-uri`: Flight locations a client can connect to.
+fn check_advertised(uris: &[String]) -> Result<(), ConfigError> {
+    if uris.len() > MAX_ADVERTISED {
+        return Err(ConfigError(format!(
+            "--advertise-uri is given {} times; at most {MAX_ADVERTISED} (every endpoint lists them \
+             all)",
+            uris.len()
+        )));
+    }
+    for uri in uris {
+        let known = ["grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://"]
+            .iter()
+            .any(|scheme| uri.starts_with(scheme) && uri.len() > scheme.len());
+        if !known || uri.len() > MAX_ADVERTISED_BYTES || uri.chars().any(char::is_control) {
+            return Err(ConfigError(format!(
+                "--advertise-uri {uri:?} is not a Flight location clients can connect to: \
+                 grpc://HOST:PORT, grpc+tls://HOST:PORT or grpc+unix:///path, at most \
+                 {MAX_ADVERTISED_BYTES} bytes"
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -239,6 +268,29 @@ mod tests {
 
     fn refusal(flags: &[&str]) -> String {
         serve(flags).validate().expect_err("refused").0
+    }
+
+    #[test]
+    fn advertised_uris_are_flight_locations() {
+        let args = serve(&[
+            "--advertise-uri",
+            "grpc://node-3:8815",
+            "--advertise-uri",
+            "grpc+unix:///run/gpu-flight.sock",
+        ]);
+        args.validate().expect("valid");
+        assert_eq!(args.flight_options().advertise.len(), 2);
+        for bad in ["node-3:8815", "http://node-3", "grpc://", "grpc://a\nb"] {
+            assert!(
+                refusal(&["--advertise-uri", bad]).contains("not a Flight location"),
+                "{bad:?}"
+            );
+        }
+        let many: Vec<String> = (0..9)
+            .map(|i| format!("--advertise-uri=grpc://n{i}:1"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(refusal(&many).contains("at most 8"));
     }
 
     #[test]

@@ -146,6 +146,15 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_DURABILITY", value_enum, default_value_t = Durability::Sync)]
     pub durability: Durability,
 
+    /// A URI clients reach this server at (`grpc://HOST:PORT`, `grpc+tls://HOST:PORT`,
+    /// `grpc+unix:///path`), listed as a location of every endpoint, so that readers given the
+    /// endpoints of several servers know which server serves each. May be given more than once
+    /// (comma-separated in the environment), at most 8. Without it endpoints carry only
+    /// `arrow-flight-reuse-connection://?` (this server, on the caller's connection).
+    #[arg(long = "advertise-uri", env = "GPU_FLIGHT_ADVERTISE_URI", value_delimiter = ',',
+          action = clap::ArgAction::Append)]
+    pub advertise_uri: Vec<String>,
+
     /// Rows per endpoint in GetFlightInfo; clients read endpoints in parallel.
     #[arg(long, env = "GPU_FLIGHT_ROWS_PER_ENDPOINT", default_value_t = 1 << 20,
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -277,6 +286,7 @@ impl ServeArgs {
 
     pub fn flight_options(&self) -> FlightOptions {
         FlightOptions {
+            advertise: self.advertise_uri.clone(),
             rows_per_endpoint: self.rows_per_endpoint,
             max_message_bytes: bytes(self.max_message_bytes),
             max_put_message_bytes: bytes(self.max_put_message_bytes),

@@ -15,6 +15,7 @@
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
 //! - `read`: what a `DoGet` ticket reads; `doget`: the framed fast path that sends it without
 //!   copying (the `do_get` handler is the plain encoder, arrow-flight's).
+//! - [`sql`]: Flight SQL (ADBC): the catalog, SELECT statements, bulk ingestion.
 //! - `lifecycle`: shutdown, and the streams it waits for.
 //! - `call`: each call's log line, progress and metrics.
 
@@ -45,7 +46,7 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::auth::{Auth, Origin, Principal};
+use crate::auth::{self, Auth, Operation, Origin, Principal};
 use crate::backend::ExportDevice;
 use crate::error::Error;
 use crate::store::{Dataset, ExportRequest, Store};
@@ -54,8 +55,16 @@ pub(crate) use call::Call;
 pub use decode::MAX_BATCH_ROWS;
 use descriptor::ReadOptions;
 pub use lifecycle::{Lifecycle, StreamGuard};
+use prost::Message;
 pub(crate) use put::Inbound;
 use ticket::{DatasetMetadata, EndpointMetadata};
+
+/// The Flight specification's actions on a `FlightInfo`'s endpoints.
+const CANCEL_FLIGHT_INFO: &str = "CancelFlightInfo";
+const RENEW_FLIGHT_ENDPOINT: &str = "RenewFlightEndpoint";
+
+/// The location that means "the server and connection this came from".
+const REUSE_CONNECTION: &str = "arrow-flight-reuse-connection://?";
 
 /// What Handshake answers on a server without authentication, where tokens are not checked.
 const UNCHECKED_TOKEN: &str = "unauthenticated";
@@ -70,6 +79,8 @@ const MAX_PROJECTION_BYTES: u64 = 1 << 20;
 /// Protocol settings.
 #[derive(Debug, Clone)]
 pub struct FlightOptions {
+    /// Where clients reach this server (`--advertise-uri`): every endpoint's locations.
+    pub advertise: Vec<String>,
     /// Rows per endpoint in `GetFlightInfo`, so clients can read partitions in parallel.
     pub rows_per_endpoint: u64,
     /// Largest FlightData message `DoGet` sends.
@@ -92,6 +103,7 @@ pub struct FlightOptions {
 impl Default for FlightOptions {
     fn default() -> Self {
         Self {
+            advertise: Vec::new(),
             rows_per_endpoint: 1 << 20,
             max_message_bytes: 2 << 20,
             read_chunk_bytes: 16 << 20,
@@ -112,6 +124,7 @@ pub(crate) struct Service {
     options: FlightOptions,
     lifecycle: Lifecycle,
     auth: Auth,
+    prepared: sql::Prepared,
 }
 
 impl Service {
@@ -126,6 +139,7 @@ impl Service {
             options,
             lifecycle,
             auth,
+            prepared: sql::Prepared::default(),
         }
     }
 }
@@ -230,7 +244,8 @@ impl Service {
                     read,
                     columns,
                 );
-                let mut endpoint = FlightEndpoint::new().with_ticket(Ticket::new(ticket));
+                let mut endpoint =
+                    self.located(FlightEndpoint::new().with_ticket(Ticket::new(ticket)));
                 if let Some(device) = device {
                     endpoint = endpoint.with_app_metadata(EndpointMetadata { device }.encode()?);
                 }
@@ -242,6 +257,104 @@ impl Service {
             }
         }
         Ok(info)
+    }
+
+    /// What `GetFlightInfo` (and `PollFlightInfo`) answer: a dataset's read, or a Flight SQL
+    /// command's.
+    fn info_for(&self, request: Request<FlightDescriptor>) -> Result<FlightInfo, Error> {
+        self.ensure_serving()?;
+        if let Some(command) = sql_command(request.get_ref())? {
+            let caller = principal(&request)?;
+            let info = sql::flight_info(self, command, request.into_inner(), &caller)?;
+            return Ok(info);
+        }
+        let target = descriptor::read_target(request.get_ref())?;
+        if let Some(call) = call(&request) {
+            call.set_subject(target.name.as_str());
+        }
+        let dataset = self.store.get(&target.name)?;
+        let columns = target
+            .columns
+            .map(|names| descriptor::projection(&target.name, &dataset.schema(), &names))
+            .transpose()?;
+        let descriptor = request.into_inner();
+        self.flight_info(
+            &dataset,
+            target.options,
+            columns.as_deref(),
+            Some(descriptor),
+        )
+    }
+
+    /// The Flight specification's own actions: `CancelFlightInfo` (nothing a `FlightInfo`
+    /// starts runs until its tickets are read, so there is nothing to cancel) and
+    /// `RenewFlightEndpoint` (tickets do not expire by time; they name a dataset version,
+    /// which a replace or append ends). `None` for other actions.
+    fn flight_action(&self, action: &Action, caller: &Principal) -> Result<Option<Vec<u8>>, Error> {
+        let undecodable = |e: prost::DecodeError| {
+            Error::InvalidCommand(format!("the {} action's body: {e}", action.r#type))
+        };
+        let body = match action.r#type.as_str() {
+            CANCEL_FLIGHT_INFO => {
+                caller.authorize(Operation::Action(auth::Action::FlightInfo))?;
+                arrow_flight::CancelFlightInfoRequest::decode(action.body.as_ref())
+                    .map_err(undecodable)?;
+                arrow_flight::CancelFlightInfoResult::new(
+                    arrow_flight::CancelStatus::NotCancellable,
+                )
+                .encode_to_vec()
+            }
+            RENEW_FLIGHT_ENDPOINT => {
+                caller.authorize(Operation::Action(auth::Action::FlightInfo))?;
+                let request =
+                    arrow_flight::RenewFlightEndpointRequest::decode(action.body.as_ref())
+                        .map_err(undecodable)?;
+                let endpoint = request.endpoint.ok_or_else(|| {
+                    Error::InvalidCommand(
+                        "RenewFlightEndpoint needs the endpoint to renew".to_owned(),
+                    )
+                })?;
+                endpoint.encode_to_vec()
+            }
+            _ => return Ok(None),
+        };
+        Ok(Some(body))
+    }
+
+    /// Starts reading what a `DoGet` ticket names: a Flight SQL statement or listing, or
+    /// rows of a dataset (`read`).
+    pub(crate) fn open_ticket(
+        &self,
+        ticket: &Ticket,
+        call: Option<Arc<Call>>,
+    ) -> Result<read::Reading, Error> {
+        self.ensure_serving()?;
+        match sql::decode(&ticket.ticket)? {
+            Some(command) => {
+                if let Some(call) = &call {
+                    let kind = command
+                        .type_url()
+                        .rsplit('.')
+                        .next()
+                        .unwrap_or("Flight SQL");
+                    call.set_subject(kind);
+                }
+                sql::open(self, command)
+            }
+            None => read::open(self, ticket, call),
+        }
+    }
+
+    /// `endpoint` with this server's locations: those it advertises, then
+    /// `arrow-flight-reuse-connection://?` (the connection the caller is on), as the Flight
+    /// specification describes.
+    fn located(&self, endpoint: FlightEndpoint) -> FlightEndpoint {
+        self.options
+            .advertise
+            .iter()
+            .map(String::as_str)
+            .chain([REUSE_CONNECTION])
+            .fold(endpoint, |endpoint, uri| endpoint.with_location(uri))
     }
 
     async fn run_action(
@@ -355,6 +468,15 @@ impl Service {
     }
 }
 
+/// The Flight SQL command a CMD descriptor holds, if it holds one.
+fn sql_command(descriptor: &FlightDescriptor) -> Result<Option<arrow_flight::sql::Command>, Error> {
+    use arrow_flight::flight_descriptor::DescriptorType;
+    if DescriptorType::try_from(descriptor.r#type) != Ok(DescriptorType::Cmd) {
+        return Ok(None);
+    }
+    sql::decode(&descriptor.cmd)
+}
+
 /// The status a plain `DoGet` reply ends with: our own errors keep their codes (arrow-flight's
 /// conversion would make every one INTERNAL).
 fn reply_failure(error: FlightError) -> Status {
@@ -442,33 +564,22 @@ impl FlightService for Service {
         &self,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        self.ensure_serving()?;
-        let target = descriptor::read_target(request.get_ref())?;
-        if let Some(call) = call(&request) {
-            call.set_subject(target.name.as_str());
-        }
-        let dataset = self.store.get(&target.name).map_err(Error::from)?;
-        let columns = target
-            .columns
-            .map(|names| descriptor::projection(&target.name, &dataset.schema(), &names))
-            .transpose()?;
-        let descriptor = request.into_inner();
-        Ok(Response::new(self.flight_info(
-            &dataset,
-            target.options,
-            columns.as_deref(),
-            Some(descriptor),
-        )?))
+        Ok(Response::new(self.info_for(request)?))
     }
 
+    /// Every read is planned at once: the answer is the complete `FlightInfo`, with nothing
+    /// left to poll for.
     async fn poll_flight_info(
         &self,
-        _request: Request<FlightDescriptor>,
+        request: Request<FlightDescriptor>,
     ) -> Result<Response<PollInfo>, Status> {
-        Err(
-            Error::Unsupported("PollFlightInfo (datasets are always complete; use GetFlightInfo)")
-                .into(),
-        )
+        let info = self.info_for(request)?;
+        Ok(Response::new(PollInfo {
+            info: Some(info),
+            flight_descriptor: None,
+            progress: Some(1.0),
+            expiration_time: None,
+        }))
     }
 
     async fn get_schema(
@@ -476,6 +587,13 @@ impl FlightService for Service {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<SchemaResult>, Status> {
         self.ensure_serving()?;
+        if let Some(command) = sql_command(request.get_ref())? {
+            let caller = principal(&request)?;
+            let info = sql::flight_info(self, command, request.into_inner(), &caller)?;
+            return Ok(Response::new(SchemaResult {
+                schema: info.schema,
+            }));
+        }
         let target = descriptor::read_target(request.get_ref())?;
         if let Some(call) = call(&request) {
             call.set_subject(target.name.as_str());
@@ -501,14 +619,14 @@ impl FlightService for Service {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
-        let reading = read::open(self, request.get_ref(), call(&request))?;
+        let reading = self.open_ticket(request.get_ref(), call(&request))?;
         let options = IpcWriteOptions::default()
             .try_with_compression(reading.compression)
             .map_err(|e| Error::Internal(format!("choosing the reply's compression: {e}")))?;
         let running = reading.running;
         let batches = reading
             .batches
-            .map_err(|error| FlightError::ExternalError(Box::new(Error::from(error))));
+            .map_err(|error| FlightError::ExternalError(Box::new(error)));
         let messages = FlightDataEncoderBuilder::new()
             .with_schema(reading.schema)
             .with_options(options)
@@ -531,9 +649,19 @@ impl FlightService for Service {
         self.ensure_serving()?;
         let _running = self.lifecycle.track();
         let caller = principal(&request)?;
-        let summary = put::receive(&self.store, request, &self.options, &caller).await?;
-        let metadata = serde_json::to_vec(&summary)
-            .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?;
+        let answer = put::receive(self, request, &caller).await?;
+        let metadata = match answer {
+            put::Answer::Put(summary) => serde_json::to_vec(&summary)
+                .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?,
+            put::Answer::Ingested(summary) => arrow_flight::sql::DoPutUpdateResult {
+                record_count: i64::try_from(summary.rows).unwrap_or(i64::MAX),
+            }
+            .encode_to_vec(),
+            put::Answer::Bound(handle) => arrow_flight::sql::DoPutPreparedStatementResult {
+                prepared_statement_handle: Some(handle),
+            }
+            .encode_to_vec(),
+        };
         Ok(Response::new(one(PutResult {
             app_metadata: metadata.into(),
         })))
@@ -553,6 +681,25 @@ impl FlightService for Service {
         self.ensure_serving()?;
         let caller = principal(&request)?;
         let call = call(&request);
+        if let Some(body) = self.flight_action(request.get_ref(), &caller)? {
+            if let Some(call) = &call {
+                call.set_subject(request.get_ref().r#type.as_str());
+            }
+            let result = arrow_flight::Result { body: body.into() };
+            return Ok(Response::new(one(result)));
+        }
+        if sql::is_action(request.get_ref()) {
+            if let Some(call) = &call {
+                call.set_subject(request.get_ref().r#type.as_str());
+            }
+            caller
+                .authorize(Operation::Action(auth::Action::PreparedStatements))
+                .map_err(Error::from)?;
+            let results = sql::run_action(self, request.get_ref(), &caller)?
+                .into_iter()
+                .map(|body| Ok(arrow_flight::Result { body }));
+            return Ok(Response::new(futures::stream::iter(results).boxed()));
+        }
         let result = self
             .run_action(request.get_ref(), &caller, call.as_deref())
             .await?;
@@ -567,7 +714,24 @@ impl FlightService for Service {
         &self,
         _request: Request<Empty>,
     ) -> Result<Response<Self::ListActionsStream>, Status> {
-        let actions = action::action_types().into_iter().map(Ok);
+        let mut actions = action::action_types();
+        actions.extend(sql::action_types());
+        for (name, description) in [
+            (
+                CANCEL_FLIGHT_INFO,
+                "Flight: answers NOT_CANCELLABLE (reads run only as their tickets are read)",
+            ),
+            (
+                RENEW_FLIGHT_ENDPOINT,
+                "Flight: returns the endpoint as it is (tickets do not expire by time)",
+            ),
+        ] {
+            actions.push(ActionType {
+                r#type: name.to_owned(),
+                description: description.to_owned(),
+            });
+        }
+        let actions = actions.into_iter().map(Ok);
         Ok(Response::new(futures::stream::iter(actions).boxed()))
     }
 }

@@ -26,10 +26,11 @@ use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
 use tonic::{Code, Request, Status, Streaming};
 
-use super::FlightOptions;
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
+use super::sql::{self, SqlPut};
+use super::{FlightOptions, Service};
 use crate::auth::Principal;
 use crate::error::Error;
 use crate::store::memory::Reservation;
@@ -114,13 +115,25 @@ enum Received {
     Failed(Error),
 }
 
-/// Receives a whole `DoPut` stream from `caller` and commits it.
+/// What a `DoPut` did, which its answer says.
+pub(crate) enum Answer {
+    /// A put named by our own descriptors.
+    Put(PutSummary),
+    /// A Flight SQL bulk ingestion.
+    Ingested(PutSummary),
+    /// A Flight SQL prepared statement's parameters, bound.
+    Bound(bytes::Bytes),
+}
+
+/// Receives a whole `DoPut` stream from `caller`: commits a put, or binds a prepared
+/// statement's parameters.
 pub(crate) async fn receive(
-    store: &Store,
+    service: &Service,
     request: Request<Streaming<FlightData>>,
-    options: &FlightOptions,
     caller: &Principal,
-) -> Result<PutSummary, Error> {
+) -> Result<Answer, Error> {
+    let store = &service.store;
+    let options = &service.options;
     let depth = options.put_pipeline_depth.max(1);
     let inbound = request
         .extensions()
@@ -139,7 +152,22 @@ pub(crate) async fn receive(
         Err(status) => return Err(stream_failure(&inbound, status)),
     };
     let first_charge = inbound.take_charge();
-    let target = descriptor::put_target(first.flight_descriptor.as_ref())?;
+    let (target, ingested) = match sql::put_command(first.flight_descriptor.as_ref())? {
+        None => (
+            descriptor::put_target(first.flight_descriptor.as_ref())?,
+            false,
+        ),
+        Some(SqlPut::Ingest(target, check)) => {
+            sql::check_ingest(store, &target, check)?;
+            (target, true)
+        }
+        Some(SqlPut::Parameters(handle)) => {
+            drop(first_charge);
+            let batches = receive_parameters(first, input, &inbound, options).await?;
+            service.prepared.bind(&handle, batches, caller)?;
+            return Ok(Answer::Bound(handle));
+        }
+    };
     if let Some(call) = &call {
         call.set_subject(target.name.as_str());
     }
@@ -239,7 +267,56 @@ pub(crate) async fn receive(
         principal = %caller.name,
         "DoPut committed"
     );
-    Ok(summary)
+    Ok(if ingested {
+        Answer::Ingested(summary)
+    } else {
+        Answer::Put(summary)
+    })
+}
+
+/// The record batches of a prepared statement's parameters: at most
+/// `sql::MAX_PARAMETER_BYTES` of them, held until bound.
+async fn receive_parameters(
+    first: FlightData,
+    mut input: Streaming<FlightData>,
+    inbound: &Inbound,
+    options: &FlightOptions,
+) -> Result<Vec<arrow::record_batch::RecordBatch>, Error> {
+    let mut decoder = PutDecoder::new(
+        options.max_message_bytes,
+        options.max_put_message_bytes as u64,
+        true,
+    );
+    let mut batches = Vec::new();
+    let mut held = 0usize;
+    let mut next = Some(first);
+    loop {
+        let message = match next.take() {
+            Some(message) => message,
+            None => match input.message().await {
+                Ok(Some(message)) => message,
+                Ok(None) => break,
+                Err(status) => return Err(stream_failure(inbound, status)),
+            },
+        };
+        // Each message was paid for as it arrived; it is small or refused below.
+        drop(inbound.take_charge());
+        match decoder.decode(&message, |_| Ok(()))? {
+            Decoded::Batch(batch) => {
+                held = held.saturating_add(batch.get_array_memory_size());
+                if held > sql::MAX_PARAMETER_BYTES {
+                    return Err(Error::InvalidCommand(format!(
+                        "a prepared statement's parameters are at most {} bytes",
+                        sql::MAX_PARAMETER_BYTES
+                    )));
+                }
+                batches.push(batch);
+            }
+            Decoded::Abandoned(reason) => return Err(Error::PutAbandoned(reason)),
+            Decoded::Schema(_) | Decoded::Dictionary | Decoded::Nothing => {}
+        }
+    }
+    Ok(batches)
 }
 
 /// Why the request stream failed: what the layer reading the body found (a limit, the budget,

@@ -28,7 +28,7 @@ const MAX_CHUNK_SCALE: u64 = 8;
 
 /// The rows a ticket names, being read.
 pub(crate) struct Reading {
-    pub(crate) batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
+    pub(crate) batches: BoxStream<'static, Result<RecordBatch, Error>>,
     pub(crate) schema: SchemaRef,
     /// The IPC buffer compression the ticket asks for.
     pub(crate) compression: Option<CompressionType>,
@@ -107,12 +107,15 @@ pub(crate) fn open(
             options.read_chunk_bytes.saturating_mul(scale)
         }
     };
-    let mut batches = dataset.read_columns(
-        rows,
-        columns.map(Arc::from),
-        chunk_bytes,
-        options.read_prefetch,
-    )?;
+    let mut batches = dataset
+        .read_columns(
+            rows,
+            columns.map(Arc::from),
+            chunk_bytes,
+            options.read_prefetch,
+        )?
+        .map(|batch| batch.map_err(Error::from))
+        .boxed();
     if let Some(call) = call {
         batches = batches
             .inspect(move |batch| {

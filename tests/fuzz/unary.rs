@@ -175,7 +175,12 @@ impl UnaryRig {
         *outcomes.entry(format!("{method} {code:?}")).or_default() += 1;
         match outcome {
             Ok(replies) => {
-                let rows = check_replies(case.method, &replies).await?;
+                let action = (case.method == raw::DO_ACTION)
+                    .then(|| case.requests.first())
+                    .flatten()
+                    .and_then(|request| arrow_flight::Action::decode(request.clone()).ok())
+                    .map(|action| action.r#type);
+                let rows = check_replies(case.method, action.as_deref(), &replies).await?;
                 if let Some(expected) = case.expected_rows
                     && rows != expected
                 {
@@ -257,7 +262,7 @@ impl UnaryRig {
 }
 
 /// What an OK reply holds must decode as the method's reply type; returns the rows of a DoGet.
-async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<usize> {
+async fn check_replies(method: &str, action: Option<&str>, replies: &[Bytes]) -> Checked<usize> {
     let mut rows = 0;
     let fail = |e: String| Failure::new(format!("undecodable {method} reply"), e);
     match method {
@@ -298,8 +303,25 @@ async fn check_replies(method: &str, replies: &[Bytes]) -> Checked<usize> {
             for reply in replies {
                 let result =
                     arrow_flight::Result::decode(reply.clone()).map_err(|e| fail(e.to_string()))?;
-                serde_json::from_slice::<serde_json::Value>(&result.body)
-                    .map_err(|e| fail(format!("result is not JSON: {e}")))?;
+                // The Flight and Flight SQL actions answer protobuf; ours JSON.
+                match action {
+                    Some("CancelFlightInfo") => {
+                        arrow_flight::CancelFlightInfoResult::decode(result.body)
+                            .map_err(|e| fail(e.to_string()))?;
+                    }
+                    Some("RenewFlightEndpoint") => {
+                        arrow_flight::FlightEndpoint::decode(result.body)
+                            .map_err(|e| fail(e.to_string()))?;
+                    }
+                    Some("CreatePreparedStatement") => {
+                        arrow_flight::sql::Any::decode(result.body)
+                            .map_err(|e| fail(e.to_string()))?;
+                    }
+                    _ => {
+                        serde_json::from_slice::<serde_json::Value>(&result.body)
+                            .map_err(|e| fail(format!("result is not JSON: {e}")))?;
+                    }
+                }
             }
         }
         raw::LIST_ACTIONS => {

@@ -33,7 +33,6 @@ use super::message::{IpcMessage, IpcMessageEncoder};
 use crate::arrays;
 use crate::arrays::batch_bytes;
 use crate::error::Error;
-use crate::store::StoreError;
 use crate::task::panic_message;
 
 /// Messages encoded ahead of the connection task.
@@ -45,7 +44,7 @@ const MIN_BODY_BYTES: usize = 16 * 1024;
 /// Encodes a stream of batches as IPC messages, each at most `max_message_bytes` unless a
 /// single row (or a dictionary) is larger than that on its own.
 pub(crate) fn encode(
-    batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
+    batches: BoxStream<'static, Result<RecordBatch, Error>>,
     schema: SchemaRef,
     max_message_bytes: usize,
     compression: Option<CompressionType>,
@@ -89,7 +88,7 @@ struct Limits {
 
 /// Reads, splits and encodes until the batches end or the receiver is gone.
 async fn produce(
-    mut batches: BoxStream<'static, Result<RecordBatch, StoreError>>,
+    mut batches: BoxStream<'static, Result<RecordBatch, Error>>,
     schema: &SchemaRef,
     limits: Limits,
     sender: &Sender<Result<IpcMessage, Status>>,
@@ -98,7 +97,7 @@ async fn produce(
     let mut messages = Vec::new();
     let mut first = true;
     while let Some(batch) = batches.next().await {
-        let batch = batch.map_err(|e| Status::from(Error::from(e)))?;
+        let batch = batch.map_err(Status::from)?;
         for piece in split_to_size(batch, limits.budget) {
             let piece = compact_views(piece)?;
             encode_within(&mut encoder, piece, limits, &mut first, &mut messages)?;

@@ -32,7 +32,7 @@ pub(crate) use encode::one_row_overhead;
 
 use super::Service;
 use super::call::Call;
-use super::read::{self, Reading};
+use super::read::Reading;
 use crate::error::Error;
 
 /// Answers one `DoGet` request: the ticket (bounded by `--max-request-bytes`) read, the reply
@@ -66,7 +66,7 @@ pub(crate) async fn respond(
         schema,
         compression,
         running,
-    } = match read::open(service, &ticket, call) {
+    } = match service.open_ticket(&ticket, call) {
         Ok(reading) => reading,
         Err(error) => return Status::from(error).into_http(),
     };

@@ -1,11 +1,35 @@
-//! The SQL that Flight SQL clients (ADBC, Polars, DBeaver-style tools) send: one statement form,
-//! `SELECT <* | columns> FROM <dataset> [WHERE <predicate>] [LIMIT n]`, parsed with `sqlparser`
-//! into a [`query::Query`] small enough to travel inside a ticket, and a row predicate that is
-//! checked against a dataset's schema and evaluated with arrow's compute kernels.
+//! Flight SQL, for ADBC and the tools built on it (Polars, SQL clients), on the same port as
+//! plain Flight and with the same authentication and roles.
 //!
-//! Pure functions of text, parameters and record batches: the protocol (`crate::flight`) decides
-//! what a statement reads and where its filter runs.
+//! The SQL clients send is one statement form, `SELECT <* | columns> FROM <dataset> [WHERE
+//! <predicate>] [LIMIT n]`, parsed with `sqlparser` into a [`query::Query`] small enough to
+//! travel inside a ticket, with a row predicate checked against a dataset's schema and
+//! evaluated with arrow's compute kernels (`query`, `predicate`: pure functions of text,
+//! parameters and batches). The datasets are the tables of one catalog and schema
+//! (`metadata`). Statements are read through the plain read's tickets and filtered as they
+//! stream (`statement`), directly or prepared with parameters bound through `DoPut`
+//! (`prepared`); bulk ingestion is a put; `dispatch` recognises which request a call carries.
+//! Updates, transactions and Substrait are refused as unimplemented.
 
+mod dispatch;
 pub mod error;
+mod metadata;
 pub mod predicate;
+mod prepared;
 pub mod query;
+mod statement;
+
+pub(crate) use dispatch::{
+    SqlPut, action_types, check_ingest, decode, flight_info, is_action, open, put_command,
+    run_action,
+};
+pub(crate) use prepared::{MAX_PARAMETER_BYTES, Prepared};
+
+impl From<error::SqlError> for crate::error::Error {
+    fn from(error: error::SqlError) -> Self {
+        match error {
+            error::SqlError::Unsupported(message) => Self::SqlUnsupported(message),
+            error::SqlError::Invalid(message) => Self::SqlInvalid(message),
+        }
+    }
+}

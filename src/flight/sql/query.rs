@@ -55,6 +55,7 @@ pub fn parse(sql: &str) -> Result<Query, SqlError> {
             sql.len()
         )));
     }
+    let _turn = ParseTurn::take();
     std::thread::scope(|scope| {
         let parser = std::thread::Builder::new()
             .name("sql-parse".to_owned())
@@ -65,6 +66,37 @@ pub fn parse(sql: &str) -> Result<Query, SqlError> {
             .join()
             .unwrap_or_else(|_| Err(SqlError::invalid("the SQL parser failed")))
     })
+}
+
+/// Most parser threads at once: a flood of statements waits its turn rather than reserving
+/// `PARSE_STACK_BYTES` of address space per request.
+const MAX_PARSERS: usize = 4;
+
+/// One of the [`MAX_PARSERS`] turns, held while a statement is parsed.
+struct ParseTurn;
+
+static PARSERS: (std::sync::Mutex<usize>, std::sync::Condvar) =
+    (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+impl ParseTurn {
+    fn take() -> Self {
+        let (count, freed) = &PARSERS;
+        let mut running = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *running >= MAX_PARSERS {
+            running = freed.wait(running).unwrap_or_else(|e| e.into_inner());
+        }
+        *running += 1;
+        Self
+    }
+}
+
+impl Drop for ParseTurn {
+    fn drop(&mut self) {
+        let (count, freed) = &PARSERS;
+        let mut running = count.lock().unwrap_or_else(|e| e.into_inner());
+        *running = running.saturating_sub(1);
+        freed.notify_one();
+    }
 }
 
 fn parse_here(sql: &str) -> Result<Query, SqlError> {

@@ -41,7 +41,12 @@ impl UnaryRig {
     }
 
     pub(crate) fn descriptor(&self, rng: &mut StdRng, log: &mut Log) -> FlightDescriptor {
-        match rng.random_range(0..7) {
+        match rng.random_range(0..8) {
+            7 => {
+                let (label, command) = self.sql_command(rng);
+                log.push(format!("Flight SQL {}", abbreviate(&label)));
+                FlightDescriptor::new_cmd(command)
+            }
             0..=2 => {
                 let name = self.some_name(rng);
                 log.push(format!("PATH {:?}", abbreviate(&name)));
@@ -86,7 +91,30 @@ impl UnaryRig {
         log: &mut Log,
     ) -> Checked<(Vec<u8>, Option<usize>)> {
         let mut expected_rows = None;
-        let mut ticket = match rng.random_range(0..10) {
+        let mut ticket = match rng.random_range(0..12) {
+            10 => {
+                // A Flight SQL statement's ticket, as the server issued it.
+                let (label, command) = self.sql_command(rng);
+                let descriptor = FlightDescriptor::new_cmd(command);
+                match timed("GetFlightInfo", self.client.get_flight_info(descriptor)).await? {
+                    Ok(info) if !info.endpoint.is_empty() => {
+                        log.push(format!(
+                            "issued Flight SQL ticket of {}",
+                            abbreviate(&label)
+                        ));
+                        let endpoint = info.endpoint.choose(rng).expect("an endpoint");
+                        endpoint.ticket.clone().expect("a ticket").ticket.to_vec()
+                    }
+                    _ => {
+                        log.push(format!("refused Flight SQL {}", abbreviate(&label)));
+                        forged_statement_ticket(rng)
+                    }
+                }
+            }
+            11 => {
+                log.push("forged Flight SQL statement ticket");
+                forged_statement_ticket(rng)
+            }
             0..=4 => {
                 let name = self.fixture_name(rng);
                 // Tickets for plain replies, LZ4 or ZSTD compressed ones, and projected ones
@@ -152,6 +180,81 @@ impl UnaryRig {
         Ok((ticket, expected_rows))
     }
 
+    /// A Flight SQL command (protobuf `Any`): a statement from a corpus of supported,
+    /// unsupported and broken SQL over the fixtures, or a catalog command.
+    fn sql_command(&self, rng: &mut StdRng) -> (String, Vec<u8>) {
+        use arrow_flight::sql::{
+            CommandGetCatalogs, CommandGetDbSchemas, CommandGetSqlInfo, CommandGetTables,
+            CommandStatementQuery, ProstMessageExt,
+        };
+        use prost::Message;
+        let name = self.fixture_name(rng);
+        let deep_not = format!("SELECT * FROM t WHERE {}c0 > 1", "NOT ".repeat(60));
+        let long_in = format!(
+            "SELECT * FROM t WHERE c0 IN ({})",
+            (0..12_000)
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let statements = [
+            format!(r#"SELECT * FROM "{name}""#),
+            format!(r#"SELECT * FROM "{name}" LIMIT 3"#),
+            "SELECT c0 FROM t WHERE c0 > 10 AND c1 IS NOT NULL".to_owned(),
+            "SELECT c2, c0 FROM t WHERE c0 BETWEEN 5 AND 9 OR c1 IN (1, 2, 3)".to_owned(),
+            "SELECT * FROM s WHERE c0 = 'x'".to_owned(),
+            "SELECT * FROM t WHERE c0 > ?".to_owned(),
+            "SELECT * FROM t WHERE c0 > 99999999999999999999999999999".to_owned(),
+            "SELECT * FROM types WHERE nope = 1".to_owned(),
+            "SELECT COUNT(*) FROM t".to_owned(),
+            "DELETE FROM t".to_owned(),
+            "SELECT".to_owned(),
+            "\u{0}".to_owned(),
+            deep_not,
+            long_in,
+        ];
+        let pick = rng.random_range(0..statements.len() + 4);
+        match statements.get(pick) {
+            Some(sql) => (
+                format!("query {sql}"),
+                CommandStatementQuery {
+                    query: sql.clone(),
+                    transaction_id: None,
+                }
+                .as_any()
+                .encode_to_vec(),
+            ),
+            None => match pick - statements.len() {
+                0 => (
+                    "GetCatalogs".into(),
+                    CommandGetCatalogs {}.as_any().encode_to_vec(),
+                ),
+                1 => (
+                    "GetDbSchemas".into(),
+                    CommandGetDbSchemas::default().as_any().encode_to_vec(),
+                ),
+                2 => (
+                    "GetTables".into(),
+                    CommandGetTables {
+                        include_schema: true,
+                        table_name_filter_pattern: Some("%".into()),
+                        ..CommandGetTables::default()
+                    }
+                    .as_any()
+                    .encode_to_vec(),
+                ),
+                _ => (
+                    "GetSqlInfo".into(),
+                    CommandGetSqlInfo {
+                        info: vec![0, 1, 500, u32::MAX],
+                    }
+                    .as_any()
+                    .encode_to_vec(),
+                ),
+            },
+        }
+    }
+
     pub(crate) fn action(&self, rng: &mut StdRng, log: &mut Log) -> Action {
         let kind = *[
             "drop",
@@ -167,6 +270,11 @@ impl UnaryRig {
             "DROP",
             "drop ",
             "list",
+            "CreatePreparedStatement",
+            "ClosePreparedStatement",
+            "BeginTransaction",
+            "CancelFlightInfo",
+            "RenewFlightEndpoint",
         ]
         .choose(rng)
         .expect("actions");
@@ -448,4 +556,30 @@ fn rewrite_number(rng: &mut StdRng, bytes: &mut Vec<u8>, log: &mut Log) {
     let old = String::from_utf8_lossy(&bytes[run.clone()]).into_owned();
     bytes.splice(run, value.bytes());
     log.push(format!("ticket: number {old} -> {value}"));
+}
+
+/// A statement ticket whose JSON a client wrote: a plain ticket it never got, filters of the
+/// wrong shape, output columns out of range.
+fn forged_statement_ticket(rng: &mut StdRng) -> Vec<u8> {
+    use arrow_flight::sql::{ProstMessageExt, TicketStatementQuery};
+    use base64::Engine;
+    use prost::Message;
+    let read = base64::engine::general_purpose::STANDARD.encode(b"t");
+    let handles = [
+        format!(r#"{{"read": "{read}", "filter": null, "output": [0], "limit": null}}"#),
+        format!(r#"{{"read": "{read}", "filter": null, "output": [0, 0], "limit": 1}}"#),
+        format!(r#"{{"read": "{read}", "filter": null, "output": [9999], "limit": null}}"#),
+        format!(
+            r#"{{"read": "{read}", "filter": {{"IsNull": {{"column": "nope", "negated": false}}}}, "output": [0], "limit": null}}"#
+        ),
+        r#"{"read": "!!", "filter": null, "output": [], "limit": null}"#.to_owned(),
+        "{}".to_owned(),
+        "[]".to_owned(),
+    ];
+    let handle = handles.choose(rng).expect("handles").clone();
+    TicketStatementQuery {
+        statement_handle: handle.into(),
+    }
+    .as_any()
+    .encode_to_vec()
 }

@@ -1,0 +1,187 @@
+//! Prepared statements: SELECTs parsed once, run with the parameters a client binds through
+//! `DoPut`, until closed.
+//!
+//! A statement belongs to the principal that prepared it: others are told it does not exist.
+//! There are at most [`MAX_STATEMENTS`]; one unused for [`IDLE`] is closed to make room, so a
+//! client that never closes its statements cannot fill the server.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow::record_batch::RecordBatch;
+use arrow_flight::sql::ActionCreatePreparedStatementResult;
+use arrow_flight::{IpcMessage, SchemaAsIpc};
+use bytes::Bytes;
+use dashmap::DashMap;
+
+use super::query::{self, Query};
+use super::statement;
+use crate::auth::Principal;
+use crate::error::Error;
+use crate::flight::Service;
+
+/// Most prepared statements a server holds at once (each holds at most a 64 KiB statement).
+pub(super) const MAX_STATEMENTS: usize = 1024;
+/// A statement unused this long may be closed to make room for a new one.
+pub(super) const IDLE: Duration = Duration::from_secs(3600);
+/// Most bytes of parameters bound to one statement, and to all of them.
+pub(crate) const MAX_PARAMETER_BYTES: usize = 1 << 20;
+pub(super) const MAX_ALL_PARAMETER_BYTES: usize = 64 << 20;
+
+struct Statement {
+    owner: Arc<str>,
+    query: Query,
+    parameters: Option<RecordBatch>,
+    /// What `parameters` count in `Prepared::bound`.
+    parameter_bytes: usize,
+    used: Instant,
+}
+
+/// The server's prepared statements, by handle.
+#[derive(Default)]
+pub(crate) struct Prepared {
+    statements: DashMap<Bytes, Statement>,
+    /// Bytes of the parameters bound to all statements.
+    bound: std::sync::atomic::AtomicUsize,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("statements", &self.statements.len())
+            .finish()
+    }
+}
+
+fn unknown() -> Error {
+    Error::InvalidCommand(
+        "no such prepared statement (closed, idle for an hour, or prepared by someone else)"
+            .to_owned(),
+    )
+}
+
+impl Prepared {
+    pub(crate) fn create(
+        &self,
+        service: &Service,
+        sql: &str,
+        caller: &Principal,
+    ) -> Result<ActionCreatePreparedStatementResult, Error> {
+        let query = query::parse(sql)?;
+        let schema = statement::output_schema(service, &query)?;
+        if self.statements.len() >= MAX_STATEMENTS {
+            let bound = &self.bound;
+            self.statements.retain(|_, statement| {
+                let keep = statement.used.elapsed() < IDLE;
+                if !keep {
+                    bound.fetch_sub(statement.parameter_bytes, Ordering::Relaxed);
+                }
+                keep
+            });
+            if self.statements.len() >= MAX_STATEMENTS {
+                return Err(Error::PreparedStatementsFull(format!(
+                    "too many prepared statements: at most {MAX_STATEMENTS} (those idle for an \
+                     hour make room); close statements when done"
+                )));
+            }
+        }
+        let mut handle = [0u8; 16];
+        getrandom::fill(&mut handle)
+            .map_err(|e| Error::Internal(format!("no randomness for a handle: {e}")))?;
+        let handle = Bytes::from(hex::encode(handle));
+        let options = IpcWriteOptions::default();
+        let schema_message: IpcMessage = SchemaAsIpc::new(&schema, &options).try_into().map_err(
+            |e: arrow::error::ArrowError| {
+                Error::Internal(format!("encoding a statement's schema: {e}"))
+            },
+        )?;
+        self.statements.insert(
+            handle.clone(),
+            Statement {
+                owner: Arc::clone(&caller.name),
+                query,
+                parameters: None,
+                parameter_bytes: 0,
+                used: Instant::now(),
+            },
+        );
+        Ok(ActionCreatePreparedStatementResult {
+            prepared_statement_handle: handle,
+            dataset_schema: schema_message.0,
+            parameter_schema: Bytes::new(),
+        })
+    }
+
+    /// The statement's query with its parameters bound (the first row of those bound).
+    pub(crate) fn bound_query(&self, handle: &[u8], caller: &Principal) -> Result<Query, Error> {
+        let mut statement = self.statements.get_mut(handle).ok_or_else(unknown)?;
+        if statement.owner != caller.name {
+            return Err(unknown());
+        }
+        statement.used = Instant::now();
+        let wanted = statement.query.placeholders();
+        if wanted == 0 {
+            return Ok(statement.query.clone());
+        }
+        let Some(parameters) = &statement.parameters else {
+            return Err(Error::InvalidCommand(format!(
+                "this statement takes {wanted} parameters: bind them first"
+            )));
+        };
+        if parameters.num_rows() != 1 {
+            return Err(Error::InvalidCommand(format!(
+                "a query runs with one row of parameters; {} were bound",
+                parameters.num_rows()
+            )));
+        }
+        Ok(statement.query.bind(parameters, 0)?)
+    }
+
+    /// Binds `batches` (concatenated) as the statement's parameters.
+    pub(crate) fn bind(
+        &self,
+        handle: &[u8],
+        batches: Vec<RecordBatch>,
+        caller: &Principal,
+    ) -> Result<(), Error> {
+        let mut statement = self.statements.get_mut(handle).ok_or_else(unknown)?;
+        if statement.owner != caller.name {
+            return Err(unknown());
+        }
+        self.bound
+            .fetch_sub(statement.parameter_bytes, Ordering::Relaxed);
+        statement.parameters = None;
+        statement.parameter_bytes = 0;
+        let Some(first) = batches.first() else {
+            return Ok(());
+        };
+        let parameters = arrow::compute::concat_batches(&first.schema(), &batches)
+            .map_err(|e| Error::InvalidIpc(format!("parameters of differing schemas: {e}")))?;
+        let bytes = parameters.get_array_memory_size();
+        if self.bound.fetch_add(bytes, Ordering::Relaxed) + bytes > MAX_ALL_PARAMETER_BYTES {
+            self.bound.fetch_sub(bytes, Ordering::Relaxed);
+            return Err(Error::PreparedStatementsFull(format!(
+                "the parameters bound to all prepared statements are at most \
+                 {MAX_ALL_PARAMETER_BYTES} bytes; close statements when done"
+            )));
+        }
+        statement.parameters = Some(parameters);
+        statement.parameter_bytes = bytes;
+        statement.used = Instant::now();
+        Ok(())
+    }
+
+    pub(crate) fn close(&self, handle: &[u8], caller: &Principal) -> Result<(), Error> {
+        match self.statements.get(handle) {
+            Some(statement) if statement.owner == caller.name => {}
+            _ => return Err(unknown()),
+        }
+        if let Some((_, statement)) = self.statements.remove(handle) {
+            self.bound
+                .fetch_sub(statement.parameter_bytes, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}

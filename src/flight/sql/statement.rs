@@ -1,0 +1,247 @@
+//! SELECT statements: the endpoints that read one, and the rows they stream.
+//!
+//! A statement reads its dataset through the same tickets as a plain read (the version current
+//! when it was planned, a row range, and the columns it needs: its output, then those only its
+//! filter reads), each wrapped in a Flight SQL ticket with the statement's filter, output and
+//! limit. `DoGet` opens the plain ticket, with every check a plain read gets, and filters each
+//! chunk with arrow's kernels as it streams, so nothing is held whole; a limit ends the read as
+//! soon as it is met. A statement with a limit is one endpoint (a limit per endpoint would not
+//! be the statement's); one without has the plain read's endpoints, for parallel readers.
+
+use std::sync::Arc;
+
+use arrow::datatypes::Schema;
+use arrow::record_batch::RecordBatch;
+use arrow_flight::sql::{ProstMessageExt, TicketStatementQuery};
+use arrow_flight::{FlightDescriptor, FlightEndpoint, FlightInfo, Ticket};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use prost::Message;
+use serde::{Deserialize, Serialize};
+
+use super::predicate::{Filter, Predicate};
+use super::query::Query;
+use crate::error::Error;
+use crate::flight::descriptor::{self, ReadOptions};
+use crate::flight::read::{self, Reading};
+use crate::flight::{Service, ticket};
+use crate::store::column_indices;
+
+/// What a statement's ticket holds, as JSON in `TicketStatementQuery.statement_handle`. A
+/// client could alter it: `open` checks it all again.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatementTicket {
+    /// The plain ticket of the rows and columns read, base64.
+    read: String,
+    filter: Option<Predicate>,
+    /// The output columns, as positions among the columns read.
+    output: Vec<usize>,
+    limit: Option<u64>,
+}
+
+/// What a statement reads of `schema`: the positions of the columns it reads (its output's,
+/// then those only its filter needs), and its output's positions among them.
+struct Plan {
+    read: Vec<usize>,
+    output: Vec<usize>,
+    output_schema: Schema,
+}
+
+fn plan(query: &Query, schema: &Schema) -> Result<Plan, Error> {
+    let output = match &query.columns {
+        None => (0..schema.fields().len()).collect(),
+        Some(names) => descriptor::projection(&query.table, schema, names)?,
+    };
+    let mut read = output.clone();
+    if let Some(filter) = &query.filter {
+        // A prepared statement's parameters are checked once bound.
+        if filter.placeholders() == 0 {
+            filter.check(schema)?;
+        }
+        for index in column_indices(&query.table, schema, &filter.columns())? {
+            if !read.contains(&index) {
+                read.push(index);
+            }
+        }
+    }
+    let output_schema = schema
+        .project(&output)
+        .map_err(|e| Error::Internal(format!("projecting a statement's schema: {e}")))?;
+    Ok(Plan {
+        output: (0..output.len()).collect(),
+        read,
+        output_schema,
+    })
+}
+
+/// The schema a statement's rows have (for prepared statements' results).
+pub(crate) fn output_schema(service: &Service, query: &Query) -> Result<Schema, Error> {
+    let dataset = service.store.get(&query.table)?;
+    Ok(plan(query, &dataset.schema())?.output_schema)
+}
+
+pub(crate) fn flight_info(
+    service: &Service,
+    query: Query,
+    descriptor: FlightDescriptor,
+) -> Result<FlightInfo, Error> {
+    let dataset = service.store.get(&query.table)?;
+    let schema = dataset.schema();
+    let plan = plan(&query, &schema)?;
+    let every_column: Vec<usize> = (0..schema.fields().len()).collect();
+    let columns = (plan.read != every_column).then_some(plan.read.as_slice());
+    let plain: Vec<FlightEndpoint> = match query.limit {
+        Some(_) => {
+            let rows = 0..dataset.num_rows();
+            let ticket = ticket::encode(
+                dataset.name(),
+                dataset.version_id(),
+                rows,
+                ReadOptions::default(),
+                columns,
+            );
+            vec![service.located(FlightEndpoint::new().with_ticket(Ticket::new(ticket)))]
+        }
+        None => {
+            service
+                .flight_info(&dataset, ReadOptions::default(), columns, None)?
+                .endpoint
+        }
+    };
+    let mut info = FlightInfo::new()
+        .try_with_schema(&plan.output_schema)
+        .map_err(|e| Error::Internal(format!("encoding a statement's schema: {e}")))?
+        .with_descriptor(descriptor)
+        .with_ordered(true)
+        .with_total_bytes(-1);
+    let rows = dataset.num_rows();
+    info = info.with_total_records(match (&query.filter, query.limit) {
+        (Some(_), _) => -1,
+        (None, limit) => i64::try_from(limit.map_or(rows, |limit| limit.min(rows))).unwrap_or(-1),
+    });
+    for endpoint in plain {
+        let Some(read) = endpoint.ticket else {
+            continue;
+        };
+        let handle = serde_json::to_vec(&StatementTicket {
+            read: BASE64.encode(&read.ticket),
+            filter: query.filter.clone(),
+            output: plan.output.clone(),
+            limit: query.limit,
+        })
+        .map_err(|e| Error::Internal(format!("encoding a statement ticket: {e}")))?;
+        let ticket = TicketStatementQuery {
+            statement_handle: handle.into(),
+        };
+        info = info.with_endpoint(FlightEndpoint {
+            ticket: Some(Ticket::new(ticket.as_any().encode_to_vec())),
+            ..endpoint
+        });
+    }
+    Ok(info)
+}
+
+/// Starts streaming the rows of a statement's ticket.
+pub(crate) fn open(service: &Service, handle: &[u8]) -> Result<Reading, Error> {
+    let ticket: StatementTicket = serde_json::from_slice(handle).map_err(|e| {
+        Error::InvalidTicket(format!("a statement ticket that does not parse: {e}"))
+    })?;
+    let read = BASE64
+        .decode(&ticket.read)
+        .map_err(|e| Error::InvalidTicket(format!("a statement ticket's read: {e}")))?;
+    let reading = read::open(service, &Ticket::new(read), None)?;
+    let read_schema = reading.schema;
+    let columns = read_schema.fields().len();
+    let mut seen = vec![false; columns];
+    for &position in &ticket.output {
+        match seen.get_mut(position) {
+            Some(seen) if !*seen => *seen = true,
+            _ => {
+                return Err(Error::InvalidTicket(
+                    "corrupt statement ticket: an output column is repeated or not read".to_owned(),
+                ));
+            }
+        }
+    }
+    // Literals are converted to the columns' types once, not per chunk.
+    let filter = ticket
+        .filter
+        .as_ref()
+        .map(|filter| filter.prepare(&read_schema))
+        .transpose()?;
+    let schema = Arc::new(
+        read_schema
+            .project(&ticket.output)
+            .map_err(|e| Error::Internal(format!("projecting a statement's schema: {e}")))?,
+    );
+    let batches = select(
+        reading.batches,
+        filter.map(Arc::new),
+        Arc::from(ticket.output),
+        ticket.limit.unwrap_or(u64::MAX),
+    );
+    Ok(Reading {
+        batches,
+        schema,
+        compression: reading.compression,
+        running: reading.running,
+    })
+}
+
+/// `batches` filtered, projected onto `output`, and cut at `limit` rows; the read ends (and
+/// stops reading) once the limit is met.
+fn select(
+    batches: BoxStream<'static, Result<RecordBatch, Error>>,
+    filter: Option<Arc<Filter>>,
+    output: Arc<[usize]>,
+    limit: u64,
+) -> BoxStream<'static, Result<RecordBatch, Error>> {
+    futures::stream::unfold((batches, limit), move |(mut batches, remaining)| {
+        let filter = filter.clone();
+        let output = Arc::clone(&output);
+        async move {
+            if remaining == 0 {
+                return None;
+            }
+            loop {
+                let batch = match batches.next().await? {
+                    Ok(batch) => batch,
+                    Err(error) => return Some((Err(error), (batches, 0))),
+                };
+                let chosen = match choose(&batch, filter.as_deref(), &output) {
+                    Ok(chosen) => chosen,
+                    Err(error) => return Some((Err(error), (batches, 0))),
+                };
+                if chosen.num_rows() == 0 {
+                    continue;
+                }
+                let take = remaining.min(chosen.num_rows() as u64);
+                return Some((
+                    Ok(chosen.slice(0, take as usize)),
+                    (batches, remaining - take),
+                ));
+            }
+        }
+    })
+    .boxed()
+}
+
+fn choose(
+    batch: &RecordBatch,
+    filter: Option<&Filter>,
+    output: &[usize],
+) -> Result<RecordBatch, Error> {
+    let kept = match filter {
+        None => batch.clone(),
+        Some(filter) => {
+            let mask = filter.evaluate(batch)?;
+            arrow::compute::filter_record_batch(batch, &mask)
+                .map_err(|e| Error::Internal(format!("filtering a statement's rows: {e}")))?
+        }
+    };
+    kept.project(output)
+        .map_err(|e| Error::Internal(format!("projecting a statement's rows: {e}")))
+}

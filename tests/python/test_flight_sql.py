@@ -1,0 +1,197 @@
+"""Flight SQL through ADBC (adbc-driver-flightsql, the Go driver ADBC ships) and Polars, against
+the real binary: the catalog, SELECT statements with projection, filters and limits, prepared
+statements with parameters, bulk ingestion in every mode, and errors as ADBC's exceptions."""
+
+import datetime
+import decimal
+
+import adbc_driver_flightsql.dbapi as flight_sql
+import adbc_driver_manager
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from test_flight import all_types_table, get, put, unique
+
+
+@pytest.fixture
+def conn(server):
+    with flight_sql.connect(server.location, autocommit=True) as connection:
+        yield connection
+
+
+def query(conn, sql, parameters=None):
+    with conn.cursor() as cursor:
+        cursor.execute(sql, parameters)
+        return cursor.fetch_arrow_table()
+
+
+def numbers(n=1000):
+    return pa.table(
+        {
+            "i": pa.array(range(n), pa.int64()),
+            "f": pa.array([i / 4 if i % 9 else None for i in range(n)], pa.float64()),
+            "s": pa.array([f"s{i % 50}" for i in range(n)]),
+            "b": pa.array([i % 3 == 0 for i in range(n)]),
+            "d": pa.array([datetime.date(2024, 1, 1) + datetime.timedelta(days=i) for i in range(n)]),
+            "t": pa.array(
+                [datetime.datetime(2024, 1, 1) + datetime.timedelta(hours=i) for i in range(n)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "m": pa.array([decimal.Decimal(i) / 100 for i in range(n)], pa.decimal128(10, 2)),
+        }
+    )
+
+
+def test_select_star_equals_do_get_for_every_type(server, client, conn):
+    name = unique("sql")
+    put(client, name, all_types_table(500), chunk=97)
+    got = query(conn, f'SELECT * FROM "{name}"')
+    assert got.equals(get(client, name))
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("i < 10", lambda t: pc.less(t["i"], 10)),
+        ("i >= 990 OR i = 3", lambda t: pc.or_(pc.greater_equal(t["i"], 990), pc.equal(t["i"], 3))),
+        ("f IS NULL", lambda t: pc.is_null(t["f"])),
+        ("f IS NOT NULL AND f > 240.5", lambda t: pc.and_(pc.is_valid(t["f"]), pc.greater(t["f"], 240.5))),
+        ("s IN ('s1', 's2')", lambda t: pc.is_in(t["s"], pa.array(["s1", "s2"]))),
+        ("i BETWEEN 100 AND 110", lambda t: pc.and_(pc.greater_equal(t["i"], 100), pc.less_equal(t["i"], 110))),
+        ("NOT b", lambda t: pc.invert(t["b"])),
+        ("d >= DATE '2026-01-01'", lambda t: pc.greater_equal(t["d"], pa.scalar(datetime.date(2026, 1, 1)))),
+        ("m > 9.5", lambda t: pc.greater(t["m"], pa.scalar(decimal.Decimal("9.50"), pa.decimal128(10, 2)))),
+        ("i > 2.5 AND i < 5", lambda t: pc.and_(pc.greater(t["i"], 2), pc.less(t["i"], 5))),
+    ],
+)
+def test_where_filters_like_arrow(client, conn, where, expected):
+    table = numbers()
+    name = unique("where")
+    put(client, name, table, chunk=128)
+    got = query(conn, f'SELECT i, s FROM "{name}" WHERE {where}')
+    want = table.filter(expected(table)).select(["i", "s"])
+    assert got.equals(want), where
+
+
+def test_projection_and_limit(client, conn):
+    table = numbers()
+    name = unique("limit")
+    put(client, name, table, chunk=100)
+    got = query(conn, f'SELECT s, i FROM "{name}" LIMIT 250')
+    assert got.equals(table.select(["s", "i"]).slice(0, 250))
+    assert query(conn, f'SELECT i FROM "{name}" WHERE i > 500 LIMIT 3').column("i").to_pylist() == [501, 502, 503]
+    assert query(conn, f'SELECT i FROM "{name}" LIMIT 0').num_rows == 0
+
+
+def test_parameters_are_bound_through_a_prepared_statement(client, conn):
+    table = numbers()
+    name = unique("params")
+    put(client, name, table)
+    got = query(conn, f'SELECT i FROM "{name}" WHERE i >= ? AND s = ?', (995, "s46"))
+    assert got.column("i").to_pylist() == [996]
+    with conn.cursor() as cursor:
+        cursor.adbc_prepare(f'SELECT i FROM "{name}" WHERE i < ?')
+        for bound in (3, 5):
+            cursor.execute(f'SELECT i FROM "{name}" WHERE i < ?', (bound,))
+            assert cursor.fetch_arrow_table().column("i").to_pylist() == list(range(bound))
+
+
+def test_the_catalog_lists_datasets_as_tables(client, conn):
+    table = numbers(10)
+    name = unique("cat")
+    put(client, name, table)
+    assert conn.adbc_get_table_schema(name).equals(table.schema)
+    objects = conn.adbc_get_objects(depth="all").read_all().to_pylist()
+    assert [catalog["catalog_name"] for catalog in objects] == ["gpu_flight"]
+    schemas = objects[0]["catalog_db_schemas"]
+    assert [schema["db_schema_name"] for schema in schemas] == ["main"]
+    tables = {t["table_name"]: t for t in schemas[0]["db_schema_tables"]}
+    assert tables[name]["table_type"] == "TABLE"
+    assert [c["column_name"] for c in tables[name]["table_columns"]] == table.column_names
+    assert "TABLE" in conn.adbc_get_table_types()
+    info = conn.adbc_get_info()
+    assert info["vendor_name"] == "gpu-flight"
+
+
+@pytest.mark.parametrize("mode", ["create", "append", "replace", "create_append"])
+def test_ingest_in_every_mode(client, conn, mode):
+    table = numbers(100)
+    name = unique("ingest")
+    if mode in ("append", "replace"):
+        put(client, name, table.slice(0, 10))
+    with conn.cursor() as cursor:
+        assert cursor.adbc_ingest(name, table, mode=mode) in (100, -1)
+    expected = {
+        "create": table,
+        "append": pa.concat_tables([table.slice(0, 10), table]),
+        "replace": table,
+        "create_append": table,
+    }[mode]
+    assert get(client, name).equals(expected.combine_chunks()) or get(client, name).equals(expected)
+
+
+def test_ingest_refusals_leave_datasets_as_they_were(client, conn):
+    table = numbers(20)
+    name = unique("refuse")
+    put(client, name, table)
+    with conn.cursor() as cursor:
+        with pytest.raises(adbc_driver_manager.dbapi.ProgrammingError, match="ALREADY_EXISTS"):
+            cursor.adbc_ingest(name, table, mode="create")
+        with pytest.raises(adbc_driver_manager.dbapi.ProgrammingError, match="NOT_FOUND.*does not exist"):
+            cursor.adbc_ingest(unique("absent"), table, mode="append")
+        with pytest.raises(adbc_driver_manager.dbapi.Error, match="(?i)temporary"):
+            cursor.adbc_ingest(unique("temp"), table, mode="create", temporary=True)
+    assert get(client, name).equals(table)
+
+
+def test_errors_are_adbcs_exceptions_with_the_servers_message(client, conn):
+    name = unique("errors")
+    put(client, name, numbers(10))
+    with pytest.raises(adbc_driver_manager.dbapi.NotSupportedError, match="SELECT"):
+        query(conn, f'SELECT i, COUNT(*) FROM "{name}" GROUP BY i')
+    with pytest.raises(adbc_driver_manager.dbapi.ProgrammingError, match="nope"):
+        query(conn, f'SELECT nope FROM "{name}"')
+    with pytest.raises(adbc_driver_manager.dbapi.ProgrammingError, match="NOT_FOUND.*does not exist"):
+        query(conn, 'SELECT * FROM "no-such-dataset"')
+    with pytest.raises(adbc_driver_manager.dbapi.NotSupportedError), conn.cursor() as cursor:
+        cursor.execute(f'DELETE FROM "{name}"')
+
+
+def test_polars_reads_and_writes_over_adbc(server, client, conn):
+    polars = pytest.importorskip("polars")
+    table = numbers(100)
+    name = unique("polars")
+    put(client, name, table)
+    frame = polars.read_database(f'SELECT i, s FROM "{name}" WHERE i < 7', connection=conn)
+    assert frame["i"].to_list() == list(range(7))
+    written = unique("polars-out")
+    polars.DataFrame({"x": [1, 2, 3]}).write_database(written, connection=conn, engine="adbc")
+    polars.DataFrame({"x": [4]}).write_database(written, connection=conn, engine="adbc", if_table_exists="append")
+    assert get(client, written).column("x").to_pylist() == [1, 2, 3, 4]
+
+
+def test_tokens_basic_logins_and_roles_apply_to_flight_sql(make_server, tmp_path):
+    from conftest import new_token
+    from test_security import user_entry
+
+    entry, reader = new_token("analyst", "read")
+    path = tmp_path / "tokens.toml"
+    path.write_text(entry + "\n" + user_entry("carol", "write", "correct horse"))
+    path.chmod(0o600)
+    server = make_server("--auth-tokens", str(path))
+    table = numbers(10)
+    with flight_sql.connect(
+        server.location, db_kwargs={"username": "carol", "password": "correct horse"}, autocommit=True
+    ) as carol:
+        with carol.cursor() as cursor:
+            cursor.adbc_ingest("secured", table, mode="create")
+        assert query(carol, 'SELECT i FROM "secured" WHERE i < 3').column("i").to_pylist() == [0, 1, 2]
+    header = {"adbc.flight.sql.authorization_header": f"Bearer {reader}"}
+    with flight_sql.connect(server.location, db_kwargs=header, autocommit=True) as analyst:
+        assert query(analyst, 'SELECT * FROM "secured"').equals(table)
+        with pytest.raises(adbc_driver_manager.dbapi.Error, match="needs the write role"), analyst.cursor() as cursor:
+            cursor.adbc_ingest("secured", table, mode="append")
+    with pytest.raises(adbc_driver_manager.dbapi.Error, match="UNAUTHENTICATED"):
+        with flight_sql.connect(server.location, autocommit=True) as stranger:
+            query(stranger, 'SELECT * FROM "secured"')
