@@ -25,6 +25,7 @@ pyarrow maps them, every one a `pyarrow.ArrowException` whose text holds the cod
 """
 
 from ._client import Client, Compression, Mode, PutData, connect
+from ._cluster import Cluster, connect_all
 from ._cuda import CudaError
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult
 from ._export import Bitmap, Column, DeviceNotVisible, Export, Partition, device_uuid
@@ -32,6 +33,7 @@ from ._export import Bitmap, Column, DeviceNotVisible, Export, Partition, device
 __all__ = [
     "Bitmap",
     "Client",
+    "Cluster",
     "Column",
     "Compression",
     "CopyResult",
@@ -46,6 +48,7 @@ __all__ = [
     "PutData",
     "PutResult",
     "connect",
+    "connect_all",
     "device_uuid",
 ]
 __version__ = "0.1.0"

@@ -224,8 +224,7 @@ class Client:
         the put first.
         """
         reader = _as_reader(data)
-        descriptor = _command(name=name, mode=mode, device=device)
-        writer, results = self._flight.do_put(descriptor, reader.schema, options=self._options(compression))
+        writer, results = self._open_put(name, reader.schema, mode, device, compression)
         pieces = (piece for batch in reader for piece in _slices(batch, PUT_MESSAGE_BYTES))
         # Until the stream is ended on purpose, any failure (the caller's data, a batch that
         # cannot be sent, an interrupt) abandons the put: closing would end it cleanly, and the
@@ -238,6 +237,25 @@ class Client:
             if refusal is not None and isinstance(error, pa.ArrowException):
                 raise refusal from error
             raise
+        return self._finish_put(writer, results)
+
+    def _open_put(
+        self,
+        name: str,
+        schema: pa.Schema,
+        mode: Mode,
+        device: Optional[Device] = None,
+        compression: Optional[Compression] = None,
+    ) -> tuple[flight.FlightStreamWriter, flight.FlightMetadataReader]:
+        """Starts a put's stream: the writer, and the reader of the server's answer."""
+        descriptor = _command(name=name, mode=mode, device=device)
+        writer, results = self._flight.do_put(descriptor, schema, options=self._options(compression))
+        return writer, results
+
+    def _finish_put(
+        self, writer: flight.FlightStreamWriter, results: flight.FlightMetadataReader
+    ) -> PutResult:
+        """Ends a put's stream, which commits it, and returns the server's answer."""
         try:
             writer.done_writing()
             # None when the server refused the put: close() then raises its error.

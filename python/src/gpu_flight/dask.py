@@ -11,12 +11,13 @@ import contextlib
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from ._client import connect
+from ._cluster import connect_all
 from ._errors import require
 
 Backend = Literal["pandas", "cudf"]
@@ -71,7 +72,7 @@ def _read_partition(
 
 
 def read_dataset(
-    uri: str,
+    uri: Union[str, Sequence[str]],
     name: str,
     columns: Optional[Sequence[str]] = None,
     backend: Backend = "pandas",
@@ -79,6 +80,10 @@ def read_dataset(
 ) -> Any:
     """A Dask DataFrame of dataset `name` on the server at `uri`, one partition per endpoint,
     in row order (the index restarts in each partition; divisions are unknown).
+
+    `uri` may name several servers holding a shard each (a list, or a DNS name resolving to
+    each, as `gpu_flight.connect_all` takes): the partitions are then the union of every
+    shard's endpoints, in server order, each read from its server.
 
     `columns` selects columns on the server, and so does Dask's own projection
     (`ddf[["a", "b"]]`). `backend="cudf"` makes cudf partitions (needs cudf). The graph holds
@@ -92,15 +97,17 @@ def read_dataset(
     if backend == "cudf":
         require("cudf", "cudf")
     projection = None if columns is None else tuple(columns)
-    with connect(uri, **connect_kwargs) as client:
-        info = client.info(name, columns=None if projection is None else list(projection))
-    endpoints = list(info.endpoints)
-    kwargs = tuple(sorted(connect_kwargs.items()))
-    parts = [
-        _Partition(uri, name, i, len(endpoints), e.ticket.ticket, projection, kwargs)
-        for i, e in enumerate(endpoints)
-    ]
-    meta = _to_frame(info.schema.empty_table(), backend)
+    with connect_all(uri, **connect_kwargs) as cluster:
+        infos = cluster.infos(name, columns=None if projection is None else list(projection))
+        kwargs = tuple(sorted(connect_kwargs.items()))
+        parts = []
+        for issuer, info in enumerate(infos):
+            endpoints = list(info.endpoints)
+            for i, endpoint in enumerate(endpoints):
+                server = cluster.uris[cluster._server_of(endpoint, issuer)]
+                ticket = endpoint.ticket.ticket
+                parts.append(_Partition(server, name, i, len(endpoints), ticket, projection, kwargs))
+    meta = _to_frame(infos[0].schema.empty_table(), backend)
     return dd.from_map(
         _read_partition,
         parts,
@@ -133,7 +140,7 @@ def _write_partition(
 
 def write_dataset(
     ddf: Any,
-    uri: str,
+    uri: Union[str, Sequence[str]],
     name: str,
     mode: Literal["create", "replace", "append"] = "create",
     **connect_kwargs: Any,
@@ -149,6 +156,10 @@ def write_dataset(
     after. A failed task, or a failed commit, leaves `name` as it was, and the temporary
     datasets are dropped (unless this process dies first: they are then left under that
     prefix, for `drop`).
+
+    With several servers (`uri` as `read_dataset` takes it), partition i goes to server
+    i mod n, and each server commits its shard as above once every task succeeded: a server
+    that refuses its commit leaves the shards committed before it (the error names them).
     """
     dask = require("dask", "dask")
     if mode not in ("create", "replace", "append"):
@@ -159,32 +170,48 @@ def write_dataset(
     else:
         schema = pa.Schema.from_pandas(meta, preserve_index=False)
     prefix = f"{name}.tmp-{uuid.uuid4().hex}"
-    with connect(uri, **connect_kwargs) as client:
-        if mode == "create" and _exists(client, name):
-            # What the server would say at the commit, said before anything is written.
-            raise pa.ArrowException(f"dataset {name!r} already exists (mode='create')")
+    with connect_all(uri, **connect_kwargs) as cluster:
+        if mode == "create":
+            for address, client in zip(cluster.uris, cluster.clients):
+                if _exists(client, name):
+                    # What the server would say at the commit, said before anything is written.
+                    raise pa.ArrowException(
+                        f"server {address}: dataset {name!r} already exists (mode='create')"
+                    )
         parts = ddf.to_delayed()
-        temporaries = [f"{prefix}-{i}" for i in range(len(parts))]
+        count = len(cluster.uris)
+        temporaries = [(i % count, f"{prefix}-{i}") for i in range(len(parts))]
         try:
             tasks = [
-                dask.delayed(_write_partition)(part, temporary, schema, uri, connect_kwargs)
-                for part, temporary in zip(parts, temporaries)
+                dask.delayed(_write_partition)(part, temporary, schema, cluster.uris[server], connect_kwargs)
+                for part, (server, temporary) in zip(parts, temporaries)
             ]
             outcomes = _compute_all(dask, tasks)
             for _, error in outcomes:
                 if error is not None:
                     raise error
             rows = sum(written for written, _ in outcomes)
+            committed: list[str] = []
+            for index, client in enumerate(cluster.clients):
+                mine = [temporary for owner, temporary in temporaries if owner == index]
 
-            def batches() -> Iterator[pa.RecordBatch]:
-                for temporary in temporaries:
-                    yield from client.reader(temporary)
+                def batches(client: Any = client, mine: list[str] = mine) -> Iterator[pa.RecordBatch]:
+                    for temporary in mine:
+                        yield from client.reader(temporary)
 
-            client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode=mode)
+                try:
+                    client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode=mode)
+                except pa.ArrowException as error:
+                    done = ", ".join(committed) or "none"
+                    raise pa.ArrowException(
+                        f"server {cluster.uris[index]}: {error} (servers that committed: {done})"
+                    ) from error
+                committed.append(cluster.uris[index])
         finally:
-            for temporary in client.list(prefix):
-                with contextlib.suppress(pa.ArrowKeyError):
-                    client.drop(temporary)
+            for client in cluster.clients:
+                for temporary in client.list(prefix):
+                    with contextlib.suppress(pa.ArrowKeyError):
+                        client.drop(temporary)
     return int(rows)
 
 
