@@ -59,6 +59,8 @@ pub enum Action {
     Copy,
     /// The Flight specification's `CancelFlightInfo` and `RenewFlightEndpoint`.
     FlightInfo,
+    /// A `DoPut` of data (ours, or Flight SQL bulk ingestion), once its descriptor says so.
+    Put,
     /// Flight SQL's `CreatePreparedStatement` and `ClosePreparedStatement` (and the ones it
     /// refuses as unimplemented).
     PreparedStatements,
@@ -76,6 +78,7 @@ impl Action {
             Self::Copy => "copy",
             Self::PreparedStatements => "Flight SQL prepared statement",
             Self::FlightInfo => "CancelFlightInfo or RenewFlightEndpoint",
+            Self::Put => "DoPut",
         }
     }
 }
@@ -95,10 +98,13 @@ pub fn required_role(operation: Operation) -> Option<Role> {
     use Method as M;
     match operation {
         Operation::Method(M::Handshake) => None,
-        Operation::Method(M::DoPut | M::DoExchange) => Some(Role::Write),
+        Operation::Method(M::DoExchange) => Some(Role::Write),
         // DoAction itself: each action needs its own role, below.
+        // DoPut itself: a put of data needs `Action::Put`, below, once its descriptor says it
+        // is one; binding a prepared statement's parameters is a read.
         Operation::Method(
-            M::ListFlights
+            M::DoPut
+            | M::ListFlights
             | M::GetFlightInfo
             | M::PollFlightInfo
             | M::GetSchema
@@ -109,7 +115,7 @@ pub fn required_role(operation: Operation) -> Option<Role> {
         // Answered UNIMPLEMENTED; a caller without a role learns nothing from it either.
         Operation::Method(M::Unknown) => Some(Role::Read),
         // Replicas allocate device memory.
-        Operation::Action(A::Drop | A::Move | A::Copy | A::IpcExport { copy: true }) => {
+        Operation::Action(A::Drop | A::Move | A::Copy | A::IpcExport { copy: true } | A::Put) => {
             Some(Role::Write)
         }
         Operation::Action(
@@ -148,6 +154,7 @@ impl fmt::Display for Operation {
             Self::Action(Action::IpcExport { copy: true }) => {
                 f.write_str("ipc-export with \"copy\": true, which allocates device memory,")
             }
+            Self::Action(Action::Put) => f.write_str("DoPut"),
             Self::Action(action) => write!(f, "the {} action", action.name()),
         }
     }
@@ -161,7 +168,7 @@ mod tests {
     fn writes_need_write_and_reads_read() {
         assert_eq!(required_role(Operation::Method(Method::Handshake)), None);
         assert_eq!(
-            required_role(Operation::Method(Method::DoPut)),
+            required_role(Operation::Action(Action::Put)),
             Some(Role::Write)
         );
         assert_eq!(

@@ -99,6 +99,9 @@ pub struct ReadCommand {
     pub compression: Option<Compression>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub columns: Option<Vec<String>>,
+    /// A row predicate in SQL, as a Flight SQL statement's `WHERE` takes it.
+    #[serde(default, rename = "where", skip_serializing_if = "Option::is_none")]
+    pub filter: Option<String>,
 }
 
 /// What a GetFlightInfo or GetSchema descriptor asks for.
@@ -109,6 +112,8 @@ pub struct ReadTarget {
     /// Column names to read, in order; `None` reads them all. Checked against the dataset's
     /// schema by [`projection`].
     pub columns: Option<Vec<String>>,
+    /// The rows to read, as the SQL of a `WHERE` clause; `None` reads them all.
+    pub filter: Option<String>,
 }
 
 /// The dataset a GetFlightInfo or GetSchema descriptor names, and how to read it: a PATH
@@ -119,12 +124,14 @@ pub fn read_target(descriptor: &FlightDescriptor) -> Result<ReadTarget, Error> {
             name: dataset_name(descriptor)?,
             options: ReadOptions::default(),
             columns: None,
+            filter: None,
         });
     }
     let command: ReadCommand = parse_json_object(
         &descriptor.cmd,
         "a GetFlightInfo CMD must be a JSON object {\"name\": \"...\", \"columns\": [\"...\"] \
-         (optional), \"compression\": \"lz4\" | \"zstd\" (optional)}",
+         (optional), \"compression\": \"lz4\" | \"zstd\" (optional), \"where\": \"SQL \
+         predicate\" (optional)}",
     )?;
     Ok(ReadTarget {
         name: parse_name(command.name.as_bytes())?,
@@ -132,6 +139,7 @@ pub fn read_target(descriptor: &FlightDescriptor) -> Result<ReadTarget, Error> {
             compression: command.compression,
         },
         columns: command.columns,
+        filter: command.filter,
     })
 }
 
@@ -269,6 +277,7 @@ mod tests {
             name: "t".to_owned(),
             options: ReadOptions::default(),
             columns: None,
+            filter: None,
         };
         assert_eq!(read_target(&cmd).expect("valid"), all);
         let path = FlightDescriptor::new_path(vec!["t".to_owned()]);
@@ -277,6 +286,11 @@ mod tests {
         assert_eq!(
             read_target(&cmd).expect("valid").columns,
             Some(vec!["b".to_owned(), "a".to_owned()])
+        );
+        let cmd = FlightDescriptor::new_cmd(r#"{"name": "t", "where": "a > 1"}"#);
+        assert_eq!(
+            read_target(&cmd).expect("valid").filter.as_deref(),
+            Some("a > 1")
         );
         for bad in [
             r#"{"name": "t", "compression": "gzip"}"#,

@@ -272,6 +272,9 @@ impl Service {
         if let Some(call) = call(&request) {
             call.set_subject(target.name.as_str());
         }
+        if let Some(text) = target.filter.clone() {
+            return sql::filtered_info(self, target, &text, request.into_inner());
+        }
         let dataset = self.store.get(&target.name)?;
         let columns = target
             .columns
@@ -597,6 +600,12 @@ impl FlightService for Service {
         let target = descriptor::read_target(request.get_ref())?;
         if let Some(call) = call(&request) {
             call.set_subject(target.name.as_str());
+        }
+        if let Some(text) = target.filter.clone() {
+            let info = sql::filtered_info(self, target, &text, request.into_inner())?;
+            return Ok(Response::new(SchemaResult {
+                schema: info.schema,
+            }));
         }
         let dataset = self.store.get(&target.name).map_err(Error::from)?;
         let schema = match target.columns {

@@ -31,7 +31,7 @@ use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
 use super::sql::{self, SqlPut};
 use super::{FlightOptions, Service};
-use crate::auth::Principal;
+use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
 use crate::store::memory::Reservation;
 use crate::store::{PutSummary, Store};
@@ -152,12 +152,19 @@ pub(crate) async fn receive(
         Err(status) => return Err(stream_failure(&inbound, status)),
     };
     let first_charge = inbound.take_charge();
+    // DoPut is admitted at the read role, which binding parameters needs; a put of data needs
+    // the write role, checked before any batch is read.
+    let put = Operation::Action(auth::Action::Put);
     let (target, ingested) = match sql::put_command(first.flight_descriptor.as_ref())? {
-        None => (
-            descriptor::put_target(first.flight_descriptor.as_ref())?,
-            false,
-        ),
+        None => {
+            caller.authorize(put)?;
+            (
+                descriptor::put_target(first.flight_descriptor.as_ref())?,
+                false,
+            )
+        }
         Some(SqlPut::Ingest(target, check)) => {
+            caller.authorize(put)?;
             sql::check_ingest(store, &target, check)?;
             (target, true)
         }

@@ -206,3 +206,77 @@ def test_tokens_basic_logins_and_roles_apply_to_flight_sql(make_server, tmp_path
         flight_sql.connect(server.location, autocommit=True) as stranger,
     ):
         query(stranger, 'SELECT * FROM "secured"')
+
+
+def test_long_in_lists_and_parameters_fit_their_tickets(client, conn):
+    """A statement's tickets carry its SQL, not its parsed filter: an IN list of thousands of
+    items reads (its ticket once exceeded DoGet's 64 KiB request limit), and a statement too
+    long for any ticket is refused when planned, saying so."""
+    table = numbers(5000)
+    name = unique("long")
+    put(client, name, table, chunk=500)
+    items = ", ".join(str(i) for i in range(0, 5000, 2))
+    got = query(conn, f'SELECT i FROM "{name}" WHERE i IN ({items})')
+    assert got.column("i").to_pylist() == list(range(0, 5000, 2))
+    many = " OR ".join(f"i = {i}" for i in range(4500))  # 53 KB: SQL under 64 KiB, tickets over 48
+    with pytest.raises(adbc_driver_manager.dbapi.Error, match="shorten it"):
+        query(conn, f'SELECT i FROM "{name}" WHERE {many}')
+
+
+def test_names_qualified_as_the_catalog_lists_them(client, conn):
+    name = unique("qualified")
+    put(client, name, numbers(5))
+    assert query(conn, f'SELECT i FROM gpu_flight.main."{name}"').num_rows == 5
+    assert query(conn, f'SELECT i FROM main."{name}" WHERE i < 2').num_rows == 2
+
+
+def test_readers_bind_parameters_and_writers_put(make_server, tmp_path):
+    from conftest import new_token
+
+    reader_entry, reader = new_token("analyst", "read")
+    writer_entry, writer = new_token("loader", "write")
+    path = tmp_path / "tokens.toml"
+    path.write_text(reader_entry + "\n" + writer_entry)
+    path.chmod(0o600)
+    server = make_server("--auth-tokens", str(path))
+
+    def connect(token):
+        kwargs = {"adbc.flight.sql.authorization_header": f"Bearer {token}"}
+        return flight_sql.connect(server.location, db_kwargs=kwargs, autocommit=True)
+
+    with connect(writer) as loader, loader.cursor() as cursor:
+        cursor.adbc_ingest("params", numbers(100), mode="create")
+    with connect(reader) as analyst:
+        got = query(analyst, 'SELECT i FROM "params" WHERE i > ? AND i < ?', (95, 98))
+        assert got.column("i").to_pylist() == [96, 97]
+        with (
+            pytest.raises(adbc_driver_manager.dbapi.Error, match="DoPut needs the write role"),
+            analyst.cursor() as cursor,
+        ):
+            cursor.adbc_ingest("params", numbers(1), mode="append")
+
+
+def test_a_principal_that_never_closes_its_statements_only_crowds_itself(conn, client):
+    name = unique("many")
+    put(client, name, numbers(10))
+    for i in range(1100):  # beyond the 256 a principal holds, and the 1024 of all: its oldest make room
+        with conn.cursor() as cursor:
+            cursor.adbc_prepare(f'SELECT i FROM "{name}" WHERE i > {i % 5}')
+    assert query(conn, f'SELECT i FROM "{name}" WHERE i > ?', (7,)).column("i").to_pylist() == [8, 9]
+
+
+def test_plain_reads_filter_on_the_server_with_where(server, client):
+    import gpu_flight
+
+    table = numbers(1000)
+    name = unique("where")
+    put(client, name, table, chunk=100)
+    with gpu_flight.connect(server.location) as gf:
+        got = gf.get(name, columns=["i", "s"], where="i >= 990 OR s = 's3'")
+        want = table.filter(pc.or_(pc.greater_equal(table["i"], 990), pc.equal(table["s"], "s3")))
+        assert got.equals(want.select(["i", "s"]))
+        assert gf.info(name, where="i < 5").total_records == -1
+        with pytest.raises(pa.ArrowInvalid, match="predicate of a WHERE clause"):
+            gf.get(name, where="i < 5 LIMIT 2")
+        with pytest.raises(pa.ArrowNotImplementedError, match="SELECT"):
+            gf.get(name, where="i IN (SELECT 1)")

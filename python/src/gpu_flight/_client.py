@@ -80,14 +80,23 @@ def _command(**fields: Any) -> flight.FlightDescriptor:
 
 
 def _read_descriptor(
-    name: str, columns: Optional[Sequence[str]], compression: Optional[str]
+    name: str,
+    columns: Optional[Sequence[str]],
+    compression: Optional[str],
+    where: Optional[str] = None,
 ) -> flight.FlightDescriptor:
-    """PATH for a plain read, else the CMD document `{"name", "columns", "compression"}`."""
-    if columns is None and compression is None:
+    """PATH for a plain read, else the CMD document `{"name", "columns", "compression",
+    "where"}`."""
+    if columns is None and compression is None and where is None:
         return flight.FlightDescriptor.for_path(name)
     if isinstance(columns, str):
         raise TypeError("columns must be a sequence of column names, not a string")
-    return _command(name=name, columns=None if columns is None else list(columns), compression=compression)
+    return _command(
+        name=name,
+        columns=None if columns is None else list(columns),
+        compression=compression,
+        where=where,
+    )
 
 
 def _as_reader(data: PutData) -> pa.RecordBatchReader:
@@ -273,11 +282,14 @@ class Client:
         name: str,
         columns: Optional[Sequence[str]] = None,
         compression: Optional[Compression] = None,
+        where: Optional[str] = None,
     ) -> flight.FlightInfo:
         """The dataset's FlightInfo: schema (of `columns`, if given), `total_records`,
         `total_bytes` and its endpoints in row order, whose tickets stream `columns` with
-        bodies compressed by `compression` ("lz4" or "zstd")."""
-        descriptor = _read_descriptor(name, columns, compression)
+        bodies compressed by `compression` ("lz4" or "zstd"), and only the rows `where` (an
+        SQL predicate, as a WHERE clause takes it: `"fare > 10 AND city IN ('Oslo')"`)
+        selects, filtered on the server (`total_records` is then -1)."""
+        descriptor = _read_descriptor(name, columns, compression, where)
         return self._flight.get_flight_info(descriptor, options=self._options())
 
     def schema(self, name: str, columns: Optional[Sequence[str]] = None) -> pa.Schema:
@@ -290,11 +302,13 @@ class Client:
         name: str,
         columns: Optional[Sequence[str]] = None,
         compression: Optional[Compression] = None,
+        where: Optional[str] = None,
     ) -> pa.RecordBatchReader:
         """A RecordBatchReader over every endpoint of the dataset, in row order. Each endpoint
         is requested only when the reader reaches it; the data is the version current when
-        this is called (a later replace or append makes it fail with NOT_FOUND)."""
-        return self.read_info(self.info(name, columns, compression))
+        this is called (a later replace or append makes it fail with NOT_FOUND). `where`
+        filters rows on the server (see `info`)."""
+        return self.read_info(self.info(name, columns, compression, where))
 
     def read_info(self, info: flight.FlightInfo) -> pa.RecordBatchReader:
         """A RecordBatchReader over `info`'s endpoints, in order, read lazily."""
@@ -311,9 +325,10 @@ class Client:
         name: str,
         columns: Optional[Sequence[str]] = None,
         compression: Optional[Compression] = None,
+        where: Optional[str] = None,
     ) -> pa.Table:
-        """The whole dataset (or its `columns`) as a Table."""
-        return self.reader(name, columns, compression).read_all()
+        """The whole dataset (or its `columns`, or the rows `where` selects) as a Table."""
+        return self.reader(name, columns, compression, where).read_all()
 
     def list(self, prefix: str = "") -> list[str]:
         """The names of the datasets starting with `prefix` (all of them by default)."""

@@ -79,13 +79,17 @@ pub(crate) fn flight_info(
                     parsed.placeholders()
                 )));
             }
-            statement::flight_info(service, parsed, descriptor)
+            let source = statement::Source {
+                sql: command.query,
+                parameters: None,
+            };
+            statement::flight_info(service, parsed, source, descriptor)
         }
         Command::CommandPreparedStatementQuery(command) => {
-            let bound = service
+            let (bound, source) = service
                 .prepared
                 .bound_query(&command.prepared_statement_handle, caller)?;
-            statement::flight_info(service, bound, descriptor)
+            statement::flight_info(service, bound, source, descriptor)
         }
         Command::CommandStatementSubstraitPlan(_) => Err(Error::Unsupported(
             "Substrait plans (send SQL: SELECT columns FROM dataset WHERE ... LIMIT n)",

@@ -25,6 +25,27 @@ pub(crate) use dispatch::{
 };
 pub(crate) use prepared::{MAX_PARAMETER_BYTES, Prepared};
 
+/// The `FlightInfo` of a read command with a `where`: its dataset's rows that match, read
+/// as a statement's are.
+pub(crate) fn filtered_info(
+    service: &crate::flight::Service,
+    target: crate::flight::descriptor::ReadTarget,
+    text: &str,
+    descriptor: arrow_flight::FlightDescriptor,
+) -> Result<arrow_flight::FlightInfo, crate::error::Error> {
+    let query = query::Query {
+        table: target.name,
+        columns: target.columns,
+        filter: Some(statement::where_predicate(text)?),
+        limit: None,
+    };
+    let source = statement::Source {
+        sql: statement::where_statement(text),
+        parameters: None,
+    };
+    statement::flight_info_with(service, query, source, target.options, descriptor)
+}
+
 impl From<error::SqlError> for crate::error::Error {
     fn from(error: error::SqlError) -> Self {
         match error {

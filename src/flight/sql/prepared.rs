@@ -22,8 +22,11 @@ use crate::auth::Principal;
 use crate::error::Error;
 use crate::flight::Service;
 
-/// Most prepared statements a server holds at once (each holds at most a 64 KiB statement).
+/// Most prepared statements a server holds at once (each holds at most a 64 KiB statement),
+/// and one principal: a principal's least recently used makes room for its next, so a client
+/// that never closes its statements (a JDBC tool preparing every query) crowds out only itself.
 pub(super) const MAX_STATEMENTS: usize = 1024;
+pub(super) const MAX_PER_PRINCIPAL: usize = 256;
 /// A statement unused this long may be closed to make room for a new one.
 pub(super) const IDLE: Duration = Duration::from_secs(3600);
 /// Most bytes of parameters bound to one statement, and to all of them.
@@ -32,6 +35,8 @@ pub(super) const MAX_ALL_PARAMETER_BYTES: usize = 64 << 20;
 
 struct Statement {
     owner: Arc<str>,
+    /// The statement as prepared, which its tickets carry.
+    sql: String,
     query: Query,
     parameters: Option<RecordBatch>,
     /// What `parameters` count in `Prepared::bound`.
@@ -71,6 +76,19 @@ impl Prepared {
     ) -> Result<ActionCreatePreparedStatementResult, Error> {
         let query = query::parse(sql)?;
         let schema = statement::output_schema(service, &query)?;
+        let mine: Vec<(Bytes, Instant)> = self
+            .statements
+            .iter()
+            .filter(|entry| entry.owner == caller.name)
+            .map(|entry| (entry.key().clone(), entry.used))
+            .collect();
+        if mine.len() >= MAX_PER_PRINCIPAL
+            && let Some((oldest, _)) = mine.iter().min_by_key(|(_, used)| *used)
+            && let Some((_, evicted)) = self.statements.remove(oldest)
+        {
+            self.bound
+                .fetch_sub(evicted.parameter_bytes, Ordering::Relaxed);
+        }
         if self.statements.len() >= MAX_STATEMENTS {
             let bound = &self.bound;
             self.statements.retain(|_, statement| {
@@ -101,6 +119,7 @@ impl Prepared {
             handle.clone(),
             Statement {
                 owner: Arc::clone(&caller.name),
+                sql: sql.to_owned(),
                 query,
                 parameters: None,
                 parameter_bytes: 0,
@@ -114,8 +133,12 @@ impl Prepared {
         })
     }
 
-    /// The statement's query with its parameters bound (the first row of those bound).
-    pub(crate) fn bound_query(&self, handle: &[u8], caller: &Principal) -> Result<Query, Error> {
+    /// The statement's query with its parameters bound (one row), and what its tickets carry.
+    pub(crate) fn bound_query(
+        &self,
+        handle: &[u8],
+        caller: &Principal,
+    ) -> Result<(Query, statement::Source), Error> {
         let mut statement = self.statements.get_mut(handle).ok_or_else(unknown)?;
         if statement.owner != caller.name {
             return Err(unknown());
@@ -123,7 +146,11 @@ impl Prepared {
         statement.used = Instant::now();
         let wanted = statement.query.placeholders();
         if wanted == 0 {
-            return Ok(statement.query.clone());
+            let source = statement::Source {
+                sql: statement.sql.clone(),
+                parameters: None,
+            };
+            return Ok((statement.query.clone(), source));
         }
         let Some(parameters) = &statement.parameters else {
             return Err(Error::InvalidCommand(format!(
@@ -136,7 +163,11 @@ impl Prepared {
                 parameters.num_rows()
             )));
         }
-        Ok(statement.query.bind(parameters, 0)?)
+        let source = statement::Source {
+            sql: statement.sql.clone(),
+            parameters: Some(parameters.clone()),
+        };
+        Ok((statement.query.bind(parameters, 0)?, source))
     }
 
     /// Binds `batches` (concatenated) as the statement's parameters.

@@ -23,6 +23,10 @@ use super::predicate::{self, Literal, Predicate};
 /// The longest SQL text accepted, checked before parsing.
 pub const MAX_SQL_BYTES: usize = 64 * 1024;
 
+/// The catalog and schema of every dataset, as the Flight SQL catalog commands list them.
+const CATALOG: &str = "gpu_flight";
+const SCHEMA: &str = "main";
+
 /// sqlparser's recursion limit: how deeply parentheses, `NOT` and subexpressions may nest.
 pub const MAX_NESTING: usize = 40;
 
@@ -186,12 +190,23 @@ fn parse_here(sql: &str) -> Result<Query, SqlError> {
                 if alias.is_some() {
                     return found("a table alias");
                 }
-                match name.0.as_slice() {
-                    [ObjectNamePart::Identifier(ident)] => ident.value.clone(),
+                // SQL tools qualify names with the catalog and schema the catalog commands
+                // list (gpu_flight.main.t, main.t): those are the only ones.
+                let parts: Vec<&str> = name
+                    .0
+                    .iter()
+                    .map(|part| match part {
+                        ObjectNamePart::Identifier(ident) => Some(ident.value.as_str()),
+                        _ => None,
+                    })
+                    .collect::<Option<_>>()
+                    .unwrap_or_default();
+                match parts.as_slice() {
+                    [table] | [SCHEMA, table] | [CATALOG, SCHEMA, table] => (*table).to_owned(),
                     _ => {
                         return found(
-                            "a qualified dataset name (schema.name; write names holding '.' in \
-                             double quotes: FROM \"a.b\")",
+                            "a dataset name qualified other than gpu_flight.main.name or \
+                             main.name (write names holding '.' in double quotes: FROM \"a.b\")",
                         );
                     }
                 }
@@ -444,6 +459,10 @@ mod tests {
 
     #[test]
     fn parses_the_supported_forms() {
+        // Qualified as the catalog commands list datasets (SQL tools write them so).
+        for qualified in [r#"SELECT * FROM main."t""#, r#"SELECT * FROM gpu_flight.main.t"#] {
+            assert_eq!(ok(qualified).table, "t", "{qualified}");
+        }
         let q = ok("SELECT * FROM t");
         assert_eq!(
             q,
@@ -529,7 +548,7 @@ mod tests {
                 "SELECT * FROM t WHERE a IN (SELECT b FROM u)",
                 "IN with something other",
             ),
-            ("SELECT * FROM s.t", "qualified dataset name"),
+            ("SELECT * FROM s.t", "qualified other than gpu_flight.main.name"),
             ("SELECT t.a FROM t", "qualified name"),
             ("SELECT * FROM t WHERE t.a = 1", "qualified column"),
             ("SELECT * FROM t, u", "several tables"),

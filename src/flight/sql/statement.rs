@@ -29,17 +29,62 @@ use crate::flight::read::{self, Reading};
 use crate::flight::{Service, ticket};
 use crate::store::column_indices;
 
-/// What a statement's ticket holds, as JSON in `TicketStatementQuery.statement_handle`. A
-/// client could alter it: `open` checks it all again.
+/// What a statement's ticket holds, as JSON in `TicketStatementQuery.statement_handle`: the
+/// statement's own SQL (parsed again by `DoGet`: far smaller than its parsed filter) and the
+/// parameters bound to it. A client could alter it: `open` checks it all again.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct StatementTicket {
     /// The plain ticket of the rows and columns read, base64.
     read: String,
-    filter: Option<Predicate>,
+    /// The statement whose filter the rows pass.
+    sql: String,
+    /// Its parameters: one row, an Arrow IPC stream in base64.
+    parameters: Option<String>,
     /// The output columns, as positions among the columns read.
     output: Vec<usize>,
     limit: Option<u64>,
+}
+
+/// Largest statement ticket: it must fit `DoGet`'s request limit (`--max-request-bytes`, 64 KiB
+/// by default) with room to spare.
+const MAX_TICKET_BYTES: usize = 48 << 10;
+
+/// Most bytes the statement tickets of one `FlightInfo` add up to, as for projections: a
+/// statement whose tickets would pass it is read through one endpoint.
+const MAX_TICKETS_BYTES: usize = 1 << 20;
+
+/// Where a statement comes from, which its tickets carry: its SQL, and the parameters bound.
+pub(crate) struct Source {
+    pub sql: String,
+    pub parameters: Option<RecordBatch>,
+}
+
+fn encode_parameters(batch: &RecordBatch) -> Result<String, Error> {
+    let mut bytes = Vec::new();
+    let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut bytes, &batch.schema())
+        .and_then(|mut writer| writer.write(batch).map(|()| writer))
+        .map_err(|e| Error::Internal(format!("encoding a statement's parameters: {e}")))?;
+    writer
+        .finish()
+        .map_err(|e| Error::Internal(format!("encoding a statement's parameters: {e}")))?;
+    drop(writer);
+    Ok(BASE64.encode(bytes))
+}
+
+fn decode_parameters(text: &str) -> Result<RecordBatch, Error> {
+    let bytes = BASE64
+        .decode(text)
+        .map_err(|e| Error::InvalidTicket(format!("a statement ticket's parameters: {e}")))?;
+    let mut reader =
+        arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
+            .map_err(|e| Error::InvalidTicket(format!("a statement ticket's parameters: {e}")))?;
+    match reader.next() {
+        Some(Ok(batch)) if batch.num_rows() == 1 => Ok(batch),
+        _ => Err(Error::InvalidTicket(
+            "a statement ticket's parameters are not one row".to_owned(),
+        )),
+    }
 }
 
 /// What a statement reads of `schema`: the positions of the columns it reads (its output's,
@@ -83,32 +128,77 @@ pub(crate) fn output_schema(service: &Service, query: &Query) -> Result<Schema, 
     Ok(plan(query, &dataset.schema())?.output_schema)
 }
 
+/// The statement a read command's `where` is the predicate of.
+pub(crate) fn where_statement(text: &str) -> String {
+    format!("SELECT * FROM t WHERE {text}")
+}
+
+/// A read command's `where`: the predicate of `SELECT * FROM t WHERE <text>`, and nothing
+/// else (no parameters, no limit, nothing after it).
+pub(crate) fn where_predicate(text: &str) -> Result<Predicate, Error> {
+    let refused = || {
+        Error::InvalidCommand(format!(
+            "\"where\" is the predicate of a WHERE clause (comparisons, IS NULL, IN, BETWEEN, \
+             AND, OR, NOT), without parameters or anything after it: {text:?}"
+        ))
+    };
+    let parsed = super::query::parse(&where_statement(text))?;
+    match parsed {
+        Query {
+            columns: None,
+            filter: Some(filter),
+            limit: None,
+            table,
+        } if table == "t" && filter.placeholders() == 0 => Ok(filter),
+        _ => Err(refused()),
+    }
+}
+
 pub(crate) fn flight_info(
     service: &Service,
     query: Query,
+    source: Source,
+    descriptor: FlightDescriptor,
+) -> Result<FlightInfo, Error> {
+    flight_info_with(service, query, source, ReadOptions::default(), descriptor)
+}
+
+/// The `FlightInfo` of a statement whose chunks are encoded as `read` says.
+pub(crate) fn flight_info_with(
+    service: &Service,
+    query: Query,
+    source: Source,
+    read: ReadOptions,
     descriptor: FlightDescriptor,
 ) -> Result<FlightInfo, Error> {
     let dataset = service.store.get(&query.table)?;
     let schema = dataset.schema();
     let plan = plan(&query, &schema)?;
+    let parameters = source
+        .parameters
+        .as_ref()
+        .map(encode_parameters)
+        .transpose()?;
+    // The size of each ticket but its plain read: what decides how many endpoints fit.
+    let statement_bytes = source.sql.len() + parameters.as_ref().map_or(0, String::len) + 512;
+    if statement_bytes > MAX_TICKET_BYTES {
+        return Err(Error::InvalidCommand(format!(
+            "this statement and its parameters take {statement_bytes} bytes, and its tickets at \
+             most {MAX_TICKET_BYTES}: shorten it (fewer IN items or OR terms)"
+        )));
+    }
     let every_column: Vec<usize> = (0..schema.fields().len()).collect();
     let columns = (plan.read != every_column).then_some(plan.read.as_slice());
-    let plain: Vec<FlightEndpoint> = match query.limit {
-        Some(_) => {
+    let plain = match query.limit {
+        Some(_) => Vec::new(),
+        None => service.flight_info(&dataset, read, columns, None)?.endpoint,
+    };
+    let plain: Vec<FlightEndpoint> = match plain.len() {
+        n if n > 0 && n * statement_bytes <= MAX_TICKETS_BYTES => plain,
+        _ => {
             let rows = 0..dataset.num_rows();
-            let ticket = ticket::encode(
-                dataset.name(),
-                dataset.version_id(),
-                rows,
-                ReadOptions::default(),
-                columns,
-            );
+            let ticket = ticket::encode(dataset.name(), dataset.version_id(), rows, read, columns);
             vec![service.located(FlightEndpoint::new().with_ticket(Ticket::new(ticket)))]
-        }
-        None => {
-            service
-                .flight_info(&dataset, ReadOptions::default(), columns, None)?
-                .endpoint
         }
     };
     let mut info = FlightInfo::new()
@@ -128,7 +218,8 @@ pub(crate) fn flight_info(
         };
         let handle = serde_json::to_vec(&StatementTicket {
             read: BASE64.encode(&read.ticket),
-            filter: query.filter.clone(),
+            sql: source.sql.clone(),
+            parameters: parameters.clone(),
             output: plan.output.clone(),
             limit: query.limit,
         })
@@ -166,8 +257,13 @@ pub(crate) fn open(service: &Service, handle: &[u8]) -> Result<Reading, Error> {
             }
         }
     }
-    // Literals are converted to the columns' types once, not per chunk.
-    let filter = ticket
+    // The statement's filter, parsed again and bound; its literals converted to the columns'
+    // types once, not per chunk.
+    let mut query = super::query::parse(&ticket.sql)?;
+    if let Some(parameters) = &ticket.parameters {
+        query = query.bind(&decode_parameters(parameters)?, 0)?;
+    }
+    let filter = query
         .filter
         .as_ref()
         .map(|filter| filter.prepare(&read_schema))
