@@ -460,7 +460,10 @@ mod tests {
     #[test]
     fn parses_the_supported_forms() {
         // Qualified as the catalog commands list datasets (SQL tools write them so).
-        for qualified in [r#"SELECT * FROM main."t""#, r#"SELECT * FROM gpu_flight.main.t"#] {
+        for qualified in [
+            r#"SELECT * FROM main."t""#,
+            r#"SELECT * FROM gpu_flight.main.t"#,
+        ] {
             assert_eq!(ok(qualified).table, "t", "{qualified}");
         }
         let q = ok("SELECT * FROM t");
@@ -548,7 +551,10 @@ mod tests {
                 "SELECT * FROM t WHERE a IN (SELECT b FROM u)",
                 "IN with something other",
             ),
-            ("SELECT * FROM s.t", "qualified other than gpu_flight.main.name"),
+            (
+                "SELECT * FROM s.t",
+                "qualified other than gpu_flight.main.name",
+            ),
             ("SELECT t.a FROM t", "qualified name"),
             ("SELECT * FROM t WHERE t.a = 1", "qualified column"),
             ("SELECT * FROM t, u", "several tables"),
