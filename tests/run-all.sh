@@ -23,11 +23,17 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+# Spark (test_spark.py) runs on a Java runtime: Debian's, where there is none and apt can add it.
+if ! command -v java >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q --no-install-recommends openjdk-17-jre-headless >/dev/null ||
+    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends openjdk-17-jre-headless >/dev/null; } ||
+    echo "no Java runtime: test_spark.py will be skipped" >&2
+fi
 # The Python package, editable, with Dask (tests/python/test_client.py and test_dask.py use it).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e './python[dask]'
 
 step "ruff and mypy (the Python package and its tests)"
-package_tests="tests/python/test_client.py tests/python/test_dask.py tests/python/test_device_interface.py tests/python/test_ipc.py tests/python/test_export_lifetime.py tests/python/test_cluster.py tests/python/test_flight_sql.py"
+package_tests="tests/python/test_client.py tests/python/test_dask.py tests/python/test_device_interface.py tests/python/test_ipc.py tests/python/test_export_lifetime.py tests/python/test_cluster.py tests/python/test_flight_sql.py tests/python/test_spark.py"
 # shellcheck disable=SC2086 # the list is split on purpose
 .venv/bin/ruff check --config python/pyproject.toml python $package_tests
 # shellcheck disable=SC2086

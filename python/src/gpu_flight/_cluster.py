@@ -106,10 +106,14 @@ class Cluster:
         name: str,
         columns: Optional[Sequence[str]] = None,
         compression: Optional[Compression] = None,
+        where: Optional[str] = None,
     ) -> builtins.list[flight.FlightInfo]:
-        """Every server's FlightInfo of its shard, in server order. A server that is down, or
-        that has no shard, raises its error with its URI in the message."""
-        infos: builtins.list[flight.FlightInfo] = self._each(lambda c: c.info(name, columns, compression))
+        """Every server's FlightInfo of its shard (its rows `where` selects, if given), in
+        server order. A server that is down, or that has no shard, raises its error with its
+        URI in the message."""
+        infos: builtins.list[flight.FlightInfo] = self._each(
+            lambda c: c.info(name, columns, compression, where)
+        )
         return infos
 
     def schema(self, name: str, columns: Optional[Sequence[str]] = None) -> pa.Schema:
@@ -136,12 +140,13 @@ class Cluster:
         name: str,
         columns: Optional[Sequence[str]] = None,
         compression: Optional[Compression] = None,
+        where: Optional[str] = None,
     ) -> pa.RecordBatchReader:
         """A RecordBatchReader over the union of the shards: every server's endpoints in
         server order, each read from the server its locations name, only when the reader
         reaches it. Every shard's FlightInfo is asked for first, so a server that is down or a
         missing shard fails here, before any row is read."""
-        infos = self.infos(name, columns, compression)
+        infos = self.infos(name, columns, compression, where)
         schema = infos[0].schema
         for uri, info in zip(self.uris, infos):
             if not info.schema.equals(schema):
@@ -171,9 +176,11 @@ class Cluster:
         name: str,
         columns: Optional[Sequence[str]] = None,
         compression: Optional[Compression] = None,
+        where: Optional[str] = None,
     ) -> pa.Table:
-        """The union of the shards (or their `columns`) as one Table, in server order."""
-        return self.reader(name, columns, compression).read_all()
+        """The union of the shards (or their `columns`, or the rows `where` selects) as one
+        Table, in server order."""
+        return self.reader(name, columns, compression, where).read_all()
 
     def put(self, name: str, data: PutData, mode: Mode = "create") -> builtins.list[PutResult]:
         """Puts `data` as a shard on every server, its batches dealt out in turn (a server may
