@@ -66,6 +66,11 @@ def test_select_star_equals_do_get_for_every_type(server, client, conn):
         ("d >= DATE '2026-01-01'", lambda t: pc.greater_equal(t["d"], pa.scalar(datetime.date(2026, 1, 1)))),
         ("m > 9.5", lambda t: pc.greater(t["m"], pa.scalar(decimal.Decimal("9.50"), pa.decimal128(10, 2)))),
         ("i > 2.5 AND i < 5", lambda t: pc.and_(pc.greater(t["i"], 2), pc.less(t["i"], 5))),
+        # More digits than the column's scale: compared exactly, not refused.
+        (
+            "m > 9.499",
+            lambda t: pc.greater_equal(t["m"], pa.scalar(decimal.Decimal("9.50"), pa.decimal128(10, 2))),
+        ),
     ],
 )
 def test_where_filters_like_arrow(client, conn, where, expected):

@@ -251,6 +251,12 @@ fn compare(field: &Field, op: CmpOp, value: &Operand) -> Result<Test, SqlError> 
         #[allow(clippy::cast_possible_truncation)]
         DataType::Float32 => scalar::<Float32Type>(op, float()? as f32, data_type),
         DataType::Float64 => scalar::<Float64Type>(op, float()?, data_type),
+        // Raw decimal128 values are integers of at most `precision` digits: compared exactly
+        // as integer columns are (`m > 1.234` on a scale of 2 means `m >= 1.24`). Wider ones
+        // pass `Exact::bound`'s clamp, so they take the literal only where it fits.
+        DataType::Decimal128(precision, scale) if *precision <= 30 => {
+            integer::<Decimal128Type>(op, number()?.shifted(*scale).bound(), data_type)
+        }
         DataType::Decimal128(precision, scale) | DataType::Decimal256(precision, scale) => {
             let digits = number()?.scaled(*precision, *scale).ok_or_else(|| {
                 SqlError::invalid(format!(
@@ -540,13 +546,26 @@ mod tests {
         assert_eq!(run(Arc::clone(&d), "x = 123.45"), [T, F, N]);
         assert_eq!(run(Arc::clone(&d), "x = 123.450"), [T, F, N]);
         assert_eq!(run(Arc::clone(&d), "x < -0.99"), [F, T, N]);
-        let e = error(Arc::clone(&d), "x = 1.234");
+        // Literals with more digits than the column compare exactly, as with integers.
+        assert_eq!(run(Arc::clone(&d), "x = 123.451"), [F, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x <> 123.451"), [T, T, N]);
+        assert_eq!(run(Arc::clone(&d), "x > 123.449"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x >= 123.451"), [F, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x < -0.999"), [F, T, N]);
+        assert_eq!(run(Arc::clone(&d), "x IN (0.5, 123.45, 1.005)"), [T, F, N]);
+        assert_eq!(run(Arc::clone(&d), "x < 123456789012"), [T, T, N]);
+        assert_eq!(run(Arc::clone(&d), "x > -123456789012.5"), [T, T, N]);
+        // Beyond 30 digits the literal must fit the column.
+        let wide: ArrayRef = Arc::new(
+            Decimal128Array::from(vec![Some(1), None])
+                .with_precision_and_scale(38, 2)
+                .expect("a decimal"),
+        );
+        let e = error(wide, "x = 1.234");
         assert!(
-            e.contains("does not fit") && e.contains("Decimal128(10, 2)"),
+            e.contains("does not fit") && e.contains("Decimal128(38, 2)"),
             "{e}"
         );
-        let e = error(d, "x = 123456789012");
-        assert!(e.contains("does not fit"), "{e}");
         let s: ArrayRef = Arc::new(StringArray::from(vec![Some("a"), Some("b"), None]));
         assert_eq!(run(Arc::clone(&s), "x = 'b'"), [F, T, N]);
         assert_eq!(

@@ -112,6 +112,16 @@ impl Exact {
         }
     }
 
+    /// The number times `10^scale`: a literal as a `Decimal(_, scale)` column's raw integers
+    /// see it, to compare exactly as with integer columns.
+    pub(super) fn shifted(&self, scale: i8) -> Self {
+        let mut shifted = self.clone();
+        if !shifted.digits.is_empty() {
+            shifted.exp = shifted.exp.saturating_add(i64::from(scale));
+        }
+        shifted
+    }
+
     /// The number times `10^scale` as integer digits, if that is an integer of at most
     /// `precision` digits: the raw value of a `Decimal(precision, scale)`.
     pub(super) fn scaled(&self, precision: u8, scale: i8) -> Option<String> {
