@@ -11,6 +11,7 @@ on its own (see `Cluster.put`).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import socket
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -244,3 +245,36 @@ class Cluster:
         if not dropped:
             raise pa.ArrowKeyError(f"no server holds a dataset {name!r}")
         return dropped
+
+
+def commit_shards(
+    cluster: Cluster,
+    name: str,
+    schema: pa.Schema,
+    temporaries: Sequence[Sequence[str]],
+    mode: Mode,
+) -> None:
+    """Commits on each server, in turn, its temporary datasets (`temporaries[i]` on server i,
+    in order) as its shard of `name`, with one atomic put of `mode` streamed from them. A
+    server that refuses leaves the shards of those before it committed; the error names them."""
+    committed: builtins.list[str] = []
+    for uri, client, mine in zip(cluster.uris, cluster.clients, temporaries):
+
+        def batches(client: Client = client, mine: Sequence[str] = mine) -> Iterator[pa.RecordBatch]:
+            for temporary in mine:
+                yield from client.reader(temporary)
+
+        try:
+            client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode=mode)
+        except pa.ArrowException as error:
+            done = ", ".join(committed) or "none"
+            raise _named(uri, pa.ArrowException(f"{error} (servers that committed: {done})")) from error
+        committed.append(uri)
+
+
+def drop_temporaries(cluster: Cluster, prefix: str) -> None:
+    """Drops every dataset whose name starts with `prefix` on every server."""
+    for client in cluster.clients:
+        for temporary in client.list(prefix):
+            with contextlib.suppress(pa.ArrowKeyError):
+                client.drop(temporary)

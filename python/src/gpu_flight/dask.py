@@ -7,9 +7,8 @@ atomically, after all of them succeeded.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -17,7 +16,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ._client import connect
-from ._cluster import connect_all
+from ._cluster import commit_shards, connect_all, drop_temporaries
 from ._errors import require
 
 Backend = Literal["pandas", "cudf"]
@@ -191,27 +190,10 @@ def write_dataset(
                 if error is not None:
                     raise error
             rows = sum(written for written, _ in outcomes)
-            committed: list[str] = []
-            for index, client in enumerate(cluster.clients):
-                mine = [temporary for owner, temporary in temporaries if owner == index]
-
-                def batches(client: Any = client, mine: list[str] = mine) -> Iterator[pa.RecordBatch]:
-                    for temporary in mine:
-                        yield from client.reader(temporary)
-
-                try:
-                    client.put(name, pa.RecordBatchReader.from_batches(schema, batches()), mode=mode)
-                except pa.ArrowException as error:
-                    done = ", ".join(committed) or "none"
-                    raise pa.ArrowException(
-                        f"server {cluster.uris[index]}: {error} (servers that committed: {done})"
-                    ) from error
-                committed.append(cluster.uris[index])
+            mine = [[t for owner, t in temporaries if owner == i] for i in range(count)]
+            commit_shards(cluster, name, schema, mine, mode)
         finally:
-            for client in cluster.clients:
-                for temporary in client.list(prefix):
-                    with contextlib.suppress(pa.ArrowKeyError):
-                        client.drop(temporary)
+            drop_temporaries(cluster, prefix)
     return int(rows)
 
 

@@ -20,7 +20,6 @@ to server i mod n, each server committing its own shard. Options `token`, `usern
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import decimal
 import uuid
@@ -32,7 +31,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ._client import Mode, connect
-from ._cluster import connect_all
+from ._cluster import commit_shards, connect_all, drop_temporaries
 from ._errors import require
 
 require("pyspark", "spark")
@@ -234,35 +233,19 @@ class _Writer(DataSourceArrowWriter):
     def commit(self, messages: list[Optional[WriterCommitMessage]]) -> None:
         written = sorted((m for m in messages if isinstance(m, _Written)), key=lambda m: m.partition)
         mode: Mode = "replace" if self.overwrite else "append"
-        try:
-            with connect_all(self.uris, **self.kwargs) as cluster:
-                committed: list[str] = []
-                for index, client in enumerate(cluster.clients):
-                    mine = [m.temporary for m in written if m.server == index and m.temporary is not None]
-
-                    def batches(client: Any = client, mine: Sequence[str] = mine) -> Iterator[pa.RecordBatch]:
-                        for temporary in mine:
-                            yield from client.reader(temporary)
-
-                    try:
-                        client.put(
-                            self.name, pa.RecordBatchReader.from_batches(self.schema, batches()), mode=mode
-                        )
-                    except pa.ArrowException as error:
-                        done = ", ".join(committed) or "none"
-                        raise pa.ArrowException(
-                            f"server {cluster.uris[index]}: {error} (servers that committed: {done})"
-                        ) from error
-                    committed.append(cluster.uris[index])
-        finally:
-            self._drop_temporaries()
+        with connect_all(self.uris, **self.kwargs) as cluster:
+            try:
+                mine = [
+                    [m.temporary for m in written if m.server == i and m.temporary is not None]
+                    for i in range(len(cluster.uris))
+                ]
+                commit_shards(cluster, self.name, self.schema, mine, mode)
+            finally:
+                drop_temporaries(cluster, self.prefix)
 
     def abort(self, messages: list[Optional[WriterCommitMessage]]) -> None:
         self._drop_temporaries()
 
     def _drop_temporaries(self) -> None:
         with connect_all(self.uris, **self.kwargs) as cluster:
-            for client in cluster.clients:
-                for temporary in client.list(self.prefix):
-                    with contextlib.suppress(pa.ArrowKeyError):
-                        client.drop(temporary)
+            drop_temporaries(cluster, self.prefix)
