@@ -51,7 +51,17 @@ enum Test {
     Constant(bool),
     /// NULL on every row: a comparison with NULL.
     Null,
+    /// Membership of a long IN list, by hash in one pass (an OR of equalities takes one pass
+    /// per item): `values` are the list's values of the column's type, `null` whether it held
+    /// NULL (then a value not found is NULL, not false).
+    In {
+        values: ArrayRef,
+        null: bool,
+    },
 }
+
+/// IN lists at least this long are tested by hash.
+const HASHED_IN: usize = 8;
 
 impl Filter {
     pub(super) fn new(predicate: &Predicate, schema: &Schema) -> Result<Self, SqlError> {
@@ -108,14 +118,20 @@ fn resolve(
             negated,
         } => {
             let (column, field) = find(schema, column, columns)?;
-            let any = list
+            let tests = list
                 .iter()
-                .map(|value| {
-                    let test = compare(field, CmpOp::Eq, value)?;
-                    Ok(Node::Leaf { column, test })
-                })
-                .collect::<Result<_, SqlError>>()?;
-            negate(Node::Or(any), *negated)
+                .map(|value| compare(field, CmpOp::Eq, value))
+                .collect::<Result<Vec<_>, SqlError>>()?;
+            let any = match hashed(field, &tests)? {
+                Some(test) => Node::Leaf { column, test },
+                None => Node::Or(
+                    tests
+                        .into_iter()
+                        .map(|test| Node::Leaf { column, test })
+                        .collect(),
+                ),
+            };
+            negate(any, *negated)
         }
         Predicate::Between {
             column,
@@ -155,6 +171,56 @@ fn negate(node: Node, negated: bool) -> Node {
     } else {
         node
     }
+}
+
+/// A long IN list's equalities as one hashed test, where the column's values and the list's
+/// are of one type (not a dictionary, whose values the list holds).
+fn hashed(field: &Field, tests: &[Test]) -> Result<Option<Test>, SqlError> {
+    if tests.len() < HASHED_IN || matches!(field.data_type(), DataType::Dictionary(..)) {
+        return Ok(None);
+    }
+    let mut values = Vec::with_capacity(tests.len());
+    let mut null = false;
+    for test in tests {
+        match test {
+            Test::Compare(CmpOp::Eq, value) => values.push(value.clone().into_inner()),
+            Test::Null => null = true,
+            Test::Constant(false) => {} // no value equals it
+            _ => return Ok(None),
+        }
+    }
+    let values = match values.as_slice() {
+        [] => arrow::array::new_empty_array(field.data_type()),
+        many => {
+            let refs: Vec<&dyn Array> = many.iter().map(AsRef::as_ref).collect();
+            arrow::compute::concat(&refs)
+                .map_err(|e| SqlError::invalid(format!("preparing an IN list: {e}")))?
+        }
+    };
+    Ok(Some(Test::In { values, null }))
+}
+
+/// `array`'s membership in `values` (of its type): one pass over Arrow's row encoding of both.
+fn member(array: &ArrayRef, values: &ArrayRef, null: bool) -> Result<BooleanArray, ArrowError> {
+    use arrow::row::{RowConverter, SortField};
+    let converter = RowConverter::new(vec![SortField::new(array.data_type().clone())])?;
+    let list = converter.convert_columns(&[Arc::clone(values)])?;
+    let set: std::collections::HashSet<&[u8]> = list.iter().map(|row| row.data()).collect();
+    let rows = converter.convert_columns(&[Arc::clone(array)])?;
+    let nulls = array.logical_nulls();
+    Ok((0..array.len())
+        .map(|i| {
+            if nulls.as_ref().is_some_and(|n| n.is_null(i)) {
+                None
+            } else if set.contains(rows.row(i).data()) {
+                Some(true)
+            } else if null {
+                None
+            } else {
+                Some(false)
+            }
+        })
+        .collect())
 }
 
 /// The column named exactly `name` (names are case-sensitive), noted in `columns`.
@@ -394,6 +460,7 @@ fn evaluate(node: &Node, batch: &RecordBatch) -> Result<BooleanArray, SqlError> 
                     Ok(BooleanArray::new(values, array.logical_nulls()))
                 }
                 Test::Null => Ok(BooleanArray::new_null(rows)),
+                Test::In { values, null } => member(array, values, *null).map_err(kernel_error),
             }
         }
         Node::And(children) => fold(children, batch, true, and_kleene),
@@ -531,6 +598,48 @@ mod tests {
         assert_eq!(run(Arc::clone(&x), "x = NULL OR x = 1"), [T, N, N]);
         assert_eq!(run(Arc::clone(&x), "x = NULL AND x = 1"), [N, F, N]);
         assert_eq!(run(x, "NOT (x = NULL)"), [N, N, N]);
+    }
+
+    #[test]
+    fn long_in_lists_are_hashed_with_sqls_nulls() {
+        let x: ArrayRef = Arc::new(Int64Array::from(vec![
+            Some(1),
+            Some(2),
+            Some(3),
+            None,
+            Some(100),
+        ]));
+        let odd = "1, 3, 5, 7, 9, 11, 13, 15, 17";
+        assert_eq!(
+            run(Arc::clone(&x), &format!("x IN ({odd})")),
+            [T, F, T, N, F]
+        );
+        assert_eq!(
+            run(Arc::clone(&x), &format!("x NOT IN ({odd})")),
+            [F, T, F, N, T]
+        );
+        let with_null = "1, 3, 5, 7, 9, 11, 13, 15, NULL";
+        assert_eq!(
+            run(Arc::clone(&x), &format!("x IN ({with_null})")),
+            [T, N, T, N, N]
+        );
+        assert_eq!(
+            run(Arc::clone(&x), &format!("x NOT IN ({with_null})")),
+            [F, N, F, N, N]
+        );
+        // Items no integer equals (2.5) or beyond the type drop out, as equalities would.
+        let odd_and_more = "2.5, 1e30, 1, 3, 5, 7, 9, 11, 13";
+        assert_eq!(run(x, &format!("x IN ({odd_and_more})")), [T, F, T, N, F]);
+        let s: ArrayRef = Arc::new(StringArray::from(vec![Some("a"), Some("zz"), None]));
+        let letters = "'a', 'b', 'c', 'd', 'e', 'f', 'g', 'h', 'i'";
+        assert_eq!(run(s, &format!("x IN ({letters})")), [T, F, N]);
+        let d: ArrayRef = Arc::new(
+            Decimal128Array::from(vec![Some(12345), Some(-100), None])
+                .with_precision_and_scale(10, 2)
+                .expect("a decimal"),
+        );
+        let amounts = "0.5, 123.45, 1.005, 2, 3, 4, 5, 6, 7";
+        assert_eq!(run(d, &format!("x IN ({amounts})")), [T, F, N]);
     }
 
     #[test]
