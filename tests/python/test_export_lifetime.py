@@ -13,7 +13,7 @@ import time
 import gpu_flight
 import pyarrow as pa
 import pytest
-from gpu_flight import _cuda, _export
+from gpu_flight import _cuda, _lease
 
 
 class FakeDriver:
@@ -83,9 +83,9 @@ def test_a_collection_inside_the_mapping_lock_cannot_deadlock(driver, threshold)
     """A lease whose last user dies in a reference cycle is ended by the garbage collector,
     which may run while this thread holds the mapping table's lock: it must not end the lease
     there (closing its handles takes that lock)."""
-    _export._start_lease_thread()
+    _lease._start_lease_thread()
     released = []
-    lease = _export._Lease(released.append, "lease-a")
+    lease = _lease._Lease(released.append, "lease-a")
     handle = b"\x01" * 64
     lease.mappings.append((handle, 0))
     _cuda.MAPPINGS.acquire(handle, 0)
@@ -94,7 +94,7 @@ def test_a_collection_inside_the_mapping_lock_cannot_deadlock(driver, threshold)
         gc.collect()
         holder = Holder()
         holder.me = holder
-        holder.column = _export._Held(lease)
+        holder.column = _lease._Held(lease)
         lease.release()  # the Export closed; the column in the cycle keeps the lease
         del holder
         gc.set_threshold(threshold)  # the collection comes at an allocation in the lock
@@ -114,7 +114,7 @@ def test_a_collection_inside_the_mapping_lock_cannot_deadlock(driver, threshold)
 
 def test_every_handle_is_closed_and_a_failed_close_leaves_the_lease_to_expire(driver, caplog):
     released = []
-    lease = _export._Lease(released.append, "lease-b")
+    lease = _lease._Lease(released.append, "lease-b")
     pointers = []
     for i in range(3):
         handle = bytes([i + 1]) * 64
@@ -123,7 +123,7 @@ def test_every_handle_is_closed_and_a_failed_close_leaves_the_lease_to_expire(dr
     driver.fail_close.add(pointers[0])
     with caplog.at_level(logging.WARNING, logger="gpu_flight"):
         lease.release()
-        _export.end_pending()
+        _lease.end_pending()
         assert lease.done.wait(5)
     assert driver.closed == pointers[1:], "the handles after the failure were closed too"
     assert _cuda.MAPPINGS.count() == 0
@@ -135,7 +135,7 @@ def test_every_handle_is_closed_and_a_failed_close_leaves_the_lease_to_expire(dr
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_neither_releases_nor_unmaps_its_parents_leases(driver):
     released = []
-    lease = _export._Lease(released.append, "lease-c")
+    lease = _lease._Lease(released.append, "lease-c")
     handle = b"\x07" * 64
     lease.mappings.append((handle, 0))
     _cuda.MAPPINGS.acquire(handle, 0)
@@ -144,8 +144,8 @@ def test_a_forked_child_neither_releases_nor_unmaps_its_parents_leases(driver):
     if child == 0:  # the child: no gRPC, no pytest; report what it did and leave
         try:
             lease.release()
-            _export.end_pending()
-            _export._release_leases_at_exit()
+            _lease.end_pending()
+            _lease._release_leases_at_exit()
             os.write(writing, repr((released, driver.closed)).encode())
         finally:
             os._exit(0)
@@ -170,14 +170,14 @@ def test_a_server_that_never_answers_cannot_hold_a_release(monkeypatch, caplog):
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()  # accepts connections and never says a word
-    monkeypatch.setattr(_export, "RELEASE_SECONDS", 0.5)
+    monkeypatch.setattr(_lease, "RELEASE_SECONDS", 0.5)
     try:
         client = gpu_flight.connect(f"grpc://127.0.0.1:{silent.getsockname()[1]}")
         done = threading.Event()
 
         def release():
             with caplog.at_level(logging.WARNING, logger="gpu_flight"):
-                _export._release(client, "lease-d")
+                _lease._release(client, "lease-d")
             done.set()
 
         threading.Thread(target=release, daemon=True).start()
