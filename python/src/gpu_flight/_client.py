@@ -316,9 +316,12 @@ class Client:
 
     def _batches(self, endpoints: Sequence[flight.FlightEndpoint]) -> Iterator[pa.RecordBatch]:
         for endpoint in endpoints:
-            stream = self._flight.do_get(endpoint.ticket, options=self._options())
-            for chunk in stream:
-                yield chunk.data
+            yield from self._read_ticket(endpoint.ticket)
+
+    def _read_ticket(self, ticket: flight.Ticket) -> Iterator[pa.RecordBatch]:
+        """The record batches one ticket streams (DoGet), read as they arrive."""
+        for chunk in self._flight.do_get(ticket, options=self._options()):
+            yield chunk.data
 
     def get(
         self,

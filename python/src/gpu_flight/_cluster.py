@@ -20,7 +20,17 @@ from typing import Any, Optional, Union
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from ._client import Client, Compression, Mode, PutData, _abandon, _as_reader, _slices, connect
+from ._client import (
+    PUT_MESSAGE_BYTES,
+    Client,
+    Compression,
+    Mode,
+    PutData,
+    _abandon,
+    _as_reader,
+    _slices,
+    connect,
+)
 from ._documents import DropResult, PutResult
 
 REUSE_CONNECTION = "arrow-flight-reuse-connection://?"
@@ -164,9 +174,7 @@ class Cluster:
             for server, endpoint in plan:
                 client = self.clients[server]
                 try:
-                    stream = client.flight_client.do_get(endpoint.ticket, options=client.call_options)
-                    for chunk in stream:
-                        yield chunk.data
+                    yield from client._read_ticket(endpoint.ticket)
                 except pa.ArrowException as error:
                     raise _named(self.uris[server], error) from error
 
@@ -203,7 +211,7 @@ class Cluster:
                     raise _named(uri, error) from error
             turn = 0
             for batch in reader:
-                for piece in _slices(batch, 64 << 20):
+                for piece in _slices(batch, PUT_MESSAGE_BYTES):
                     writer = writers[turn % len(writers)][0]
                     writer.write_batch(piece)
                     turn += 1

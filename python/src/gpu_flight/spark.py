@@ -190,9 +190,7 @@ class _Reader(DataSourceReader):
         if not isinstance(partition, _Endpoint):
             raise TypeError(f"not a gpu_flight partition: {partition!r}")
         with connect(partition.server, **self.kwargs) as client:
-            stream = client.flight_client.do_get(flight.Ticket(partition.ticket), options=client.call_options)
-            for chunk in stream:
-                yield chunk.data
+            yield from client._read_ticket(flight.Ticket(partition.ticket))
 
 
 # Writes.
