@@ -70,8 +70,21 @@ impl UnaryRig {
                 } else {
                     format!(r#", "columns": {columns}"#)
                 };
+                // A filtered read: the predicate of a WHERE clause, or text that is not one.
+                let wheres = [
+                    "",
+                    r#", "where": "c0 > 3 AND c1 IS NOT NULL""#,
+                    r#", "where": "c0 IN (1, 2, 3) OR NOT c2 BETWEEN 1 AND 9""#,
+                    r#", "where": "c0 > ?""#,
+                    r#", "where": "1 = 1) UNION (SELECT 1""#,
+                    r#", "where": "c0 > 1 LIMIT 2""#,
+                    r#", "where": """#,
+                    r#", "where": 7"#,
+                ];
+                let filter = *wheres.choose(rng).expect("wheres");
+                log.push(format!("where {filter:?}"));
                 FlightDescriptor::new_cmd(format!(
-                    r#"{{"name": {}, "compression": {codec}{columns}}}"#,
+                    r#"{{"name": {}, "compression": {codec}{columns}{filter}}}"#,
                     serde_json::Value::from(name)
                 ))
             }
