@@ -307,7 +307,21 @@ fn select(
                     Ok(batch) => batch,
                     Err(error) => return Some((Err(error), (batches, 0))),
                 };
-                let chosen = match choose(&batch, filter.as_deref(), &output) {
+                let chosen = match &filter {
+                    // Filtering is CPU work proportional to the chunk: off the async workers.
+                    Some(filter) => {
+                        let (filter, output) = (Arc::clone(filter), Arc::clone(&output));
+                        tokio::task::spawn_blocking(move || choose(&batch, Some(&filter), &output))
+                            .await
+                            .unwrap_or_else(|e| {
+                                Err(Error::Internal(format!(
+                                    "filtering a statement's rows: {e}"
+                                )))
+                            })
+                    }
+                    None => choose(&batch, None, &output),
+                };
+                let chosen = match chosen {
                     Ok(chosen) => chosen,
                     Err(error) => return Some((Err(error), (batches, 0))),
                 };
