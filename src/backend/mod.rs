@@ -11,6 +11,7 @@
 pub mod cuda;
 pub(crate) mod dictionary;
 pub mod export;
+pub mod filter;
 pub mod host;
 pub mod numa;
 pub mod spilled;
@@ -217,6 +218,21 @@ pub trait Partition: Send + Sync + fmt::Debug {
         len: usize,
         columns: Option<&[usize]>,
     ) -> BoxFuture<'static, Result<RecordBatch, BackendError>>;
+
+    /// [`Partition::read`] of the rows `filter` keeps, filtered where the partition lives:
+    /// of the columns `columns` (schema positions; the filter's tests name positions among
+    /// them), those at `output` (positions among `columns`) are returned. `None` where this
+    /// partition cannot run the filter: the caller then filters a plain read.
+    fn read_filtered(
+        &self,
+        _offset: usize,
+        _len: usize,
+        _columns: &[usize],
+        _filter: &Arc<filter::RowFilter>,
+        _output: &[usize],
+    ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+        None
+    }
 
     /// Bytes of Arrow buffers `columns` hold (schema positions), as a client reading them
     /// receives them, give or take framing; `None` where the partition cannot tell without

@@ -23,6 +23,7 @@ use arrow::record_batch::RecordBatch;
 
 use super::number::{Bound, Exact};
 use super::{CmpOp, Literal, Operand, Predicate};
+use crate::backend::filter::{self, Comparison, RowFilter, RowFilterBuilder};
 use crate::flight::sql::error::SqlError;
 
 /// A predicate ready to evaluate over batches of one schema.
@@ -89,6 +90,75 @@ impl Filter {
             }
         }
         evaluate(&self.root, batch)
+    }
+}
+
+impl Filter {
+    /// The filter as a backend runs it where the data lives ([`RowFilter`]), or `None` where
+    /// it reads a column a backend filter cannot (strings, dictionaries, float16, wide
+    /// decimals): then it runs on the host, as [`Filter::evaluate`].
+    pub fn for_backend(&self) -> Option<RowFilter> {
+        let mut builder = RowFilterBuilder::default();
+        lower(&self.root, &self.columns, &mut builder)?;
+        builder.finish()
+    }
+}
+
+/// Writes `node` as postfix steps. AND and OR of many children are folded pairwise, so the
+/// stack stays as shallow as the predicate's nesting however long its chains.
+fn lower(node: &Node, columns: &[(usize, FieldRef)], builder: &mut RowFilterBuilder) -> Option<()> {
+    match node {
+        Node::Leaf { column, test } => {
+            let field = &columns.iter().find(|(index, _)| index == column)?.1;
+            let data_type = field.data_type();
+            let test = match test {
+                Test::Compare(op, value) => {
+                    let key = filter::key(value.clone().into_inner().as_ref(), 0)?;
+                    let op = match op {
+                        CmpOp::Eq => Comparison::Eq,
+                        CmpOp::NotEq => Comparison::NotEq,
+                        CmpOp::Lt => Comparison::Lt,
+                        CmpOp::LtEq => Comparison::LtEq,
+                        CmpOp::Gt => Comparison::Gt,
+                        CmpOp::GtEq => Comparison::GtEq,
+                    };
+                    filter::Test::Compare(op, key)
+                }
+                Test::IsNull => filter::Test::IsNull,
+                Test::IsNotNull => filter::Test::IsNotNull,
+                Test::Constant(answer) => filter::Test::Constant(*answer),
+                Test::Null => filter::Test::Null,
+                Test::In { values, null } => {
+                    let keys = (0..values.len())
+                        .map(|i| filter::key(values.as_ref(), i))
+                        .collect::<Option<Vec<_>>>()?;
+                    return builder.in_list(*column, data_type, keys, *null);
+                }
+            };
+            builder.test(*column, data_type, test)
+        }
+        Node::And(children) | Node::Or(children) => {
+            let and = matches!(node, Node::And(_));
+            let Some((first, rest)) = children.split_first() else {
+                if and {
+                    builder.and(0)
+                } else {
+                    builder.or(0)
+                }
+                return Some(());
+            };
+            lower(first, columns, builder)?;
+            for child in rest {
+                lower(child, columns, builder)?;
+                if and { builder.and(2) } else { builder.or(2) }
+            }
+            Some(())
+        }
+        Node::Not(child) => {
+            lower(child, columns, builder)?;
+            builder.not();
+            Some(())
+        }
     }
 }
 
@@ -527,11 +597,37 @@ mod tests {
         let batch = RecordBatch::try_new(schema, vec![array]).expect("a batch");
         let query = parse(&format!("SELECT * FROM t WHERE {condition}")).expect("parsed");
         let filter = query.filter.expect("a filter");
-        filter
+        let rows: Vec<Option<bool>> = filter
             .evaluate(&batch)
             .unwrap_or_else(|e| panic!("{condition}: {e}"))
             .iter()
-            .collect()
+            .collect();
+        assert_backend_agrees(&filter, &batch, &rows, condition);
+        rows
+    }
+
+    /// Where `predicate` lowers to a backend filter, that filter's answers are `rows`.
+    /// Returns whether it lowered.
+    fn assert_backend_agrees(
+        predicate: &Predicate,
+        batch: &RecordBatch,
+        rows: &[Option<bool>],
+        condition: &str,
+    ) -> bool {
+        let prepared = predicate.prepare(batch.schema_ref()).expect("prepared");
+        let Some(program) = prepared.for_backend() else {
+            return false;
+        };
+        let answers: Vec<Option<bool>> = (0..batch.num_rows())
+            .map(|row| {
+                program.evaluate_row(|c| {
+                    let (position, _) = program.columns()[c];
+                    filter::key(batch.column(position).as_ref(), row)
+                })
+            })
+            .collect();
+        assert_eq!(answers, rows, "{condition}: the backend's filter disagrees");
+        true
     }
 
     fn error(array: ArrayRef, condition: &str) -> String {
@@ -767,5 +863,159 @@ mod tests {
         .expect("a batch");
         let e = prepared.evaluate(&batch).expect_err("another schema");
         assert!(e.to_string().contains("another schema"), "{e}");
+    }
+
+    /// Random predicates over every type a backend filter reads: where one lowers, its
+    /// answers are arrow's, row by row.
+    #[test]
+    fn backend_filters_agree_with_arrows_kernels() {
+        use arrow::array::{BooleanArray, Decimal128Array, Float64Array, StringArray, UInt64Array};
+        use rand::rngs::StdRng;
+        use rand::{Rng, SeedableRng};
+
+        let mut rng = StdRng::seed_from_u64(25);
+        let rows = 200;
+        let maybe = |rng: &mut StdRng| rng.random_ratio(1, 8);
+        let ints: Vec<Option<i64>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| rng.random_range(-20..20)))
+            .collect();
+        let small: Vec<Option<i8>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| rng.random_range(-128..=127)))
+            .collect();
+        let unsigned: Vec<Option<u64>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| rng.random_range(0..20) * (u64::MAX / 19)))
+            .collect();
+        let specials = [
+            f64::NAN,
+            -0.0,
+            0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            1.5,
+            -1.5,
+        ];
+        let floats: Vec<Option<f64>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| specials[rng.random_range(0..specials.len())]))
+            .collect();
+        let singles: Vec<Option<f32>> = floats.iter().map(|f| f.map(|f| f as f32)).collect();
+        let flags: Vec<Option<bool>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| rng.random()))
+            .collect();
+        let days: Vec<Option<i32>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| rng.random_range(19_000..19_010)))
+            .collect();
+        let cents: Vec<Option<i128>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| rng.random_range(-500..500)))
+            .collect();
+        let seconds: Vec<Option<i64>> = days
+            .iter()
+            .map(|d| d.map(|d| i64::from(d) * 86_400 + 7))
+            .collect();
+        let names: Vec<Option<&str>> = (0..rows)
+            .map(|_| (!maybe(&mut rng)).then(|| ["a", "b", "c"][rng.random_range(0..3)]))
+            .collect();
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from(ints)),
+            Arc::new(Int8Array::from(small)),
+            Arc::new(UInt64Array::from(unsigned)),
+            Arc::new(Float64Array::from(floats)),
+            Arc::new(Float32Array::from(singles)),
+            Arc::new(BooleanArray::from(flags)),
+            Arc::new(Date32Array::from(days)),
+            Arc::new(
+                Decimal128Array::from(cents)
+                    .with_precision_and_scale(10, 2)
+                    .expect("decimal"),
+            ),
+            Arc::new(TimestampSecondArray::from(seconds).with_timezone("+02:00")),
+            Arc::new(StringArray::from(names)),
+        ];
+        let names = ["i", "s", "u", "f", "g", "b", "d", "m", "ts", "name"];
+        let fields: Vec<Field> = names
+            .iter()
+            .zip(&columns)
+            .map(|(name, column)| Field::new(*name, column.data_type().clone(), true))
+            .collect();
+        let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).expect("a batch");
+
+        let literal = |rng: &mut StdRng, column: &str| -> String {
+            match column {
+                "i" => rng.random_range(-25..25).to_string(),
+                "s" => ["-128", "127", "0", "-3.5", "300", "5"][rng.random_range(0..6)].to_owned(),
+                "u" => ["0", "18446744073709551615", "-1", "970881267037344821"]
+                    [rng.random_range(0..4)]
+                .to_owned(),
+                "f" | "g" => {
+                    ["0", "-0.0", "1.5", "-1.5", "1e308", "2"][rng.random_range(0..6)].to_owned()
+                }
+                "b" => ["TRUE", "FALSE"][rng.random_range(0..2)].to_owned(),
+                "d" => format!("DATE '2022-01-0{}'", rng.random_range(1..10)),
+                "m" => ["1.25", "-2", "0.005", "4.99", "-5.00"][rng.random_range(0..5)].to_owned(),
+                "ts" => format!("TIMESTAMP '2022-01-0{} 02:00:07'", rng.random_range(1..10)),
+                _ => ["'a'", "'b'"][rng.random_range(0..2)].to_owned(),
+            }
+        };
+        fn condition(
+            rng: &mut StdRng,
+            depth: u32,
+            literal: &dyn Fn(&mut StdRng, &str) -> String,
+        ) -> String {
+            let columns = [
+                "i", "s", "u", "f", "g", "b", "d", "m", "ts", "i", "f", "name",
+            ];
+            let column = columns[rng.random_range(0..columns.len())];
+            let choice = if depth > 2 {
+                rng.random_range(0..5)
+            } else {
+                rng.random_range(0..8)
+            };
+            match choice {
+                0 | 1 => {
+                    let op = ["=", "<>", "<", "<=", ">", ">="][rng.random_range(0..6)];
+                    format!("{column} {op} {}", literal(rng, column))
+                }
+                2 => format!("{column} IS {}NULL", ["", "NOT "][rng.random_range(0..2)]),
+                3 => {
+                    let count = [1, 3, 9, 12][rng.random_range(0..4)];
+                    let mut items: Vec<String> = (0..count).map(|_| literal(rng, column)).collect();
+                    if rng.random_ratio(1, 4) {
+                        items.push("NULL".to_owned());
+                    }
+                    let not = ["", "NOT "][rng.random_range(0..2)];
+                    format!("{column} {not}IN ({})", items.join(", "))
+                }
+                4 => format!(
+                    "{column} {}BETWEEN {} AND {}",
+                    ["", "NOT "][rng.random_range(0..2)],
+                    literal(rng, column),
+                    literal(rng, column)
+                ),
+                5 => format!("NOT ({})", condition(rng, depth + 1, literal)),
+                _ => {
+                    let joiner = [" AND ", " OR "][rng.random_range(0..2)];
+                    let parts: Vec<String> = (0..rng.random_range(2..6))
+                        .map(|_| format!("({})", condition(rng, depth + 1, literal)))
+                        .collect();
+                    parts.join(joiner)
+                }
+            }
+        }
+        let (mut lowered, mut cases) = (0, 0);
+        while cases < 2_000 {
+            let text = condition(&mut rng, 0, &literal);
+            let Ok(query) = parse(&format!("SELECT * FROM t WHERE {text}")) else {
+                continue;
+            };
+            let predicate = query.filter.expect("a filter");
+            // Literals a column's type cannot take are refused, as on the host.
+            let Ok(mask) = predicate.evaluate(&batch) else {
+                continue;
+            };
+            let rows: Vec<Option<bool>> = mask.iter().collect();
+            cases += 1;
+            lowered += usize::from(assert_backend_agrees(&predicate, &batch, &rows, &text));
+        }
+        // Every predicate not reading the string column lowers.
+        assert!(lowered > cases / 2, "{lowered} of {cases} lowered");
     }
 }
