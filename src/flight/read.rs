@@ -18,7 +18,7 @@ use super::descriptor::ReadOptions;
 use super::lifecycle::StreamGuard;
 use super::ticket::{self, TicketRequest};
 use crate::error::Error;
-use crate::store::StoreError;
+use crate::store::{Dataset, StoreError};
 
 /// Most a projection enlarges read chunks by. The scale is the dataset's, not each
 /// partition's: where one partition's rows are mostly the chosen columns, its chunks are up to
@@ -46,17 +46,28 @@ impl std::fmt::Debug for Reading {
     }
 }
 
-/// Starts reading what `ticket` names: a dataset version and a row range (a bare name: the
-/// whole current version). The dataset reads the range as chunks, several in flight, so a
-/// device backend's copies to host memory overlap with encoding and sending.
-pub(crate) fn open(
+/// What a ticket reads, once checked: a dataset version's rows and columns, and how.
+pub(crate) struct Planned {
+    pub(crate) dataset: Arc<Dataset>,
+    pub(crate) rows: std::ops::Range<u64>,
+    /// Schema positions; `None` for every column.
+    pub(crate) columns: Option<Vec<usize>>,
+    /// The schema of the columns read.
+    pub(crate) schema: SchemaRef,
+    pub(crate) chunk_bytes: u64,
+    pub(crate) compression: Option<CompressionType>,
+}
+
+/// Checks what `ticket` names: a dataset version and a row range (a bare name: the whole
+/// current version), with every check a read gets.
+pub(crate) fn plan(
     service: &Service,
     ticket: &Ticket,
-    call: Option<Arc<Call>>,
-) -> Result<Reading, Error> {
+    call: Option<&Arc<Call>>,
+) -> Result<Planned, Error> {
     service.ensure_serving()?;
     let request = ticket::decode(&ticket.ticket)?;
-    if let Some(call) = &call {
+    if let Some(call) = call {
         call.set_subject(request.name());
     }
     let (dataset, rows, read, columns) = match request {
@@ -107,12 +118,32 @@ pub(crate) fn open(
             options.read_chunk_bytes.saturating_mul(scale)
         }
     };
-    let mut batches = dataset
+    Ok(Planned {
+        dataset,
+        rows,
+        columns,
+        schema,
+        chunk_bytes,
+        compression: read.compression.map(Into::into),
+    })
+}
+
+/// Starts reading what `ticket` names (see [`plan`]). The dataset reads the range as chunks,
+/// several in flight, so a device backend's copies to host memory overlap with encoding and
+/// sending.
+pub(crate) fn open(
+    service: &Service,
+    ticket: &Ticket,
+    call: Option<Arc<Call>>,
+) -> Result<Reading, Error> {
+    let planned = plan(service, ticket, call.as_ref())?;
+    let mut batches = planned
+        .dataset
         .read_columns(
-            rows,
-            columns.map(Arc::from),
-            chunk_bytes,
-            options.read_prefetch,
+            planned.rows,
+            planned.columns.map(Arc::from),
+            planned.chunk_bytes,
+            service.options.read_prefetch,
         )?
         .map(|batch| batch.map_err(Error::from))
         .boxed();
@@ -127,8 +158,8 @@ pub(crate) fn open(
     }
     Ok(Reading {
         batches,
-        schema,
-        compression: read.compression.map(Into::into),
+        schema: planned.schema,
+        compression: planned.compression,
         running: service.lifecycle.track(),
     })
 }

@@ -10,13 +10,16 @@ use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryFutureExt, TryStreamExt};
 
 use super::error::StoreError;
 use super::load::readable;
 use super::memory::Reservation;
 use super::slot::{Slot, StoredPartition, Tier};
+use crate::backend::filter::RowFilter;
+use crate::backend::{BackendError, Partition};
 
 /// Bytes of a dataset in each tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -224,6 +227,74 @@ impl Dataset {
         chunk_bytes: u64,
         prefetch: usize,
     ) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+        self.read_chunks(
+            rows,
+            columns,
+            chunk_bytes,
+            prefetch,
+            |data, chunk, columns| data.read(chunk.offset, chunk.len, columns.as_deref()),
+        )
+    }
+
+    /// [`Dataset::read_columns`] of the rows `filter` keeps (its tests name positions among
+    /// `columns`), returning columns `output` (positions among `columns`). Each chunk is
+    /// filtered where its partition lives when the backend can
+    /// ([`FilteredChunk::Filtered`]); otherwise it comes whole, for the caller to filter.
+    pub fn read_filtered(
+        self: &Arc<Self>,
+        rows: Range<u64>,
+        columns: Arc<[usize]>,
+        filter: Arc<RowFilter>,
+        output: Arc<[usize]>,
+        chunk_bytes: u64,
+        prefetch: usize,
+    ) -> Result<BoxStream<'static, Result<FilteredChunk, StoreError>>, StoreError> {
+        if let Some(&bad) = output.iter().find(|&&p| p >= columns.len()) {
+            return Err(StoreError::UnknownColumn {
+                name: self.name.clone(),
+                columns: vec![format!("#{bad} of the columns read")],
+                available: format!("#0 to #{}", columns.len().saturating_sub(1)),
+            });
+        }
+        let all = Some(Arc::clone(&columns));
+        self.read_chunks(
+            rows,
+            all,
+            chunk_bytes,
+            prefetch,
+            move |data, chunk, _| match data.read_filtered(
+                chunk.offset,
+                chunk.len,
+                &columns,
+                &filter,
+                &output,
+            ) {
+                Some(filtered) => filtered.map_ok(FilteredChunk::Filtered).boxed(),
+                None => data
+                    .read(chunk.offset, chunk.len, Some(&columns))
+                    .map_ok(FilteredChunk::Unfiltered)
+                    .boxed(),
+            },
+        )
+    }
+
+    /// Streams rows `rows` as chunks of roughly `chunk_bytes`, each read by `read` from its
+    /// partition, up to `prefetch` in flight.
+    fn read_chunks<T: Send + 'static>(
+        self: &Arc<Self>,
+        rows: Range<u64>,
+        columns: Option<Arc<[usize]>>,
+        chunk_bytes: u64,
+        prefetch: usize,
+        read: impl Fn(
+            &Arc<dyn Partition>,
+            Chunk,
+            &Option<Arc<[usize]>>,
+        ) -> BoxFuture<'static, Result<T, BackendError>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Result<BoxStream<'static, Result<T, StoreError>>, StoreError> {
         if let Some(columns) = &columns
             && let Some(&bad) = columns.iter().find(|&&c| c >= self.schema.fields().len())
         {
@@ -253,19 +324,17 @@ impl Dataset {
             }
             Ok::<_, StoreError>(chunks.next().map(|chunk| (chunk, chunks)))
         });
+        let read = Arc::new(read);
         let stream = chunks
             .map_ok(move |chunk| {
                 let slot = Arc::clone(&dataset.partitions[chunk.partition].slot);
                 slot.touch();
-                let columns = columns.clone();
+                let (columns, read) = (columns.clone(), Arc::clone(&read));
                 async move {
                     // Held until the read is done, so that a spill meanwhile frees nothing
                     // under it.
                     let resident = readable(&slot).await?;
-                    let batch = resident
-                        .data
-                        .read(chunk.offset, chunk.len, columns.as_deref())
-                        .await;
+                    let batch = read(&resident.data, chunk, &columns).await;
                     drop(resident);
                     batch.map_err(StoreError::from)
                 }
@@ -273,6 +342,15 @@ impl Dataset {
             .try_buffered(prefetch.max(1));
         Ok(stream.boxed())
     }
+}
+
+/// A chunk of [`Dataset::read_filtered`].
+#[derive(Debug)]
+pub enum FilteredChunk {
+    /// Filtered where the rows live: the rows kept, of the output columns.
+    Filtered(RecordBatch),
+    /// Read whole, of every column read: the caller filters it.
+    Unfiltered(RecordBatch),
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -59,7 +59,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use catalog::{Damaged, Dropped};
-pub use dataset::{Dataset, TierBytes, Version};
+pub use dataset::{Dataset, FilteredChunk, TierBytes, Version};
 pub use error::StoreError;
 pub use export::{
     Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS, column_indices,

@@ -29,7 +29,9 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::abi::{self, ConcatTask, TaskOwners};
+use super::filter_abi::{self, FilterColumn, FilterKey, FilterOp, TILE};
 use crate::backend::BackendError;
+use crate::backend::filter::KeyType;
 
 /// An array rebuilt from bytes this server copied back from its own device memory, checked for
 /// structure only ([`ArrayData::validate`]: buffer sizes, the first and last offsets, children),
@@ -39,7 +41,9 @@ pub(super) fn read_back_array(builder: ArrayDataBuilder) -> Result<ArrayData, Ar
     // SAFETY: the values are byte copies of arrays that Arrow's IPC decoder fully validated when
     // they were put (every offset, every string's UTF-8, dictionary keys); on the device they
     // are only ever moved whole, by copies and the concatenation kernel, which rebases offsets
-    // into the ranges it writes; `read_rows` rebases the copied offsets by their own first one.
+    // into the ranges it writes, and by the filter kernels, which copy whole values and whole
+    // strings and write offsets that are running sums of the strings' lengths; `read_rows`
+    // rebases the copied offsets by their own first one.
     // The structure is still checked below before anything can read through the array.
     let data = unsafe { builder.build_unchecked() };
     data.validate()?;
@@ -203,6 +207,8 @@ pub(super) struct DeviceAllocation {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     context: Arc<Context>,
+    /// From the device's stream-ordered pool ([`DeviceAllocation::scratch`]), not exportable.
+    pooled: bool,
 }
 
 impl DeviceAllocation {
@@ -215,6 +221,7 @@ impl DeviceAllocation {
                 ptr,
                 bytes,
                 context: Arc::clone(context),
+                pooled: false,
             }),
             Err(DriverError(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)) => {
                 Err(BackendError::OutOfMemory {
@@ -223,6 +230,31 @@ impl DeviceAllocation {
                 })
             }
             Err(error) => Err(device_error("cuMemAlloc", error)),
+        }
+    }
+
+    /// Working memory for a stream's kernels, from the device's stream-ordered pool: far
+    /// cheaper than `cuMemAlloc` and freed without synchronizing the device, but never
+    /// exportable. Only for memory that no partition keeps.
+    pub(super) fn scratch(stream: &Stream, bytes: usize) -> Result<Self, BackendError> {
+        let context = &stream.context;
+        context.bind()?;
+        // SAFETY: the context is current and `stream` belongs to it; the memory is
+        // uninitialized and only read after kernels or copies on this stream wrote it.
+        match unsafe { result::malloc_async(stream.raw, bytes.max(1)) } {
+            Ok(ptr) => Ok(Self {
+                ptr,
+                bytes,
+                context: Arc::clone(context),
+                pooled: true,
+            }),
+            Err(DriverError(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)) => {
+                Err(BackendError::OutOfMemory {
+                    device: context.ordinal() as u32,
+                    requested: bytes as u64,
+                })
+            }
+            Err(error) => Err(device_error("cuMemAllocAsync", error)),
         }
     }
 
@@ -261,9 +293,17 @@ impl DeviceAllocation {
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
         let freed = self.context.bind().and_then(|()| {
-            // SAFETY: `ptr` came from cuMemAlloc in this context and no copy can still use it:
-            // copies borrow the allocation until their stream synchronized.
-            unsafe { result::free_sync(self.ptr) }.map_err(|e| device_error("cuMemFree", e))
+            if self.pooled {
+                // SAFETY: `ptr` came from cuMemAllocAsync in this context, and nothing still
+                // uses it (copies and launches borrow it until their stream synchronized), so
+                // freeing it in the null stream's order frees it now.
+                unsafe { result::free_async(self.ptr, std::ptr::null_mut()) }
+                    .map_err(|e| device_error("cuMemFreeAsync", e))
+            } else {
+                // SAFETY: `ptr` came from cuMemAlloc in this context and no copy can still use
+                // it: copies borrow the allocation until their stream synchronized.
+                unsafe { result::free_sync(self.ptr) }.map_err(|e| device_error("cuMemFree", e))
+            }
         });
         if let Err(error) = freed {
             tracing::warn!(%error, "freeing device memory failed");
@@ -673,9 +713,59 @@ impl Drop for IpcMapping {
 /// A device kernel, loaded once from PTX and unloaded on drop.
 #[derive(Debug)]
 pub(super) struct Kernel {
-    module: sys::CUmodule,
+    /// Owns the code `function` runs.
+    _module: Module,
     function: sys::CUfunction,
+}
+
+/// A PTX module, JIT-compiled for one device, unloaded on drop.
+#[derive(Debug)]
+struct Module {
+    raw: sys::CUmodule,
     context: Arc<Context>,
+}
+
+// SAFETY: module handles may be used from any thread of the context.
+unsafe impl Send for Module {}
+// SAFETY: as above; looking up functions does not mutate the handle.
+unsafe impl Sync for Module {}
+
+impl Module {
+    fn load(context: &Arc<Context>, ptx: &str) -> Result<Self, BackendError> {
+        context.bind()?;
+        let image = std::ffi::CString::new(ptx)
+            .map_err(|_| BackendError::Device("PTX contains a NUL byte".to_owned()))?;
+        // SAFETY: `image` is a NUL-terminated PTX string that outlives the call.
+        let raw = unsafe { result::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| device_error("cuModuleLoadData", e))?;
+        Ok(Self {
+            raw,
+            context: Arc::clone(context),
+        })
+    }
+
+    fn function(&self, name: &str) -> Result<sys::CUfunction, BackendError> {
+        let function_name = std::ffi::CString::new(name)
+            .map_err(|_| BackendError::Device("kernel name contains a NUL byte".to_owned()))?;
+        self.context.bind()?;
+        // SAFETY: `raw` is a module loaded in this context, alive as long as `self`.
+        unsafe { result::module::get_function(self.raw, function_name) }
+            .map_err(|e| device_error("cuModuleGetFunction", e))
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let unloaded = self.context.bind().and_then(|()| {
+            // SAFETY: launches borrow their kernels (which own the module) until their stream
+            // synchronized, so nothing runs code of this module any more.
+            unsafe { result::module::unload(self.raw) }
+                .map_err(|e| device_error("cuModuleUnload", e))
+        });
+        if let Err(error) = unloaded {
+            tracing::warn!(%error, "unloading a kernel module failed");
+        }
+    }
 }
 
 // SAFETY: module and function handles may be used from any thread of the context.
@@ -690,41 +780,440 @@ impl Kernel {
         ptx: &str,
         name: &str,
     ) -> Result<Self, BackendError> {
-        context.bind()?;
-        let image = std::ffi::CString::new(ptx)
-            .map_err(|_| BackendError::Device("PTX contains a NUL byte".to_owned()))?;
-        // SAFETY: `image` is a NUL-terminated PTX string that outlives the call.
-        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
-            .map_err(|e| device_error("cuModuleLoadData", e))?;
-        let function_name = std::ffi::CString::new(name)
-            .map_err(|_| BackendError::Device("kernel name contains a NUL byte".to_owned()))?;
-        // SAFETY: `module` was just loaded in this context.
-        let function = match unsafe { result::module::get_function(module, function_name) } {
-            Ok(function) => function,
-            Err(error) => {
-                // SAFETY: unloads the module loaded above, which nothing else references.
-                let _ = unsafe { result::module::unload(module) };
-                return Err(device_error("cuModuleGetFunction", error));
-            }
-        };
+        let module = Module::load(context, ptx)?;
+        let function = module.function(name)?;
         Ok(Self {
-            module,
+            _module: module,
             function,
-            context: Arc::clone(context),
         })
     }
 }
 
-impl Drop for Kernel {
-    fn drop(&mut self) {
-        let unloaded = self.context.bind().and_then(|()| {
-            // SAFETY: launches borrow the kernel until their stream synchronized.
-            unsafe { result::module::unload(self.module) }
-                .map_err(|e| device_error("cuModuleUnload", e))
-        });
-        if let Err(error) = unloaded {
-            tracing::warn!(%error, "unloading a kernel module failed");
+/// The filter kernels of `kernels/filter.cu`, loaded once per device.
+#[derive(Debug)]
+pub(super) struct FilterKernels {
+    _module: Module,
+    filter: sys::CUfunction,
+    scan: sys::CUfunction,
+    string_bytes: sys::CUfunction,
+    gather_fixed: sys::CUfunction,
+    gather_bits: sys::CUfunction,
+    gather_strings: sys::CUfunction,
+}
+
+// SAFETY: module and function handles may be used from any thread of the context.
+unsafe impl Send for FilterKernels {}
+// SAFETY: as above; launching does not mutate the handles.
+unsafe impl Sync for FilterKernels {}
+
+impl FilterKernels {
+    pub(super) fn load(context: &Arc<Context>, ptx: &str) -> Result<Self, BackendError> {
+        let module = Module::load(context, ptx)?;
+        Ok(Self {
+            filter: module.function("gpu_flight_filter")?,
+            scan: module.function("gpu_flight_scan")?,
+            string_bytes: module.function("gpu_flight_string_bytes")?,
+            gather_fixed: module.function("gpu_flight_gather_fixed")?,
+            gather_bits: module.function("gpu_flight_gather_bits")?,
+            gather_strings: module.function("gpu_flight_gather_strings")?,
+            _module: module,
+        })
+    }
+}
+
+/// Bytes `offset..offset + len` of a device allocation, as a kernel's argument.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Span<'a> {
+    pub(super) allocation: &'a DeviceAllocation,
+    pub(super) offset: usize,
+    pub(super) len: usize,
+}
+
+impl Span<'_> {
+    /// The span's device address, once it is known to lie in its allocation, to hold at least
+    /// `needed` bytes, and to be aligned to `align` bytes.
+    fn address(&self, needed: usize, align: u64, what: &str) -> Result<u64, BackendError> {
+        check_device_range(self.allocation, self.offset, self.len)?;
+        let address = self.allocation.ptr + self.offset as u64;
+        if self.len < needed || !address.is_multiple_of(align) {
+            return Err(BackendError::Device(format!(
+                "{what}: {} bytes at {address:#x} where the kernel needs {needed}, aligned to \
+                 {align}",
+                self.len
+            )));
         }
+        Ok(address)
+    }
+}
+
+/// A column a filter reads: its values (or bits) and validity from row 0 of the partition.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FilterInput<'a> {
+    pub(super) values: Span<'a>,
+    pub(super) validity: Option<Span<'a>>,
+    pub(super) key_type: KeyType,
+}
+
+/// A filtered read's rows and the per-row and per-tile working memory its kernels share.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FilterRows<'a> {
+    /// The first row read, and how many.
+    pub(super) first: usize,
+    pub(super) count: usize,
+    /// A byte per row: whether it is kept.
+    pub(super) flags: Span<'a>,
+    /// The first output row of each tile (and the total after them).
+    pub(super) tile_offsets: Span<'a>,
+}
+
+impl FilterRows<'_> {
+    fn tiles(&self) -> usize {
+        self.count.div_ceil(TILE)
+    }
+
+    fn end(&self) -> Result<usize, BackendError> {
+        self.first
+            .checked_add(self.count)
+            .ok_or_else(|| BackendError::Device("a filtered read past usize".to_owned()))
+    }
+
+    /// The flags' and tile offsets' addresses, the grid, and the first row and count.
+    fn arguments(&self) -> Result<(u64, u64, u32, u64, u64), BackendError> {
+        let flags = self.flags.address(self.count, 1, "filter flags")?;
+        let offsets = self
+            .tile_offsets
+            .address(self.tiles() * 8, 8, "filter tile offsets")?;
+        Ok((
+            flags,
+            offsets,
+            grid_of(self.tiles())?,
+            self.first as u64,
+            self.count as u64,
+        ))
+    }
+}
+
+fn grid_of(tiles: usize) -> Result<u32, BackendError> {
+    u32::try_from(tiles)
+        .ok()
+        .filter(|&t| t < i32::MAX as u32)
+        .ok_or_else(|| BackendError::Device(format!("{tiles} tiles is too many for one launch")))
+}
+
+/// Bytes of a bitmap of `bits` bits.
+fn bitmap_bytes(bits: usize) -> usize {
+    bits.div_ceil(8)
+}
+
+/// Serialises the filter's column table, program and keys (see `filter_abi`) as the kernel
+/// reads them, in one buffer: columns, then ops, then keys, each 64-byte aligned. Returns
+/// the three offsets.
+fn write_program(
+    into: &mut [u8],
+    columns: &[FilterColumn],
+    ops: &[FilterOp],
+    keys: &[FilterKey],
+) -> Result<(usize, usize, usize, usize), BackendError> {
+    let ops_at = (columns.len() * 24).next_multiple_of(64);
+    let keys_at = (ops_at + ops.len() * 40).next_multiple_of(64);
+    let end = keys_at + keys.len() * 16;
+    if into.len() < end {
+        return Err(BackendError::Device(
+            "a filter program larger than its staging".to_owned(),
+        ));
+    }
+    let mut put = |at: &mut usize, bytes: &[u8]| {
+        into[*at..*at + bytes.len()].copy_from_slice(bytes);
+        *at += bytes.len();
+    };
+    let mut at = 0;
+    for column in columns {
+        put(&mut at, &column.values.to_le_bytes());
+        put(&mut at, &column.validity.to_le_bytes());
+        put(&mut at, &column.key_type.to_le_bytes());
+        put(&mut at, &column.reserved.to_le_bytes());
+    }
+    at = ops_at;
+    for op in ops {
+        for field in [op.code, op.column, op.cmp, op.arg] {
+            put(&mut at, &field.to_le_bytes());
+        }
+        put(&mut at, &op.key_lo.to_le_bytes());
+        put(&mut at, &op.key_hi.to_le_bytes());
+        put(&mut at, &op.list_start.to_le_bytes());
+        put(&mut at, &op.list_len.to_le_bytes());
+    }
+    at = keys_at;
+    for key in keys {
+        put(&mut at, &key.lo.to_le_bytes());
+        put(&mut at, &key.hi.to_le_bytes());
+    }
+    Ok((0, ops_at, keys_at, end))
+}
+
+/// Bytes [`CopyBatch::launch_filter`] needs for a program's table, in device and staging
+/// memory.
+pub(super) fn filter_program_bytes(columns: usize, ops: usize, keys: usize) -> usize {
+    let ops_at = (columns * 24).next_multiple_of(64);
+    (ops_at + ops * 40).next_multiple_of(64) + keys * 16
+}
+
+impl<'a> CopyBatch<'a> {
+    fn launch(
+        &mut self,
+        function: sys::CUfunction,
+        grid: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), BackendError> {
+        // SAFETY: every caller passes the parameters its kernel's signature names, in order,
+        // and has checked every address the kernel touches against memory this batch borrows
+        // until the stream synchronizes.
+        unsafe {
+            result::launch_kernel(
+                function,
+                (grid, 1, 1),
+                (TILE as u32, 1, 1),
+                0,
+                self.stream.raw,
+                params,
+            )
+        }
+        .map_err(|e| device_error("cuLaunchKernel", e))
+    }
+
+    /// Queues zeroing `span`.
+    pub(super) fn zero(&mut self, span: Span<'a>) -> Result<(), BackendError> {
+        let address = span.address(0, 1, "zeroed range")?;
+        // SAFETY: the range lies in the allocation (checked), borrowed until the stream
+        // synchronized.
+        unsafe { result::memset_d8_async(address, 0, span.len, self.stream.raw) }
+            .map_err(|e| device_error("cuMemsetD8Async", e))
+    }
+
+    /// Queues the program's upload and `gpu_flight_filter`: a flag per row of `rows`, and each
+    /// tile's count of rows kept into `tile_counts`. The program is checked first
+    /// ([`filter_abi::check_program`]) and written by this call into `staging`, then copied to
+    /// `table` (see [`filter_program_bytes`]), so the kernel runs exactly what was checked.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_filter(
+        &mut self,
+        kernels: &'a FilterKernels,
+        staging: &'a mut PinnedBuffer,
+        table: Span<'a>,
+        columns: &[FilterInput<'a>],
+        ops: &[FilterOp],
+        keys: &[FilterKey],
+        rows: FilterRows<'a>,
+        tile_counts: Span<'a>,
+    ) -> Result<(), BackendError> {
+        filter_abi::check_program(ops, columns.len(), keys.len())
+            .map_err(|e| BackendError::Device(format!("a malformed filter program: {e}")))?;
+        let end = rows.end()?;
+        let records = columns
+            .iter()
+            .map(|column| {
+                let (needed, align) = match column.key_type.width() {
+                    Some(width) => (end * width, width.min(8) as u64),
+                    None => (bitmap_bytes(end), 1),
+                };
+                let values = column.values.address(needed, align, "filtered values")?;
+                let validity = match column.validity {
+                    Some(span) => span.address(bitmap_bytes(end), 1, "filtered validity")?,
+                    None => 0,
+                };
+                Ok(FilterColumn {
+                    values,
+                    validity,
+                    key_type: column.key_type as u32,
+                    reserved: 0,
+                })
+            })
+            .collect::<Result<Vec<_>, BackendError>>()?;
+        let (columns_at, ops_at, keys_at, bytes) =
+            write_program(staging.as_mut_slice(), &records, ops, keys)?;
+        let table_address = table.address(bytes, 64, "filter program")?;
+        let staging: &'a PinnedBuffer = staging;
+        // SAFETY: the destination lies in `table` (checked), the source in pinned memory; both
+        // stay borrowed until the stream is synchronized.
+        unsafe {
+            result::memcpy_htod_async(table_address, &staging.as_slice()[..bytes], self.stream.raw)
+        }
+        .map_err(|e| device_error("cuMemcpyHtoDAsync", e))?;
+        let (mut flags, _, grid, mut first, mut count) = rows.arguments()?;
+        let mut counts = tile_counts.address(rows.tiles() * 8, 8, "filter tile counts")?;
+        let mut columns_address = table_address + columns_at as u64;
+        let mut ops_address = table_address + ops_at as u64;
+        let mut keys_address = table_address + keys_at as u64;
+        let mut op_count = u32::try_from(ops.len())
+            .map_err(|_| BackendError::Device("a filter program too long".to_owned()))?;
+        let mut params = [
+            (&raw mut columns_address).cast::<std::ffi::c_void>(),
+            (&raw mut ops_address).cast(),
+            (&raw mut op_count).cast(),
+            (&raw mut keys_address).cast(),
+            (&raw mut first).cast(),
+            (&raw mut count).cast(),
+            (&raw mut flags).cast(),
+            (&raw mut counts).cast(),
+        ];
+        self.launch(kernels.filter, grid, &mut params)
+    }
+
+    /// Queues `gpu_flight_scan`: `output[i]` = the sum of `input[..i]` for `i` in `0..=n`.
+    pub(super) fn launch_scan(
+        &mut self,
+        kernels: &'a FilterKernels,
+        input: Span<'a>,
+        n: usize,
+        output: Span<'a>,
+    ) -> Result<(), BackendError> {
+        let mut input = input.address(n * 8, 8, "scan input")?;
+        let mut output = output.address((n + 1) * 8, 8, "scan output")?;
+        let mut n = n as u64;
+        let mut params = [
+            (&raw mut input).cast::<std::ffi::c_void>(),
+            (&raw mut n).cast(),
+            (&raw mut output).cast(),
+        ];
+        self.launch(kernels.scan, 1, &mut params)
+    }
+
+    /// Queues `gpu_flight_string_bytes`: each tile's bytes of kept strings, whose offsets of
+    /// `width` bytes are `offsets` and whose data is `data_len` bytes.
+    pub(super) fn launch_string_bytes(
+        &mut self,
+        kernels: &'a FilterKernels,
+        rows: FilterRows<'a>,
+        offsets: Span<'a>,
+        width: usize,
+        data_len: usize,
+        tile_bytes: Span<'a>,
+    ) -> Result<(), BackendError> {
+        let (mut flags, _, grid, mut first, mut count) = rows.arguments()?;
+        let mut offsets = offsets.address((rows.end()? + 1) * width, width as u64, "offsets")?;
+        let mut tile_bytes = tile_bytes.address(rows.tiles() * 8, 8, "tile bytes")?;
+        let mut width = offset_width(width)?;
+        let mut data_len = data_len as u64;
+        let mut params = [
+            (&raw mut flags).cast::<std::ffi::c_void>(),
+            (&raw mut first).cast(),
+            (&raw mut count).cast(),
+            (&raw mut offsets).cast(),
+            (&raw mut width).cast(),
+            (&raw mut data_len).cast(),
+            (&raw mut tile_bytes).cast(),
+        ];
+        self.launch(kernels.string_bytes, grid, &mut params)
+    }
+
+    /// Queues `gpu_flight_gather_fixed`: the kept rows' values of `width` bytes from `src`
+    /// (from row 0 of the partition) to `dst` (at most `kept` of them).
+    pub(super) fn launch_gather_fixed(
+        &mut self,
+        kernels: &'a FilterKernels,
+        rows: FilterRows<'a>,
+        kept: usize,
+        width: usize,
+        src: Span<'a>,
+        dst: Span<'a>,
+    ) -> Result<(), BackendError> {
+        let (mut flags, mut offsets, grid, mut first, mut count) = rows.arguments()?;
+        let align = width.clamp(1, 8) as u64;
+        let align = if width.is_power_of_two() { align } else { 1 };
+        let mut src = src.address(rows.end()? * width, align, "gathered values")?;
+        let mut dst = dst.address(kept * width, align, "gathered output")?;
+        let mut kept = kept as u64;
+        let mut width = u32::try_from(width)
+            .map_err(|_| BackendError::Device(format!("values of {width} bytes")))?;
+        let mut params = [
+            (&raw mut flags).cast::<std::ffi::c_void>(),
+            (&raw mut offsets).cast(),
+            (&raw mut first).cast(),
+            (&raw mut count).cast(),
+            (&raw mut kept).cast(),
+            (&raw mut width).cast(),
+            (&raw mut src).cast(),
+            (&raw mut dst).cast(),
+        ];
+        self.launch(kernels.gather_fixed, grid, &mut params)
+    }
+
+    /// Queues `gpu_flight_gather_bits`: the kept rows' bits of the bitmap `src` into `dst`,
+    /// which must have been zeroed earlier in this batch and spans whole 32-bit words.
+    pub(super) fn launch_gather_bits(
+        &mut self,
+        kernels: &'a FilterKernels,
+        rows: FilterRows<'a>,
+        kept: usize,
+        src: Span<'a>,
+        dst: Span<'a>,
+    ) -> Result<(), BackendError> {
+        let (mut flags, mut offsets, grid, mut first, mut count) = rows.arguments()?;
+        let mut src = src.address(bitmap_bytes(rows.end()?), 1, "gathered bits")?;
+        let mut dst = dst.address(kept.div_ceil(32) * 4, 4, "gathered bitmap")?;
+        let mut kept = kept as u64;
+        let mut params = [
+            (&raw mut flags).cast::<std::ffi::c_void>(),
+            (&raw mut offsets).cast(),
+            (&raw mut first).cast(),
+            (&raw mut count).cast(),
+            (&raw mut kept).cast(),
+            (&raw mut src).cast(),
+            (&raw mut dst).cast(),
+        ];
+        self.launch(kernels.gather_bits, grid, &mut params)
+    }
+
+    /// Queues `gpu_flight_gather_strings`: the kept rows' strings (offsets of `width` bytes in
+    /// `src_offsets`, bytes in `src_data`) into `dst_offsets` (`kept + 1` of them) and
+    /// `dst_data` (`total` bytes); `tile_bytes` holds each tile's first output byte.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_gather_strings(
+        &mut self,
+        kernels: &'a FilterKernels,
+        rows: FilterRows<'a>,
+        tile_bytes: Span<'a>,
+        (kept, total): (usize, usize),
+        width: usize,
+        (src_offsets, src_data): (Span<'a>, Span<'a>),
+        (dst_offsets, dst_data): (Span<'a>, Span<'a>),
+    ) -> Result<(), BackendError> {
+        let (mut flags, mut offsets, grid, mut first, mut count) = rows.arguments()?;
+        let align = width as u64;
+        let mut tile_bytes = tile_bytes.address(rows.tiles() * 8, 8, "tile bytes")?;
+        let mut src_offsets =
+            src_offsets.address((rows.end()? + 1) * width, align, "source offsets")?;
+        let mut src_data_address = src_data.address(0, 1, "source strings")?;
+        let mut data_len = src_data.len as u64;
+        let mut dst_offsets = dst_offsets.address((kept + 1) * width, align, "output offsets")?;
+        let mut dst_data = dst_data.address(total, 1, "output strings")?;
+        let (mut kept, mut total) = (kept as u64, total as u64);
+        let mut width = offset_width(width)?;
+        let mut params = [
+            (&raw mut flags).cast::<std::ffi::c_void>(),
+            (&raw mut offsets).cast(),
+            (&raw mut tile_bytes).cast(),
+            (&raw mut first).cast(),
+            (&raw mut count).cast(),
+            (&raw mut kept).cast(),
+            (&raw mut total).cast(),
+            (&raw mut width).cast(),
+            (&raw mut src_offsets).cast(),
+            (&raw mut src_data_address).cast(),
+            (&raw mut data_len).cast(),
+            (&raw mut dst_offsets).cast(),
+            (&raw mut dst_data).cast(),
+        ];
+        self.launch(kernels.gather_strings, grid, &mut params)
+    }
+}
+
+fn offset_width(width: usize) -> Result<u32, BackendError> {
+    match width {
+        4 | 8 => Ok(width as u32),
+        _ => Err(BackendError::Device(format!(
+            "string offsets of {width} bytes"
+        ))),
     }
 }
 

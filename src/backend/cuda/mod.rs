@@ -26,6 +26,8 @@
 mod abi;
 mod concat;
 mod ffi;
+mod filter;
+mod filter_abi;
 mod import;
 mod layout;
 mod read;
@@ -42,18 +44,20 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
+use super::filter::RowFilter;
 use super::{
     Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, check_rows,
     downcast_all, downcast_one,
 };
 use concat::{Arrangement, Fragment};
-use ffi::{ConcatTable, Context, DeviceAllocation, Kernel, Stream};
+use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, Stream};
 use layout::{DeviceArray, Kind, UploadPlan};
 use read::Stored;
 use staging::PinnedPool;
 
 /// The concatenation kernel, compiled from `kernels/concat.cu` by `kernels/build_ptx.py`.
 const CONCAT_PTX: &str = include_str!("../../../kernels/concat.ptx");
+const FILTER_PTX: &str = include_str!("../../../kernels/filter.ptx");
 
 /// Pinned memory kept for reuse between transfers.
 const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
@@ -106,6 +110,8 @@ struct Shared {
     streams: Mutex<Vec<Stream>>,
     /// `None` where the driver could not load the PTX (it then says why in the log).
     concat_kernel: Option<Kernel>,
+    /// `None` where the driver could not load the PTX: reads are then filtered on the host.
+    filter_kernels: Option<FilterKernels>,
     /// Fill concatenation outputs with 0xAB first, so a test sees any byte left unwritten.
     poison_outputs: bool,
     counters: Counters,
@@ -129,6 +135,10 @@ struct Counters {
     concat_last_total_ns: AtomicU64,
     concat_last_allocate_ns: AtomicU64,
     concat_last_kernel_ns: AtomicU64,
+    /// Chunks filtered on this GPU, the rows they held and the rows they kept.
+    filtered_chunks: AtomicU64,
+    filtered_rows: AtomicU64,
+    filtered_rows_kept: AtomicU64,
 }
 
 impl CudaBackend {
@@ -231,6 +241,13 @@ impl Gpu {
                 None
             }
         };
+        let filter_kernels = match FilterKernels::load(&context, FILTER_PTX) {
+            Ok(kernels) => Some(kernels),
+            Err(error) => {
+                tracing::warn!(%error, ordinal, "the filter kernels did not load; statements filter on the host");
+                None
+            }
+        };
         Ok(Self {
             numa_node,
             shared: Arc::new(Shared {
@@ -239,6 +256,7 @@ impl Gpu {
                 pool,
                 streams: Mutex::new(Vec::new()),
                 concat_kernel,
+                filter_kernels,
                 poison_outputs: false,
                 counters: Counters::default(),
             }),
@@ -731,6 +749,10 @@ impl Shared {
             "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
             "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
             "concat_kernel_loaded": self.concat_kernel.is_some(),
+            "filtered_chunks": c.filtered_chunks.load(Ordering::Relaxed),
+            "filtered_rows": c.filtered_rows.load(Ordering::Relaxed),
+            "filtered_rows_kept": c.filtered_rows_kept.load(Ordering::Relaxed),
+            "filter_kernels_loaded": self.filter_kernels.is_some(),
         });
         match counters {
             Value::Object(map) => map,
@@ -818,6 +840,33 @@ impl CudaPartition {
     }
 }
 
+/// Columns `chosen` of a partition's layout, each with the allocation it lies in.
+fn stored_columns<'a>(
+    allocations: &'a [TrackedAllocation],
+    columns: &'a [(usize, DeviceArray)],
+    chosen: &[usize],
+) -> Result<Vec<Stored<'a>>, BackendError> {
+    chosen
+        .iter()
+        .map(|&index| {
+            let (allocation, array) = columns.get(index).ok_or_else(|| {
+                BackendError::Device(format!("no column {index} in this partition"))
+            })?;
+            let allocation = &allocations
+                .get(*allocation)
+                .ok_or_else(|| BackendError::Device(format!("no allocation {allocation}")))?
+                .inner;
+            Ok(Stored { allocation, array })
+        })
+        .collect()
+}
+
+impl CudaPartition {
+    fn stored(&self, chosen: &[usize]) -> Result<Vec<Stored<'_>>, BackendError> {
+        stored_columns(&self.allocations, &self.columns, chosen)
+    }
+}
+
 impl Partition for CudaPartition {
     fn num_rows(&self) -> usize {
         self.rows
@@ -860,18 +909,7 @@ impl Partition for CudaPartition {
         let allocations = Arc::clone(&self.allocations);
         let columns = Arc::clone(&self.columns);
         let task = tokio::task::spawn_blocking(move || {
-            let stored: Vec<Stored<'_>> = chosen
-                .iter()
-                .map(|&index| {
-                    let (allocation, array) = columns.get(index).ok_or_else(|| {
-                        BackendError::Device(format!("no column {index} in this partition"))
-                    })?;
-                    Ok(Stored {
-                        allocation: &allocations[*allocation].inner,
-                        array,
-                    })
-                })
-                .collect::<Result<_, BackendError>>()?;
+            let stored = stored_columns(&allocations, &columns, &chosen)?;
             let (batch, syncs, bytes) = shared.with_stream(|stream| {
                 read::read_rows(&stored, &schema, offset..offset + len, stream, &shared.pool)
             })?;
@@ -887,6 +925,56 @@ impl Partition for CudaPartition {
             Ok(batch)
         });
         task.map(flatten_join).boxed()
+    }
+
+    fn read_filtered(
+        &self,
+        offset: usize,
+        len: usize,
+        columns: &[usize],
+        filter: &Arc<RowFilter>,
+        output: &[usize],
+    ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+        self.shared.filter_kernels.as_ref()?;
+        check_rows(offset, len, self.rows).ok()?;
+        let stored = self.stored(columns).ok()?;
+        if !filter::supports(filter, &stored, output) {
+            return None;
+        }
+        let schema = Arc::new(self.schema.project(columns).ok()?.project(output).ok()?);
+        let (shared, allocations, layout) = (
+            Arc::clone(&self.shared),
+            Arc::clone(&self.allocations),
+            Arc::clone(&self.columns),
+        );
+        let (columns, output, filter) = (columns.to_vec(), output.to_vec(), Arc::clone(filter));
+        let task = tokio::task::spawn_blocking(move || {
+            let stored = stored_columns(&allocations, &layout, &columns)?;
+            let kernels = shared.filter_kernels.as_ref().ok_or_else(|| {
+                BackendError::Device("the filter kernels are not loaded".to_owned())
+            })?;
+            let (batch, stats) = shared.with_stream(|stream| {
+                filter::read_filtered(
+                    kernels,
+                    &stored,
+                    &filter,
+                    &output,
+                    &schema,
+                    offset..offset + len,
+                    stream,
+                    &shared.pool,
+                )
+            })?;
+            let c = &shared.counters;
+            c.filtered_chunks.fetch_add(1, Ordering::Relaxed);
+            c.filtered_rows.fetch_add(len as u64, Ordering::Relaxed);
+            c.filtered_rows_kept
+                .fetch_add(stats.kept, Ordering::Relaxed);
+            c.read_syncs.fetch_add(stats.syncs, Ordering::Relaxed);
+            c.read_bytes.fetch_add(stats.bytes, Ordering::Relaxed);
+            Ok(batch)
+        });
+        Some(task.map(flatten_join).boxed())
     }
 
     /// The bytes of the columns' regions, from their layout: no device memory is touched.

@@ -4,8 +4,9 @@
 //! when it was planned, a row range, and the columns it needs: its output, then those only its
 //! filter reads), each wrapped in a Flight SQL ticket with the statement's filter, output and
 //! limit. `DoGet` opens the plain ticket, with every check a plain read gets, and filters each
-//! chunk with arrow's kernels as it streams, so nothing is held whole; a limit ends the read as
-//! soon as it is met. A statement with a limit is one endpoint (a limit per endpoint would not
+//! chunk as it streams, so nothing is held whole: where the chunk lives, when its backend can
+//! run the filter there (`backend::filter`: on a GPU, so that only the rows kept cross PCIe),
+//! and otherwise with arrow's kernels here. A limit ends the read as soon as it is met. A statement with a limit is one endpoint (a limit per endpoint would not
 //! be the statement's); one without has the plain read's endpoints, for parallel readers.
 
 use std::sync::Arc;
@@ -16,8 +17,8 @@ use arrow_flight::sql::{ProstMessageExt, TicketStatementQuery};
 use arrow_flight::{FlightDescriptor, FlightEndpoint, FlightInfo, Ticket};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use serde::{Deserialize, Serialize};
 
@@ -27,7 +28,7 @@ use crate::error::Error;
 use crate::flight::descriptor::{self, ReadOptions};
 use crate::flight::read::{self, Reading};
 use crate::flight::{Service, ticket};
-use crate::store::column_indices;
+use crate::store::{FilteredChunk, column_indices};
 
 /// What a statement's ticket holds, as JSON in `TicketStatementQuery.statement_handle`: the
 /// statement's own SQL (parsed again by `DoGet`: far smaller than its parsed filter) and the
@@ -243,8 +244,8 @@ pub(crate) fn open(service: &Service, handle: &[u8]) -> Result<Reading, Error> {
     let read = BASE64
         .decode(&ticket.read)
         .map_err(|e| Error::InvalidTicket(format!("a statement ticket's read: {e}")))?;
-    let reading = read::open(service, &Ticket::new(read), None)?;
-    let read_schema = reading.schema;
+    let planned = read::plan(service, &Ticket::new(read), None)?;
+    let read_schema = Arc::clone(&planned.schema);
     let columns = read_schema.fields().len();
     let mut seen = vec![false; columns];
     for &position in &ticket.output {
@@ -273,29 +274,59 @@ pub(crate) fn open(service: &Service, handle: &[u8]) -> Result<Reading, Error> {
             .project(&ticket.output)
             .map_err(|e| Error::Internal(format!("projecting a statement's schema: {e}")))?,
     );
+    let output: Arc<[usize]> = Arc::from(ticket.output);
+    let prefetch = service.options.read_prefetch;
+    let dataset = &planned.dataset;
+    // Where the backend can, it filters where the rows live (a GPU's kernels: only the rows
+    // kept are copied off it); other chunks are filtered here.
+    let chunks = match filter.as_ref().and_then(Filter::for_backend) {
+        Some(device) => {
+            let read: Arc<[usize]> = match planned.columns {
+                Some(read) => Arc::from(read),
+                None => (0..columns).collect(),
+            };
+            dataset.read_filtered(
+                planned.rows,
+                read,
+                Arc::new(device),
+                Arc::clone(&output),
+                planned.chunk_bytes,
+                prefetch,
+            )?
+        }
+        None => dataset
+            .read_columns(
+                planned.rows,
+                planned.columns.map(Arc::from),
+                planned.chunk_bytes,
+                prefetch,
+            )?
+            .map_ok(FilteredChunk::Unfiltered)
+            .boxed(),
+    };
     let batches = select(
-        reading.batches,
+        chunks.map_err(Error::from).boxed(),
         filter.map(Arc::new),
-        Arc::from(ticket.output),
+        output,
         ticket.limit.unwrap_or(u64::MAX),
     );
     Ok(Reading {
         batches,
         schema,
-        compression: reading.compression,
-        running: reading.running,
+        compression: planned.compression,
+        running: service.lifecycle.track(),
     })
 }
 
-/// `batches` filtered, projected onto `output`, and cut at `limit` rows; the read ends (and
-/// stops reading) once the limit is met.
+/// `chunks` filtered (those the backend did not filter), projected onto `output`, and cut at
+/// `limit` rows; the read ends (and stops reading) once the limit is met.
 fn select(
-    batches: BoxStream<'static, Result<RecordBatch, Error>>,
+    chunks: BoxStream<'static, Result<FilteredChunk, Error>>,
     filter: Option<Arc<Filter>>,
     output: Arc<[usize]>,
     limit: u64,
 ) -> BoxStream<'static, Result<RecordBatch, Error>> {
-    futures::stream::unfold((batches, limit), move |(mut batches, remaining)| {
+    futures::stream::unfold((chunks, limit), move |(mut chunks, remaining)| {
         let filter = filter.clone();
         let output = Arc::clone(&output);
         async move {
@@ -303,27 +334,27 @@ fn select(
                 return None;
             }
             loop {
-                let batch = match batches.next().await? {
-                    Ok(batch) => batch,
-                    Err(error) => return Some((Err(error), (batches, 0))),
-                };
-                let chosen = match &filter {
+                let chosen = match chunks.next().await? {
+                    Ok(FilteredChunk::Filtered(batch)) => Ok(batch),
                     // Filtering is CPU work proportional to the chunk: off the async workers.
-                    Some(filter) => {
-                        let (filter, output) = (Arc::clone(filter), Arc::clone(&output));
-                        tokio::task::spawn_blocking(move || choose(&batch, Some(&filter), &output))
-                            .await
-                            .unwrap_or_else(|e| {
-                                Err(Error::Internal(format!(
-                                    "filtering a statement's rows: {e}"
-                                )))
-                            })
+                    Ok(FilteredChunk::Unfiltered(batch)) if filter.is_some() => {
+                        let (filter, output) = (filter.clone(), Arc::clone(&output));
+                        tokio::task::spawn_blocking(move || {
+                            choose(&batch, filter.as_deref(), &output)
+                        })
+                        .await
+                        .unwrap_or_else(|e| {
+                            Err(Error::Internal(format!(
+                                "filtering a statement's rows: {e}"
+                            )))
+                        })
                     }
-                    None => choose(&batch, None, &output),
+                    Ok(FilteredChunk::Unfiltered(batch)) => choose(&batch, None, &output),
+                    Err(error) => Err(error),
                 };
                 let chosen = match chosen {
                     Ok(chosen) => chosen,
-                    Err(error) => return Some((Err(error), (batches, 0))),
+                    Err(error) => return Some((Err(error), (chunks, 0))),
                 };
                 if chosen.num_rows() == 0 {
                     continue;
@@ -331,7 +362,7 @@ fn select(
                 let take = remaining.min(chosen.num_rows() as u64);
                 return Some((
                     Ok(chosen.slice(0, take as usize)),
-                    (batches, remaining - take),
+                    (chunks, remaining - take),
                 ));
             }
         }

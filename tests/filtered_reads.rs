@@ -1,0 +1,232 @@
+//! Filtered reads (a read CMD's `"where"`, the predicate Flight SQL statements use) against an
+//! oracle written here row by row, on every backend. On the CUDA backend the filter runs on
+//! the device wherever it reads only fixed-width and boolean columns, and the rows are
+//! gathered there; the answers must be the host's, for every type of column returned.
+
+mod common;
+
+use std::sync::Arc;
+
+use arrow::array::{
+    Array, ArrayRef, BooleanArray, Decimal128Array, DictionaryArray, FixedSizeBinaryArray,
+    Float64Array, Int32Array, Int64Array, LargeStringArray, StringArray, TimestampMillisecondArray,
+    UInt64Array,
+};
+use arrow::datatypes::Int32Type;
+use arrow::record_batch::RecordBatch;
+use arrow_flight::FlightDescriptor;
+use common::*;
+use futures::TryStreamExt;
+use gpu_flight::backend::Backend;
+
+type MakeBackend = fn() -> Arc<dyn Backend>;
+
+/// Row `i` of the test table: the values the oracle reads.
+fn x(i: usize) -> Option<i32> {
+    (!i.is_multiple_of(13)).then_some((i * 7919 % 1000) as i32)
+}
+
+fn f(i: usize) -> Option<f64> {
+    match i {
+        _ if i.is_multiple_of(19) => None,
+        _ if i.is_multiple_of(17) => Some(f64::NAN),
+        _ if i.is_multiple_of(31) => Some(-0.0),
+        _ => Some((i % 100) as f64 / 10.0 - 5.0),
+    }
+}
+
+fn b(i: usize) -> Option<bool> {
+    (!i.is_multiple_of(23)).then_some(i.is_multiple_of(3))
+}
+
+fn cents(i: usize) -> i128 {
+    (i % 1000) as i128 - 500
+}
+
+fn batch(rows: std::ops::Range<usize>) -> RecordBatch {
+    let strings = |i: usize| (!i.is_multiple_of(29)).then(|| format!("s{}", i % 50));
+    let columns: Vec<(&str, ArrayRef)> = vec![
+        (
+            "i",
+            Arc::new(Int64Array::from_iter_values(rows.clone().map(|i| i as i64))),
+        ),
+        ("x", Arc::new(Int32Array::from_iter(rows.clone().map(x)))),
+        ("f", Arc::new(Float64Array::from_iter(rows.clone().map(f)))),
+        ("b", Arc::new(BooleanArray::from_iter(rows.clone().map(b)))),
+        (
+            "u",
+            Arc::new(UInt64Array::from_iter_values(
+                rows.clone().map(|i| u64::MAX - i as u64),
+            )),
+        ),
+        (
+            "m",
+            Arc::new(
+                Decimal128Array::from_iter_values(rows.clone().map(cents))
+                    .with_precision_and_scale(12, 2)
+                    .expect("decimal"),
+            ),
+        ),
+        (
+            "t",
+            Arc::new(TimestampMillisecondArray::from_iter_values(
+                rows.clone().map(|i| i as i64 * 1000),
+            )),
+        ),
+        (
+            "s",
+            Arc::new(StringArray::from_iter(rows.clone().map(strings))),
+        ),
+        (
+            "ls",
+            Arc::new(LargeStringArray::from_iter_values(
+                rows.clone().map(|i| "x".repeat(i % 7)),
+            )),
+        ),
+        (
+            "d",
+            Arc::new(
+                rows.clone()
+                    .map(|i| ["red", "green", "blue"][i % 3])
+                    .collect::<DictionaryArray<Int32Type>>(),
+            ),
+        ),
+        (
+            "fb",
+            Arc::new(
+                FixedSizeBinaryArray::try_from_iter(
+                    rows.clone().map(|i| (i as u32).to_le_bytes()[..3].to_vec()),
+                )
+                .expect("fixed size binary"),
+            ),
+        ),
+    ];
+    RecordBatch::try_from_iter(columns).expect("batch")
+}
+
+/// The rows a predicate keeps, as the oracle reads them (SQL's NULL is never kept; floats
+/// order as Arrow orders them: NaN above everything, -0.0 below 0.0).
+type Keeps = Box<dyn Fn(usize) -> bool>;
+
+fn cases() -> Vec<(&'static str, Keeps)> {
+    let gt = |v: Option<f64>, than: f64| v.is_some_and(|v| v.total_cmp(&than).is_gt());
+    vec![
+        ("x < 100", Box::new(|i| x(i).is_some_and(|x| x < 100))),
+        (
+            "x BETWEEN 10 AND 20 AND b = TRUE",
+            Box::new(|i| x(i).is_some_and(|x| (10..=20).contains(&x)) && b(i) == Some(true)),
+        ),
+        (
+            "f > 0 OR x IS NULL",
+            Box::new(move |i| gt(f(i), 0.0) || x(i).is_none()),
+        ),
+        (
+            "NOT (f >= -1.0)",
+            Box::new(|i| f(i).is_some_and(|f| f.total_cmp(&-1.0).is_lt())),
+        ),
+        (
+            "f = 0",
+            Box::new(|i| f(i).is_some_and(|f| f.total_cmp(&0.0).is_eq())),
+        ),
+        (
+            "i IN (5, 77, 1000, 299999, 12, 13, 14, 15, 16)",
+            Box::new(|i| [5, 77, 1000, 299_999, 12, 13, 14, 15, 16].contains(&i)),
+        ),
+        ("m >= 4.99", Box::new(|i| cents(i) >= 499)),
+        ("t < TIMESTAMP '1970-01-01 00:01:40'", Box::new(|i| i < 100)),
+        (
+            "x = 3 AND f IS NOT NULL",
+            Box::new(|i| x(i) == Some(3) && f(i).is_some()),
+        ),
+        ("x IS NULL", Box::new(|i| x(i).is_none())),
+        ("i < 0", Box::new(|_| false)),
+        ("i >= 0", Box::new(|_| true)),
+        (
+            "u > 18446744073709500000",
+            Box::new(|i| u64::MAX - (i as u64) > 18_446_744_073_709_500_000),
+        ),
+        (
+            "b = FALSE OR x IN (1, 2, 3) OR NOT x IN (4, 5)",
+            Box::new(|i| b(i) == Some(false) || x(i).is_some_and(|x| x != 4 && x != 5)),
+        ),
+        // Strings are filtered on the host, on every backend.
+        (
+            "s = 's7' AND i < 1000",
+            Box::new(|i| i % 29 != 0 && i % 50 == 7 && i < 1000),
+        ),
+    ]
+}
+
+async fn where_keeps_the_oracles_rows(make: MakeBackend) {
+    let server = TestServer::start(make()).await;
+    let mut client = server.client().await;
+    let rows = 300_000;
+    // Three puts: several partitions, and chunks that start mid-partition.
+    let parts = [0..100_000, 100_000..250_000, 250_000..rows];
+    for (k, part) in parts.iter().enumerate() {
+        let mode = if k == 0 { "create" } else { "append" };
+        put(&mut client, cmd("t", mode), vec![batch(part.clone())])
+            .await
+            .expect("put");
+    }
+    let whole = batch(0..rows);
+    for (predicate, keeps) in cases() {
+        let command = serde_json::json!({"name": "t", "where": predicate});
+        let info = client
+            .get_flight_info(FlightDescriptor::new_cmd(command.to_string()))
+            .await
+            .unwrap_or_else(|e| panic!("{predicate}: {e}"));
+        let mut read = Vec::new();
+        for endpoint in &info.endpoint {
+            let ticket = endpoint.ticket.clone().expect("a ticket");
+            let mut part: Vec<RecordBatch> = client
+                .do_get(ticket)
+                .await
+                .expect("do_get")
+                .try_collect()
+                .await
+                .unwrap_or_else(|e| panic!("{predicate}: {e}"));
+            read.append(&mut part);
+        }
+        let got = concat(&whole.schema(), &read);
+        let kept: Vec<u64> = (0..rows).filter(|&i| keeps(i)).map(|i| i as u64).collect();
+        let expected = arrow::compute::take_record_batch(
+            &whole,
+            &arrow::array::UInt64Array::from(kept.clone()),
+        )
+        .expect("take");
+        assert_eq!(got.num_rows(), kept.len(), "{predicate}: rows kept");
+        for (index, field) in whole.schema().fields().iter().enumerate() {
+            assert_eq!(
+                got.column(index).to_data(),
+                expected.column(index).to_data(),
+                "{predicate}: column {}",
+                field.name()
+            );
+        }
+    }
+    let status = status(&mut client).await;
+    if status["backend"] == "cuda" {
+        // Every case but the string one ran on the device.
+        let chunks = status["counters"]["filtered_chunks"]
+            .as_u64()
+            .expect("counter");
+        assert!(chunks >= 14, "{chunks} chunks filtered on the device");
+        assert!(status["counters"]["filter_kernels_loaded"] == true);
+    }
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_where_keeps_the_oracles_rows() {
+    where_keeps_the_oracles_rows(|| Arc::new(gpu_flight::backend::HostBackend::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn cuda_where_keeps_the_oracles_rows() {
+    where_keeps_the_oracles_rows(|| {
+        Arc::new(gpu_flight::backend::CudaBackend::open(0).expect("CUDA device 0"))
+    })
+    .await;
+}
