@@ -264,6 +264,19 @@ pub struct ServeArgs {
     /// the other.
     #[arg(long, hide = true, value_enum, default_value = "framed")]
     pub doget_encoder: DoGetEncoder,
+
+    /// Where statements' and reads' filters run: `device` (where the rows live, when the
+    /// backend can) or `host` (after the rows were copied to host memory). Hidden: for
+    /// measuring one against the other.
+    #[arg(long, hide = true, value_enum, default_value = "device")]
+    pub filter_on: FilterOn,
+}
+
+/// Where filters run (`--filter-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FilterOn {
+    Device,
+    Host,
 }
 
 impl ServeArgs {
@@ -292,6 +305,7 @@ impl ServeArgs {
             max_put_message_bytes: bytes(self.max_put_message_bytes),
             max_request_bytes: bytes(self.max_request_bytes),
             progress_interval: Duration::from_secs(self.progress_seconds),
+            filter_on_device: self.filter_on == FilterOn::Device,
             ..FlightOptions::default()
         }
     }

@@ -98,6 +98,8 @@ pub struct FlightOptions {
     pub max_request_bytes: usize,
     /// Time between progress lines of a long call (`--progress-seconds`).
     pub progress_interval: std::time::Duration,
+    /// Whether filters run where the rows live when the backend can (`--filter-on`).
+    pub filter_on_device: bool,
 }
 
 impl Default for FlightOptions {
@@ -112,6 +114,7 @@ impl Default for FlightOptions {
             max_put_message_bytes: 1 << 30,
             max_request_bytes: 64 << 10,
             progress_interval: std::time::Duration::from_secs(5),
+            filter_on_device: true,
         }
     }
 }

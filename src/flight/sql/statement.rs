@@ -279,7 +279,11 @@ pub(crate) fn open(service: &Service, handle: &[u8]) -> Result<Reading, Error> {
     let dataset = &planned.dataset;
     // Where the backend can, it filters where the rows live (a GPU's kernels: only the rows
     // kept are copied off it); other chunks are filtered here.
-    let chunks = match filter.as_ref().and_then(Filter::for_backend) {
+    let on_device = filter
+        .as_ref()
+        .filter(|_| service.options.filter_on_device)
+        .and_then(Filter::for_backend);
+    let chunks = match on_device {
         Some(device) => {
             let read: Arc<[usize]> = match planned.columns {
                 Some(read) => Arc::from(read),
