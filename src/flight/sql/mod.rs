@@ -20,7 +20,7 @@ pub mod query;
 mod statement;
 
 pub(crate) use dispatch::{
-    SqlPut, action_types, check_ingest, decode, flight_info, is_action, open, put_command,
+    IngestCheck, SqlPut, action_types, decode, flight_info, is_action, open, put_command,
     run_action,
 };
 pub(crate) use prepared::{MAX_PARAMETER_BYTES, Prepared};
