@@ -255,7 +255,7 @@ pub(crate) fn run_action(
             let request = unpack::<ActionClosePreparedStatementRequest>(&action.body)?;
             service
                 .prepared
-                .close(&request.prepared_statement_handle, caller)?;
+                .close(&request.prepared_statement_handle, caller);
             Ok(Vec::new())
         }
         _ => Err(Error::Unsupported(
