@@ -3,8 +3,9 @@
 //! (`parameters`).
 //!
 //! A statement belongs to the principal that prepared it: others are told it does not exist
-//! (NOT_FOUND, as for one closed). There are at most [`MAX_STATEMENTS`]; one unused for [`IDLE`] is closed to make room, so a
-//! client that never closes its statements cannot fill the server.
+//! (NOT_FOUND, as for one closed). There are at most [`MAX_STATEMENTS`]; one unused for
+//! [`IDLE`] is closed to make room, so a client that never closes its statements cannot fill
+//! the server.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
