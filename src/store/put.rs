@@ -266,9 +266,10 @@ impl PendingPut {
 
     /// Compacts the put's partitions and makes them visible in one catalog operation (after
     /// the dataset's, for `append`), or fails leaving the catalog untouched: where the name is
-    /// taken for `create`, or free for a put that [requires its dataset](Self::require_existing). An append copies
-    /// only its own batches here, so that its cost follows what it adds, not the dataset: the
-    /// dataset's partitions are compacted afterwards, in the background (`background`).
+    /// taken for `create`, or free for a put that [requires its
+    /// dataset](Self::require_existing). An append copies only its own batches here, so that
+    /// its cost follows what it adds, not the dataset: the dataset's partitions are compacted
+    /// afterwards, in the background (`background`).
     pub async fn commit(self) -> Result<PutSummary, StoreError> {
         let (Some(schema), Some(schema_charge)) = (self.schema, self.schema_charge) else {
             return Err(StoreError::MissingSchema);

@@ -3,12 +3,13 @@
 //!
 //! The grammar puts every placeholder beside a column (`column op ?`, `? op column`, an `IN`
 //! list, `BETWEEN` bounds), so a parameter takes that column's type: a dictionary column's
-//! value type, as a parameter is one value. A placeholder beside no column (`$1 = $2`, `? <
-//! 3`) has no type to tell: it is refused as INVALID_ARGUMENT when the statement is parsed,
-//! saying so (`LIMIT ?` is refused as unimplemented, as every LIMIT but a number). One parameter compared with columns of
-//! different types (`a = $1 OR b = $1`, `a` int32 and `b` float64) has no single type: it is
-//! typed Null, the wildcard Flight SQL's specification suggests for parameters without one, and
-//! takes any value its columns accept when bound, as every parameter does.
+//! value type, as a parameter is one value. A placeholder beside no column (`$1 = $2`,
+//! `? < 3`) has no type to tell: it is refused as INVALID_ARGUMENT when the statement is
+//! parsed, saying so (`LIMIT ?` is refused as unimplemented, as every LIMIT but a number). One
+//! parameter compared with columns of different types (`a = $1 OR b = $1`, `a` int32 and `b`
+//! float64) has no single type: it is typed Null, the wildcard Flight SQL's specification
+//! suggests for parameters without one, and takes any value its columns accept when bound, as
+//! every parameter does.
 //!
 //! Fields are named `parameter_1`, `parameter_2`, ... in parameter order (the names Arrow's
 //! own Flight SQL servers give unnamed parameters; clients bind by position), and are nullable:
