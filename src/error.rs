@@ -66,6 +66,9 @@ pub enum Error {
     /// Prepared statements hold what the server allows them: the message says which limit.
     #[error("{0}")]
     PreparedStatementsFull(String),
+    /// A prepared statement handle the caller holds no statement under.
+    #[error("{0}")]
+    UnknownPreparedStatement(String),
     /// Valid SQL that Flight SQL here does not run; the message says what it runs.
     #[error("{0}")]
     SqlUnsupported(String),
@@ -107,6 +110,7 @@ impl Error {
             Self::PutAbandoned(_) => Code::Aborted,
             Self::ShuttingDown => Code::Unavailable,
             Self::PreparedStatementsFull(_) => Code::ResourceExhausted,
+            Self::UnknownPreparedStatement(_) => Code::NotFound,
             Self::SqlUnsupported(_) => Code::Unimplemented,
             Self::SqlInvalid(_) => Code::InvalidArgument,
             Self::Internal(_) => Code::Internal,

@@ -29,7 +29,7 @@ use tonic::{Code, Request, Status, Streaming};
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
-use super::sql::{self, SqlPut};
+use super::sql::{self, IngestCheck, SqlPut};
 use super::{FlightOptions, Service};
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
@@ -160,13 +160,12 @@ pub(crate) async fn receive(
             caller.authorize(put)?;
             (
                 descriptor::put_target(first.flight_descriptor.as_ref())?,
-                false,
+                None,
             )
         }
         Some(SqlPut::Ingest(target, check)) => {
             caller.authorize(put)?;
-            sql::check_ingest(store, &target, check)?;
-            (target, true)
+            (target, Some(check))
         }
         Some(SqlPut::Parameters(handle)) => {
             drop(first_charge);
@@ -183,6 +182,9 @@ pub(crate) async fn receive(
         .map(|d| resolve_device(store, d))
         .transpose()?;
     let mut pending = store.begin_put_on(target.name, target.mode, &caller.name, device)?;
+    if ingested == Some(IngestCheck::MustExist) {
+        pending.require_existing()?;
+    }
 
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
     let receiving_inbound = inbound.clone();
@@ -274,7 +276,7 @@ pub(crate) async fn receive(
         principal = %caller.name,
         "DoPut committed"
     );
-    Ok(if ingested {
+    Ok(if ingested.is_some() {
         Answer::Ingested(summary)
     } else {
         Answer::Put(summary)

@@ -98,6 +98,7 @@ impl Puts {
             partitions: Vec::new(),
             rows: 0,
             data_bytes: 0,
+            must_exist: false,
         })
     }
 }
@@ -119,6 +120,8 @@ pub struct PendingPut {
     partitions: Vec<StoredPartition>,
     rows: u64,
     data_bytes: u64,
+    /// Commit only over the dataset as it exists (see [`PendingPut::require_existing`]).
+    must_exist: bool,
 }
 
 /// An upload running in the backend; resolve it and pass the result to [`PendingPut::add`].
@@ -127,6 +130,20 @@ pub type Upload = BoxFuture<'static, Result<StoredPartition, StoreError>>;
 impl PendingPut {
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Makes the put fail with [`StoreError::NotFound`] unless its dataset exists: now, and
+    /// again in the catalog operation that commits it. An `append` (or `replace`) that must not
+    /// create its dataset (Flight SQL ingestion with `if_not_exist = FAIL`, ADBC's `append`)
+    /// then fails, committing nothing, when the dataset is dropped while it runs.
+    pub fn require_existing(&mut self) -> Result<(), StoreError> {
+        if !self.puts.catalog.contains(&self.name) {
+            return Err(StoreError::NotFound {
+                name: self.name.clone(),
+            });
+        }
+        self.must_exist = true;
+        Ok(())
     }
 
     /// Records the schema the client declared. A repeated identical schema is accepted; a
@@ -248,9 +265,11 @@ impl PendingPut {
     }
 
     /// Compacts the put's partitions and makes them visible in one catalog operation (after
-    /// the dataset's, for `append`), or fails leaving the catalog untouched. An append copies
-    /// only its own batches here, so that its cost follows what it adds, not the dataset: the
-    /// dataset's partitions are compacted afterwards, in the background (`background`).
+    /// the dataset's, for `append`), or fails leaving the catalog untouched: where the name is
+    /// taken for `create`, or free for a put that [requires its
+    /// dataset](Self::require_existing). An append copies only its own batches here, so that
+    /// its cost follows what it adds, not the dataset: the dataset's partitions are compacted
+    /// afterwards, in the background (`background`).
     pub async fn commit(self) -> Result<PutSummary, StoreError> {
         let (Some(schema), Some(schema_charge)) = (self.schema, self.schema_charge) else {
             return Err(StoreError::MissingSchema);
@@ -315,6 +334,9 @@ impl PendingPut {
                 let persisted = catalog.persist_whole(&dataset);
                 let previous = entry.insert(Arc::clone(&dataset));
                 (dataset, Some(previous), persisted)
+            }
+            Entry::Vacant(_) if self.must_exist => {
+                return Err(StoreError::NotFound { name: self.name });
             }
             Entry::Vacant(entry) => {
                 catalog.check_damage(&self.name, self.mode)?;
@@ -427,6 +449,54 @@ mod tests {
             "only the appended rows, not the dropped ones"
         );
         assert_eq!(store.get("t").expect("dataset").num_rows(), 10);
+    }
+
+    #[tokio::test]
+    async fn an_append_that_requires_its_dataset_fails_when_it_is_dropped_while_compacting() {
+        let backend = GatedBackend::new(HostBackend::new(), false);
+        let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
+        let store = Store::new(Arc::new(backend), StoreOptions::default());
+        let mut absent = store
+            .begin_put("t".to_owned(), PutMode::Append, "test")
+            .expect("begin");
+        assert!(matches!(
+            absent.require_existing(),
+            Err(StoreError::NotFound { .. })
+        ));
+        drop(absent);
+        put(&store, PutMode::Create, vec![batch(0..10)])
+            .await
+            .commit()
+            .await
+            .expect("create");
+        let mut append = put(&store, PutMode::Append, vec![batch(10..15), batch(15..20)]).await;
+        append
+            .require_existing()
+            .expect("t exists when the append begins");
+        let commit = tokio::spawn(append.commit());
+        started.notified().await;
+        store.remove("t").expect("drop while the append compacts");
+        release.notify_one();
+        let error = commit.await.expect("task").expect_err("t is gone");
+        assert!(
+            matches!(&error, StoreError::NotFound { name } if name == "t"),
+            "{error}"
+        );
+        assert!(
+            store.get("t").is_err(),
+            "the drop stands: nothing committed"
+        );
+        for _ in 0..100 {
+            if store.status().devices[0].used_bytes == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            store.status().devices[0].used_bytes,
+            0,
+            "the append's memory is returned"
+        );
     }
 
     #[tokio::test]

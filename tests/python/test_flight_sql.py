@@ -106,6 +106,78 @@ def test_parameters_are_bound_through_a_prepared_statement(client, conn):
             assert cursor.fetch_arrow_table().column("i").to_pylist() == list(range(bound))
 
 
+def test_prepare_says_the_type_of_each_parameter(client, conn):
+    """Each parameter has the type of the column it is compared with, named parameter_1, ...;
+    a batch built from that schema binds."""
+    table = numbers()
+    name = unique("ptypes")
+    put(client, name, table, chunk=300)
+    sql = (
+        f"SELECT i FROM \"{name}\" WHERE i >= ? AND s IN (?, 's9') AND m BETWEEN ? AND ? AND (d = ? OR t < ?)"
+    )
+    types = [
+        pa.int64(),
+        pa.string(),
+        pa.decimal128(10, 2),
+        pa.decimal128(10, 2),
+        pa.date32(),
+        pa.timestamp("us", tz="UTC"),
+    ]
+    expected = pa.schema([pa.field(f"parameter_{n}", t) for n, t in enumerate(types, 1)])
+    with conn.cursor() as cursor:
+        assert cursor.adbc_prepare(sql) == expected
+        start = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
+        values = [
+            100,
+            "s1",
+            decimal.Decimal("1.00"),
+            decimal.Decimal("9.00"),
+            datetime.date(2024, 5, 31),
+            start + datetime.timedelta(hours=160),
+        ]
+        cursor.execute(
+            sql, pa.record_batch([pa.array([v], t) for v, t in zip(values, types)], schema=expected)
+        )
+        assert cursor.fetch_arrow_table().column("i").to_pylist() == [101, 109, 151, 159]
+        assert cursor.adbc_prepare(f'SELECT * FROM "{name}" LIMIT 5') == pa.schema([])
+        # One parameter beside columns of two types has no one type: the spec's Null wildcard.
+        mixed = f'SELECT i FROM "{name}" WHERE i = $1 OR f = $1'
+        assert cursor.adbc_prepare(mixed) == pa.schema([pa.field("parameter_1", pa.null())])
+        cursor.execute(mixed, (9.25,))
+        assert cursor.fetch_arrow_table().column("i").to_pylist() == [37]
+        with pytest.raises(adbc_driver_manager.dbapi.ProgrammingError, match="has no type") as refused:
+            cursor.adbc_prepare(f'SELECT i FROM "{name}" WHERE $1 = $2')
+        assert refused.value.status_code == adbc_driver_manager.AdbcStatusCode.INVALID_ARGUMENT
+
+
+def test_a_statement_made_room_for_is_not_found(client, conn):
+    """A statement the server closed (its principal's oldest, making room for the 257th) is
+    NOT_FOUND, which ADBC raises as a ProgrammingError with that status and the server's word."""
+    name = unique("evicted")
+    put(client, name, numbers(10))
+    sql = f'SELECT i FROM "{name}" WHERE i < ?'
+    newer = []
+    with conn.cursor() as oldest:
+        oldest.adbc_prepare(sql)
+        try:
+            for i in range(256):
+                cursor = conn.cursor()
+                cursor.adbc_prepare(f'SELECT i FROM "{name}" WHERE i > {i % 5}')
+                newer.append(cursor)
+            with pytest.raises(
+                adbc_driver_manager.dbapi.ProgrammingError, match="no such prepared statement"
+            ) as gone:
+                oldest.execute(sql, (3,))
+            assert gone.value.status_code == adbc_driver_manager.AdbcStatusCode.NOT_FOUND
+            assert "NOT_FOUND" in str(gone.value)
+        finally:
+            for cursor in newer:
+                cursor.close()
+        # Prepared again (another statement replaces it on the cursor), it runs.
+        oldest.execute(f'SELECT i FROM "{name}" WHERE i < ? AND i > ?', (3, 0))
+        assert oldest.fetch_arrow_table().column("i").to_pylist() == [1, 2]
+
+
 def test_the_catalog_lists_datasets_as_tables(client, conn):
     table = numbers(10)
     name = unique("cat")

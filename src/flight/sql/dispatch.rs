@@ -21,7 +21,7 @@ use crate::error::Error;
 use crate::flight::Service;
 use crate::flight::descriptor::{PutTarget, parse_name};
 use crate::flight::read::Reading;
-use crate::store::{PutMode, StoreError};
+use crate::store::PutMode;
 
 const SQL_TYPES: &str = "type.googleapis.com/arrow.flight.protocol.sql.";
 
@@ -159,8 +159,8 @@ pub(crate) enum SqlPut {
     Parameters(bytes::Bytes),
 }
 
-/// What must hold of the table before an ingestion (ADBC's `append` and `replace` modes do not
-/// create it).
+/// What must hold of the table an ingestion writes to (ADBC's `append` mode does not create
+/// it): checked when the put begins and again as it commits (`PendingPut::require_existing`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum IngestCheck {
     None,
@@ -234,21 +234,6 @@ fn ingest_target(ingest: CommandStatementIngest) -> Result<SqlPut, Error> {
     Ok(SqlPut::Ingest(target, check))
 }
 
-/// Refuses an ingestion whose table must exist and does not.
-pub(crate) fn check_ingest(
-    service_store: &crate::store::Store,
-    target: &PutTarget,
-    check: IngestCheck,
-) -> Result<(), Error> {
-    if check == IngestCheck::MustExist && service_store.get(&target.name).is_err() {
-        return Err(StoreError::NotFound {
-            name: target.name.clone(),
-        }
-        .into());
-    }
-    Ok(())
-}
-
 /// Runs a Flight SQL action; its results, each an `Any`-packed message.
 pub(crate) fn run_action(
     service: &Service,
@@ -270,7 +255,7 @@ pub(crate) fn run_action(
             let request = unpack::<ActionClosePreparedStatementRequest>(&action.body)?;
             service
                 .prepared
-                .close(&request.prepared_statement_handle, caller)?;
+                .close(&request.prepared_statement_handle, caller);
             Ok(Vec::new())
         }
         _ => Err(Error::Unsupported(

@@ -8,19 +8,21 @@
 //! parameters and batches). The datasets are the tables of one catalog and schema
 //! (`metadata`). Statements are read through the plain read's tickets and filtered as they
 //! stream (`statement`), directly or prepared with parameters bound through `DoPut`
-//! (`prepared`); bulk ingestion is a put; `dispatch` recognises which request a call carries.
-//! Updates, transactions and Substrait are refused as unimplemented.
+//! (`prepared`; `parameters` types each by the column it is compared with); bulk ingestion is
+//! a put; `dispatch` recognises which request a call carries. Updates, transactions and
+//! Substrait are refused as unimplemented.
 
 mod dispatch;
 pub mod error;
 mod metadata;
+mod parameters;
 pub mod predicate;
 mod prepared;
 pub mod query;
 mod statement;
 
 pub(crate) use dispatch::{
-    SqlPut, action_types, check_ingest, decode, flight_info, is_action, open, put_command,
+    IngestCheck, SqlPut, action_types, decode, flight_info, is_action, open, put_command,
     run_action,
 };
 pub(crate) use prepared::{MAX_PARAMETER_BYTES, Prepared};

@@ -1,9 +1,11 @@
 //! Prepared statements: SELECTs parsed once, run with the parameters a client binds through
-//! `DoPut`, until closed.
+//! `DoPut`, until closed. Preparing answers with the schemas of the rows and of the parameters
+//! (`parameters`).
 //!
-//! A statement belongs to the principal that prepared it: others are told it does not exist.
-//! There are at most [`MAX_STATEMENTS`]; one unused for [`IDLE`] is closed to make room, so a
-//! client that never closes its statements cannot fill the server.
+//! A statement belongs to the principal that prepared it: others are told it does not exist
+//! (NOT_FOUND, as for one closed). There are at most [`MAX_STATEMENTS`]; one unused for
+//! [`IDLE`] is closed to make room, so a client that never closes its statements cannot fill
+//! the server.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -17,7 +19,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 
 use super::query::{self, Query};
-use super::statement;
+use super::{parameters, statement};
 use crate::auth::Principal;
 use crate::error::Error;
 use crate::flight::Service;
@@ -61,10 +63,11 @@ impl std::fmt::Debug for Prepared {
 }
 
 fn unknown() -> Error {
-    Error::InvalidCommand(
-        "no such prepared statement (closed, idle for an hour, or prepared by someone else)"
-            .to_owned(),
-    )
+    Error::UnknownPreparedStatement(format!(
+        "no such prepared statement: it was closed, made room for newer ones (a principal holds \
+         at most {MAX_PER_PRINCIPAL}, and one idle for an hour may be closed), or was prepared \
+         by another principal; prepare it again"
+    ))
 }
 
 impl Prepared {
@@ -76,6 +79,8 @@ impl Prepared {
     ) -> Result<ActionCreatePreparedStatementResult, Error> {
         let query = query::parse(sql)?;
         let schema = statement::output_schema(service, &query)?;
+        let parameter_schema =
+            parameters::schema(&query, &service.store.get(&query.table)?.schema())?;
         let mine: Vec<(Bytes, Instant)> = self
             .statements
             .iter()
@@ -109,12 +114,15 @@ impl Prepared {
         getrandom::fill(&mut handle)
             .map_err(|e| Error::Internal(format!("no randomness for a handle: {e}")))?;
         let handle = Bytes::from(hex::encode(handle));
-        let options = IpcWriteOptions::default();
-        let schema_message: IpcMessage = SchemaAsIpc::new(&schema, &options).try_into().map_err(
-            |e: arrow::error::ArrowError| {
-                Error::Internal(format!("encoding a statement's schema: {e}"))
-            },
-        )?;
+        let encode = |schema: &arrow::datatypes::Schema| {
+            let options = IpcWriteOptions::default();
+            let message: Result<IpcMessage, _> = SchemaAsIpc::new(schema, &options).try_into();
+            message.map(|message| message.0).map_err(|e| {
+                Error::Internal(format!("encoding a prepared statement's schemas: {e}"))
+            })
+        };
+        let dataset_schema = encode(&schema)?;
+        let parameter_schema = encode(&parameter_schema)?;
         self.statements.insert(
             handle.clone(),
             Statement {
@@ -128,8 +136,8 @@ impl Prepared {
         );
         Ok(ActionCreatePreparedStatementResult {
             prepared_statement_handle: handle,
-            dataset_schema: schema_message.0,
-            parameter_schema: Bytes::new(),
+            dataset_schema,
+            parameter_schema,
         })
     }
 
@@ -204,15 +212,18 @@ impl Prepared {
         Ok(())
     }
 
-    pub(crate) fn close(&self, handle: &[u8], caller: &Principal) -> Result<(), Error> {
-        match self.statements.get(handle) {
-            Some(statement) if statement.owner == caller.name => {}
-            _ => return Err(unknown()),
-        }
-        if let Some((_, statement)) = self.statements.remove(handle) {
+    /// Closes the caller's statement under `handle`. Closing one that is not there (closed
+    /// already, or closed to make room) succeeds, as it does in Arrow's Java example server: ADBC
+    /// closes a cursor's statement before preparing the cursor's next, and closes it with the
+    /// cursor, so a cursor whose statement the server closed could otherwise neither prepare
+    /// again nor close. Another principal's statement stays, and the caller learns nothing of it.
+    pub(crate) fn close(&self, handle: &[u8], caller: &Principal) {
+        if let Some((_, statement)) = self
+            .statements
+            .remove_if(handle, |_, statement| statement.owner == caller.name)
+        {
             self.bound
                 .fetch_sub(statement.parameter_bytes, Ordering::Relaxed);
         }
-        Ok(())
     }
 }

@@ -162,6 +162,12 @@ impl Builder {
                 op: op.flip(),
                 value: self.operand(left, depth)?,
             }),
+            (None, None) if is_placeholder(left) || is_placeholder(right) => {
+                Err(untyped_parameter(&format!(
+                    "compared with {}",
+                    describe(if is_placeholder(left) { right } else { left })
+                )))
+            }
             (None, None) => Err(SqlError::unsupported(format!(
                 "a comparison of {} with {} (one side must be a column)",
                 describe(left),
@@ -319,6 +325,24 @@ fn cmp_op(op: &BinaryOperator) -> Option<CmpOp> {
     })
 }
 
+/// A parameter takes the type of the column it is compared with: one without a column has none
+/// a client could be told (`$1 = $2`), so the statement is not one this server can prepare.
+fn untyped_parameter(found: &str) -> SqlError {
+    SqlError::invalid(format!(
+        "a parameter {found} has no type: each parameter must be compared with a column \
+         (column op ?, column [NOT] IN (?, ...), column [NOT] BETWEEN ? AND ?), whose type it \
+         takes"
+    ))
+}
+
+fn is_placeholder(expr: &Expr) -> bool {
+    match expr {
+        Expr::Value(v) => matches!(v.value, Value::Placeholder(_)),
+        Expr::Nested(inner) => is_placeholder(inner),
+        _ => false,
+    }
+}
+
 /// The column an expression names, looking through parentheses.
 fn as_column(expr: &Expr) -> Option<&Expr> {
     match expr {
@@ -331,6 +355,9 @@ fn as_column(expr: &Expr) -> Option<&Expr> {
 /// The name of the column `expr` names: unquoted names as written (column names are
 /// case-sensitive), quoted ones exactly.
 fn column(expr: &Expr) -> Result<String, SqlError> {
+    if is_placeholder(expr) {
+        return Err(untyped_parameter("where a column was expected"));
+    }
     match as_column(expr) {
         Some(Expr::Identifier(ident)) => Ok(ident.value.clone()),
         Some(Expr::CompoundIdentifier(_)) => Err(SqlError::unsupported(
@@ -349,6 +376,7 @@ pub(in crate::flight::sql) fn describe(expr: &Expr) -> String {
     match expr {
         Expr::Identifier(ident) => format!("the column {ident}"),
         Expr::CompoundIdentifier(_) => "a qualified name".to_owned(),
+        Expr::Value(v) if matches!(v.value, Value::Placeholder(_)) => "a parameter".to_owned(),
         Expr::Value(_) | Expr::TypedString(_) => "a literal".to_owned(),
         Expr::BinaryOp { op, .. } => format!("the operator {op}"),
         Expr::UnaryOp { op, .. } => format!("the operator {op}"),
