@@ -1,11 +1,12 @@
-// A JVM client of gpu-flight for the test suite (tests/python/test_java_client.py): plain gRPC stubs
-// generated from Arrow's Flight.proto (proto/), and Arrow Java's IPC reader and writer from the jars
-// pyspark ships. It shows that JVM Arrow readers (Spark's among them) take the server's FlightData
-// as they come: each data_header is an Arrow IPC flatbuffer Message and data_body its body, handed
-// to Arrow Java's MessageSerializer unchanged, as Arrow's Flight Java client does.
+// A JVM client of gpu-flight for the test suite (tests/python/test_java_client.py): plain gRPC
+// stubs generated from Arrow's Flight.proto (proto/), and Arrow Java's IPC reader and writer from
+// the jars pyspark ships. It shows that JVM Arrow readers (Spark's among them) take the server's
+// FlightData as they come: each data_header is an Arrow IPC flatbuffer Message and data_body its
+// body, handed to Arrow Java's MessageSerializer unchanged, as Arrow's Flight Java client does.
 //
-//   FlightJavaClient get URI NAME OUT.arrow   GetFlightInfo(PATH NAME), DoGet of every endpoint in
-//                                             order, the rows written to OUT.arrow (an Arrow IPC file)
+//   FlightJavaClient get URI NAME OUT.arrow   GetFlightInfo(PATH NAME), then DoGet of every
+//                                             endpoint in order; the rows go to OUT.arrow (an
+//                                             Arrow IPC file)
 //   FlightJavaClient put URI NAME IN.arrow    DoPut(PATH NAME) of IN.arrow's batches
 //
 // URI is grpc://host:port (or grpc+tcp://). GPU_FLIGHT_TOKEN in the environment, if set, is sent as
@@ -186,7 +187,8 @@ public final class FlightJavaClient {
                 // deserializeRecordBatch takes the body's reference: the batch's buffers are
                 // slices of it, released with the batch.
                 ArrowBuf body = body(allocator, data.getDataBody());
-                try (ArrowRecordBatch batch = MessageSerializer.deserializeRecordBatch(message, body)) {
+                try (ArrowRecordBatch batch =
+                    MessageSerializer.deserializeRecordBatch(message, body)) {
                   new VectorLoader(root).load(batch);
                 }
                 writer.writeBatch();
