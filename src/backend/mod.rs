@@ -222,7 +222,8 @@ pub trait Partition: Send + Sync + fmt::Debug {
     /// [`Partition::read`] of the rows `filter` keeps, filtered where the partition lives:
     /// of the columns `columns` (schema positions; the filter's tests name positions among
     /// them), those at `output` (positions among `columns`) are returned. `None` where this
-    /// partition cannot run the filter: the caller then filters a plain read.
+    /// partition cannot run the filter, and a read that ends in `Ok(None)` where it could not
+    /// this time (no device memory to filter in): the caller then filters a plain read.
     fn read_filtered(
         &self,
         _offset: usize,
@@ -230,7 +231,7 @@ pub trait Partition: Send + Sync + fmt::Debug {
         _columns: &[usize],
         _filter: &Arc<filter::RowFilter>,
         _output: &[usize],
-    ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+    ) -> Option<BoxFuture<'static, Result<Option<RecordBatch>, BackendError>>> {
         None
     }
 

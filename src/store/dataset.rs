@@ -257,25 +257,26 @@ impl Dataset {
             });
         }
         let all = Some(Arc::clone(&columns));
-        self.read_chunks(
-            rows,
-            all,
-            chunk_bytes,
-            prefetch,
-            move |data, chunk, _| match data.read_filtered(
-                chunk.offset,
-                chunk.len,
-                &columns,
-                &filter,
-                &output,
-            ) {
-                Some(filtered) => filtered.map_ok(FilteredChunk::Filtered).boxed(),
-                None => data
-                    .read(chunk.offset, chunk.len, Some(&columns))
-                    .map_ok(FilteredChunk::Unfiltered)
-                    .boxed(),
-            },
-        )
+        self.read_chunks(rows, all, chunk_bytes, prefetch, move |data, chunk, _| {
+            let plain = {
+                let (data, columns) = (Arc::clone(data), Arc::clone(&columns));
+                move || {
+                    data.read(chunk.offset, chunk.len, Some(&columns))
+                        .map_ok(FilteredChunk::Unfiltered)
+                }
+            };
+            match data.read_filtered(chunk.offset, chunk.len, &columns, &filter, &output) {
+                // Ok(None): the backend could not filter this chunk after all.
+                Some(filtered) => async move {
+                    match filtered.await? {
+                        Some(batch) => Ok(FilteredChunk::Filtered(batch)),
+                        None => plain().await,
+                    }
+                }
+                .boxed(),
+                None => plain().boxed(),
+            }
+        })
     }
 
     /// Streams rows `rows` as chunks of roughly `chunk_bytes`, each read by `read` from its

@@ -139,6 +139,8 @@ struct Counters {
     filtered_chunks: AtomicU64,
     filtered_rows: AtomicU64,
     filtered_rows_kept: AtomicU64,
+    /// Chunks that could not be filtered on this GPU for want of memory.
+    filter_fallbacks: AtomicU64,
 }
 
 impl CudaBackend {
@@ -752,6 +754,7 @@ impl Shared {
             "filtered_chunks": c.filtered_chunks.load(Ordering::Relaxed),
             "filtered_rows": c.filtered_rows.load(Ordering::Relaxed),
             "filtered_rows_kept": c.filtered_rows_kept.load(Ordering::Relaxed),
+            "filter_fallbacks": c.filter_fallbacks.load(Ordering::Relaxed),
             "filter_kernels_loaded": self.filter_kernels.is_some(),
         });
         match counters {
@@ -934,7 +937,7 @@ impl Partition for CudaPartition {
         columns: &[usize],
         filter: &Arc<RowFilter>,
         output: &[usize],
-    ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+    ) -> Option<BoxFuture<'static, Result<Option<RecordBatch>, BackendError>>> {
         self.shared.filter_kernels.as_ref()?;
         check_rows(offset, len, self.rows).ok()?;
         let stored = self.stored(columns).ok()?;
@@ -953,7 +956,7 @@ impl Partition for CudaPartition {
             let kernels = shared.filter_kernels.as_ref().ok_or_else(|| {
                 BackendError::Device("the filter kernels are not loaded".to_owned())
             })?;
-            let (batch, stats) = shared.with_stream(|stream| {
+            let filtered = shared.with_stream(|stream| {
                 filter::read_filtered(
                     kernels,
                     &stored,
@@ -964,7 +967,20 @@ impl Partition for CudaPartition {
                     stream,
                     &shared.pool,
                 )
-            })?;
+            });
+            let (batch, stats) = match filtered {
+                // The GPU's memory is the datasets'; without room to filter in, the rows are
+                // read plainly and filtered on the host.
+                Err(BackendError::OutOfMemory { requested, .. }) => {
+                    tracing::debug!(requested, "no device memory to filter in");
+                    shared
+                        .counters
+                        .filter_fallbacks
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Ok(None);
+                }
+                other => other?,
+            };
             let c = &shared.counters;
             c.filtered_chunks.fetch_add(1, Ordering::Relaxed);
             c.filtered_rows.fetch_add(len as u64, Ordering::Relaxed);
@@ -972,7 +988,7 @@ impl Partition for CudaPartition {
                 .fetch_add(stats.kept, Ordering::Relaxed);
             c.read_syncs.fetch_add(stats.syncs, Ordering::Relaxed);
             c.read_bytes.fetch_add(stats.bytes, Ordering::Relaxed);
-            Ok(batch)
+            Ok(Some(batch))
         });
         Some(task.map(flatten_join).boxed())
     }
