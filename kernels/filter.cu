@@ -16,9 +16,11 @@
 // Launch contract
 //   - blockDim.x == TILE for every kernel; gridDim.x == ceil(rows / TILE), and one block for
 //     gpu_flight_scan. Every thread of a block reaches every __syncthreads.
-//   - Programs are checked on the host (src/backend/filter.rs, RowFilter::check): every test
-//     names a listed column, IN lists lie inside keys, the stack never passes MAX_STACK and
-//     ends with one answer. The host checks every buffer's extent before each launch.
+//   - Programs are checked on the host (src/backend/cuda/filter_abi.rs, check_program): every
+//     test names a listed column, IN lists and literals lie inside the keys, strings and byte
+//     pool, the stack never passes MAX_STACK and ends with one answer. The host checks every
+//     buffer's extent before each launch; string offsets are clamped into their data, and a
+//     dictionary key naming no string reads as the empty string.
 //   - Gathers never write at or past `count` output rows (or `total` string bytes), whatever
 //     the flags say, and string offsets are clamped into their data: corrupt inputs can give
 //     wrong rows, never a write outside the output.
@@ -26,6 +28,7 @@
 // Keys (must match `backend::filter::key`): every value is read as a 128-bit signed integer
 // that orders as the values do; floats through the IEEE 754 total order (the bits, with all
 // but the sign flipped for negative numbers), as Arrow's comparison kernels order them.
+// Strings (and dictionaries of strings) compare bytewise with literals of the program's pool.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -49,6 +52,8 @@ enum Code : u32 {
     AND = 6,
     OR = 7,
     NOT = 8,
+    COMPARE_BYTES = 9,
+    IN_STRINGS = 10,
 };
 
 enum Cmp : u32 {
@@ -73,6 +78,8 @@ enum Type : u32 {
     FLOAT64 = 10,
     INT128 = 11,
     BITS = 12,
+    STRINGS = 13,     // aux: the offsets' width (4 or 8)
+    DICTIONARY = 14,  // aux: the keys' Type, plus the dictionary's offsets' width times 256
 };
 
 // Three-valued answers.
@@ -88,10 +95,20 @@ struct Key {
 
 // Must match `FilterColumn` in src/backend/cuda/filter_abi.rs.
 struct Column {
-    u64 values;    // device address of the values of row 0 (bits for BITS)
-    u64 validity;  // device address of the validity bitmap of row 0; 0 when no row is null
+    u64 values;              // values of row 0 (bits for BITS, offsets, dictionary keys)
+    u64 validity;            // the validity bitmap of row 0; 0 when no row is null
+    u64 data;                // STRINGS, DICTIONARY: the strings' bytes
+    u64 data_len;
+    u64 dictionary_offsets;  // DICTIONARY: its strings' offsets, and how many strings
+    u64 dictionary_len;
     u32 type;
-    u32 reserved;
+    u32 aux;
+};
+
+// Must match `FilterString` in src/backend/cuda/filter_abi.rs: bytes of the program's pool.
+struct Str {
+    u32 start;
+    u32 len;
 };
 
 // Must match `FilterOp` in src/backend/cuda/filter_abi.rs.
@@ -99,11 +116,11 @@ struct Op {
     u32 code;
     u32 column;      // tests: index into the columns table
     u32 cmp;         // COMPARE: Cmp
-    u32 arg;         // CONSTANT: the answer; IN_LIST: whether the list held NULL; AND/OR: count
+    u32 arg;         // CONSTANT: the answer; IN_*: whether the list held NULL; AND/OR: count
     u64 key_lo;      // COMPARE: the literal's key
     i64 key_hi;
-    u32 list_start;  // IN_LIST: its sorted keys, keys[list_start .. list_start + list_len]
-    u32 list_len;
+    u32 list_start;  // IN_LIST: its sorted keys, keys[list_start .. list_start + list_len];
+    u32 list_len;    // IN_STRINGS: its sorted strings; COMPARE_BYTES: the literal's bytes
 };
 
 __device__ __forceinline__ u32 bit_at(u64 bitmap, u64 i) {
@@ -183,14 +200,87 @@ __device__ u32 in_list(const Key* keys, u32 start, u32 len, Key k) {
     return 0;
 }
 
+// The byte range of string `row`, clamped into its data.
+__device__ void string_span(u64 offsets, u32 width, u64 data_len, u64 row, u64* start,
+                            u64* len) {
+    i64 a, b;
+    if (width == 4) {
+        a = ((const i32*)offsets)[row];
+        b = ((const i32*)offsets)[row + 1];
+    } else {
+        a = ((const i64*)offsets)[row];
+        b = ((const i64*)offsets)[row + 1];
+    }
+    const u64 s = a < 0 ? 0 : ((u64)a > data_len ? data_len : (u64)a);
+    const u64 e = b < (i64)s ? s : ((u64)b > data_len ? data_len : (u64)b);
+    *start = s;
+    *len = e - s;
+}
+
+// The string of a STRINGS or DICTIONARY column in `row` (a key naming no string of its
+// dictionary, which Arrow allows only under a NULL, reads as the empty string).
+__device__ void load_bytes(const Column& c, u64 row, const u8** bytes, u64* len) {
+    u64 offsets = c.values, index = row;
+    u32 width = c.aux & 0xff;
+    if (c.type == DICTIONARY) {
+        Column keys = c;
+        keys.type = c.aux & 0xff;
+        const Key k = load_key(keys, row);
+        if (k.hi != 0 || k.lo >= c.dictionary_len) {
+            *bytes = (const u8*)c.data;
+            *len = 0;
+            return;
+        }
+        offsets = c.dictionary_offsets;
+        index = k.lo;
+        width = c.aux >> 8;
+    }
+    u64 start;
+    string_span(offsets, width, c.data_len, index, &start, len);
+    *bytes = (const u8*)c.data + start;
+}
+
+// Arrow's order of strings: bytewise, a prefix first.
+__device__ int bytes_cmp(const u8* a, u64 a_len, const u8* b, u64 b_len) {
+    const u64 n = a_len < b_len ? a_len : b_len;
+    for (u64 i = 0; i < n; ++i) {
+        if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
+    }
+    return a_len < b_len ? -1 : (a_len > b_len ? 1 : 0);
+}
+
+__device__ u32 in_strings(const Str* strings, const u8* pool, u32 start, u32 len,
+                          const u8* s, u64 s_len) {
+    u32 lo = start, hi = start + len;
+    while (lo < hi) {
+        const u32 mid = lo + (hi - lo) / 2;
+        const int order = bytes_cmp(pool + strings[mid].start, strings[mid].len, s, s_len);
+        if (order == 0) return 1;
+        if (order < 0) lo = mid + 1; else hi = mid;
+    }
+    return 0;
+}
+
 // The answer of one test on one row.
-__device__ u8 test(const Op& op, const Column* columns, const Key* keys, u64 row) {
+__device__ u8 test(const Op& op, const Column* columns, const Key* keys, const Str* strings,
+                   const u8* pool, u64 row) {
     const Column c = columns[op.column];
     const bool valid = c.validity == 0 || bit_at(c.validity, row);
     if (op.code == IS_NULL) return valid ? A_FALSE : A_TRUE;
     if (op.code == IS_NOT_NULL) return valid ? A_TRUE : A_FALSE;
     if (!valid || op.code == ALWAYS_NULL) return A_NULL;
     if (op.code == CONSTANT) return op.arg ? A_TRUE : A_FALSE;
+    if (op.code == COMPARE_BYTES || op.code == IN_STRINGS) {
+        const u8* s;
+        u64 s_len;
+        load_bytes(c, row, &s, &s_len);
+        if (op.code == IN_STRINGS) {
+            if (in_strings(strings, pool, op.list_start, op.list_len, s, s_len)) return A_TRUE;
+            return op.arg ? A_NULL : A_FALSE;
+        }
+        const int order = bytes_cmp(s, s_len, pool + op.list_start, op.list_len);
+        return holds(op.cmp, order) ? A_TRUE : A_FALSE;
+    }
     const Key k = load_key(c, row);
     if (op.code == IN_LIST) {
         if (in_list(keys, op.list_start, op.list_len, k)) return A_TRUE;
@@ -247,8 +337,8 @@ __device__ u64 block_exclusive(u64 value) {
 }
 
 extern "C" __global__ void __launch_bounds__(TILE) gpu_flight_filter(
-    const Column* columns, const Op* ops, u32 op_count, const Key* keys, u64 first_row,
-    u64 rows, u8* flags, u64* tile_counts) {
+    const Column* columns, const Op* ops, u32 op_count, const Key* keys, const Str* strings,
+    const u8* pool, u64 first_row, u64 rows, u8* flags, u64* tile_counts) {
     const u64 i = (u64)blockIdx.x * TILE + threadIdx.x;
     u32 keep = 0;
     if (i < rows) {
@@ -271,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(TILE) gpu_flight_filter(
                 const u8 a = stack[top - 1];
                 stack[top - 1] = a == A_NULL ? A_NULL : (a == A_TRUE ? A_FALSE : A_TRUE);
             } else {
-                stack[top++] = test(op, columns, keys, row);
+                stack[top++] = test(op, columns, keys, strings, pool, row);
             }
         }
         keep = top == 1 && stack[0] == A_TRUE;
@@ -305,23 +395,6 @@ extern "C" __global__ void __launch_bounds__(TILE) gpu_flight_scan(const u64* in
         running += v;
     }
     if (threadIdx.x == TILE - 1) out[n] = sums[TILE - 1];
-}
-
-// The byte range of string `row`, clamped into its data.
-__device__ void string_span(u64 offsets, u32 width, u64 data_len, u64 row, u64* start,
-                            u64* len) {
-    i64 a, b;
-    if (width == 4) {
-        a = ((const i32*)offsets)[row];
-        b = ((const i32*)offsets)[row + 1];
-    } else {
-        a = ((const i64*)offsets)[row];
-        b = ((const i64*)offsets)[row + 1];
-    }
-    const u64 s = a < 0 ? 0 : ((u64)a > data_len ? data_len : (u64)a);
-    const u64 e = b < (i64)s ? s : ((u64)b > data_len ? data_len : (u64)b);
-    *start = s;
-    *len = e - s;
 }
 
 __device__ __forceinline__ void write_offset(u64 offsets, u32 width, u64 at, u64 value) {

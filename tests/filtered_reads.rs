@@ -1,7 +1,8 @@
 //! Filtered reads (a read CMD's `"where"`, the predicate Flight SQL statements use) against an
-//! oracle written here row by row, on every backend. On the CUDA backend the filter runs on
-//! the device wherever it reads only fixed-width and boolean columns, and the rows are
-//! gathered there; the answers must be the host's, for every type of column returned.
+//! oracle written here row by row, on every backend. On the CUDA backend every one of these
+//! filters runs on the device (numbers, booleans, strings, large strings, dictionaries) and
+//! the rows are gathered there; the answers must be the oracle's, for every type of column
+//! returned.
 
 mod common;
 
@@ -149,10 +150,27 @@ fn cases() -> Vec<(&'static str, Keeps)> {
             "b = FALSE OR x IN (1, 2, 3) OR NOT x IN (4, 5)",
             Box::new(|i| b(i) == Some(false) || x(i).is_some_and(|x| x != 4 && x != 5)),
         ),
-        // Strings are filtered on the host, on every backend.
         (
             "s = 's7' AND i < 1000",
-            Box::new(|i| i % 29 != 0 && i % 50 == 7 && i < 1000),
+            Box::new(|i| !i.is_multiple_of(29) && i % 50 == 7 && i < 1000),
+        ),
+        (
+            "s < 's2'",
+            Box::new(|i| !i.is_multiple_of(29) && format!("s{}", i % 50).as_str() < "s2"),
+        ),
+        (
+            "s IN ('s1', 's2', 's3', 's4', 's5', 's6', 's7', 's8', 's9', NULL)",
+            Box::new(|i| !i.is_multiple_of(29) && (1..=9).contains(&(i % 50))),
+        ),
+        ("ls > 'xxxx'", Box::new(|i| i % 7 > 4)),
+        ("ls = ''", Box::new(|i| i.is_multiple_of(7))),
+        (
+            "d = 'green' OR d IN ('blue', 'purple')",
+            Box::new(|i| i % 3 != 0),
+        ),
+        (
+            "d >= 'red' AND x < 500",
+            Box::new(|i| i % 3 == 0 && x(i).is_some_and(|x| x < 500)),
         ),
     ]
 }
@@ -207,11 +225,15 @@ async fn where_keeps_the_oracles_rows(make: MakeBackend) {
     }
     let status = status(&mut client).await;
     if status["backend"] == "cuda" {
-        // Every case but the string one ran on the device.
+        // Every case ran on the device, each over at least one chunk.
         let chunks = status["counters"]["filtered_chunks"]
             .as_u64()
             .expect("counter");
-        assert!(chunks >= 14, "{chunks} chunks filtered on the device");
+        assert!(
+            chunks >= cases().len() as u64,
+            "{chunks} chunks filtered on the device"
+        );
+        assert_eq!(status["counters"]["filter_fallbacks"], 0);
         assert!(status["counters"]["filter_kernels_loaded"] == true);
     }
     server.shutdown_and_wait().await;

@@ -7,10 +7,13 @@
 //! (the order Arrow's comparison kernels use: -0.0 below +0.0, NaN above infinity and equal
 //! to itself), so one comparison serves every type and a literal is converted once.
 //!
+//! String columns (and dictionaries of strings) are compared as bytes, as Arrow orders them:
+//! a literal, or an IN list's strings sorted, kept in the filter's byte pool.
+//!
 //! The SQL layer builds one where its predicate allows; a backend that can filter on its
 //! device runs it there (the CUDA backend: `kernels/filter.cu`), so only the rows kept leave
-//! device memory. Anything a filter cannot express (strings, dictionaries, float16, wide
-//! decimals) stays with the SQL layer's filter on the host.
+//! device memory. Anything a filter cannot express (float16, wide decimals, string views)
+//! stays with the SQL layer's filter on the host.
 
 use std::ops::Range;
 
@@ -39,6 +42,56 @@ pub enum KeyType {
     Int128 = 11,
     /// Bit-packed booleans.
     Bits = 12,
+}
+
+/// How a filter reads a column's values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnType {
+    /// Fixed-width or boolean values, compared as keys.
+    Key(KeyType),
+    /// Strings: offsets of this many bytes into their bytes, compared as bytes.
+    Strings { offsets: usize },
+    /// Dictionary keys of `keys` (an integer type), each naming a string of the dictionary,
+    /// whose offsets take `offsets` bytes.
+    Dictionary { keys: KeyType, offsets: usize },
+}
+
+impl ColumnType {
+    /// How a filter reads a column of `data_type`, if it can.
+    pub fn of(data_type: &DataType) -> Option<Self> {
+        let strings = |data_type: &DataType| match data_type {
+            DataType::Utf8 => Some(4),
+            DataType::LargeUtf8 => Some(8),
+            _ => None,
+        };
+        Some(match data_type {
+            DataType::Dictionary(keys, values) => {
+                let keys = match keys.as_ref() {
+                    DataType::Int8 => KeyType::Int8,
+                    DataType::Int16 => KeyType::Int16,
+                    DataType::Int32 => KeyType::Int32,
+                    DataType::Int64 => KeyType::Int64,
+                    DataType::UInt8 => KeyType::UInt8,
+                    DataType::UInt16 => KeyType::UInt16,
+                    DataType::UInt32 => KeyType::UInt32,
+                    DataType::UInt64 => KeyType::UInt64,
+                    _ => return None,
+                };
+                Self::Dictionary {
+                    keys,
+                    offsets: strings(values)?,
+                }
+            }
+            other => match strings(other) {
+                Some(offsets) => Self::Strings { offsets },
+                None => Self::Key(KeyType::of(other)?),
+            },
+        })
+    }
+
+    fn compares_bytes(self) -> bool {
+        !matches!(self, Self::Key(_))
+    }
 }
 
 impl KeyType {
@@ -175,6 +228,14 @@ pub enum Test {
         keys: Range<usize>,
         null: bool,
     },
+    /// A string compared with bytes `literal` of the filter's byte pool.
+    CompareBytes(Comparison, Range<usize>),
+    /// Whether a string is one of `strings` (a range of the filter's sorted strings), with
+    /// NULL as for [`Test::In`].
+    InBytes {
+        strings: Range<usize>,
+        null: bool,
+    },
 }
 
 /// One step of a filter's program.
@@ -194,10 +255,43 @@ pub enum Op {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RowFilter {
     /// The columns tests read: a position among the columns read, and how to read it.
-    columns: Vec<(usize, KeyType)>,
+    columns: Vec<(usize, ColumnType)>,
     ops: Vec<Op>,
     /// The IN lists' keys, each list sorted and without repeats.
     keys: Vec<i128>,
+    /// String literals' bytes, one after another.
+    bytes: Vec<u8>,
+    /// The string IN lists' items, ranges of `bytes`, each list sorted and without repeats.
+    strings: Vec<Range<usize>>,
+}
+
+/// A column's value in one row, as [`RowFilter::evaluate_row`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cell<'a> {
+    Null,
+    Key(i128),
+    Bytes(&'a [u8]),
+}
+
+/// The cell of `array[index]` (a column a filter reads), `None` where the filter does not read
+/// such a column.
+pub fn cell(array: &dyn Array, index: usize) -> Option<Cell<'_>> {
+    if index >= array.len() {
+        return None;
+    }
+    if array.logical_nulls().is_some_and(|n| n.is_null(index)) {
+        return Some(Cell::Null);
+    }
+    Some(match array.data_type() {
+        DataType::Utf8 => Cell::Bytes(array.as_string::<i32>().value(index).as_bytes()),
+        DataType::LargeUtf8 => Cell::Bytes(array.as_string::<i64>().value(index).as_bytes()),
+        DataType::Dictionary(_, _) => {
+            let dictionary = array.as_any_dictionary();
+            let key = dictionary.normalized_keys()[index];
+            return cell(dictionary.values().as_ref(), key);
+        }
+        _ => Cell::Key(key(array, index)?),
+    })
 }
 
 /// Builds a [`RowFilter`] in program order.
@@ -210,17 +304,64 @@ impl RowFilterBuilder {
     /// Pushes `test` of the column at `position` (among the columns read), of `data_type`.
     /// `None` where filters cannot read that type.
     pub fn test(&mut self, position: usize, data_type: &DataType, test: Test) -> Option<()> {
-        let key_type = KeyType::of(data_type)?;
+        let column_type = ColumnType::of(data_type)?;
+        let fits = match test {
+            Test::Compare(..) | Test::In { .. } => !column_type.compares_bytes(),
+            Test::CompareBytes(..) | Test::InBytes { .. } => column_type.compares_bytes(),
+            Test::IsNull | Test::IsNotNull | Test::Constant(_) | Test::Null => true,
+        };
+        fits.then_some(())?;
         let column = match self.filter.columns.iter().position(|c| c.0 == position) {
             Some(column) => column,
             None => {
-                self.filter.columns.push((position, key_type));
+                self.filter.columns.push((position, column_type));
                 self.filter.columns.len() - 1
             }
         };
-        (self.filter.columns[column].1 == key_type).then_some(())?;
+        (self.filter.columns[column].1 == column_type).then_some(())?;
         self.filter.ops.push(Op::Test { column, test });
         Some(())
+    }
+
+    /// Pushes the comparison of a string column with `literal`.
+    pub fn compare_bytes(
+        &mut self,
+        position: usize,
+        data_type: &DataType,
+        op: Comparison,
+        literal: &[u8],
+    ) -> Option<()> {
+        let literal = self.pool(literal);
+        self.test(position, data_type, Test::CompareBytes(op, literal))
+    }
+
+    /// Pushes the membership test of a string column in `strings` (any order, repeats
+    /// allowed).
+    pub fn in_bytes(
+        &mut self,
+        position: usize,
+        data_type: &DataType,
+        mut strings: Vec<&[u8]>,
+        null: bool,
+    ) -> Option<()> {
+        strings.sort_unstable();
+        strings.dedup();
+        let start = self.filter.strings.len();
+        for string in strings {
+            let range = self.pool(string);
+            self.filter.strings.push(range);
+        }
+        let test = Test::InBytes {
+            strings: start..self.filter.strings.len(),
+            null,
+        };
+        self.test(position, data_type, test)
+    }
+
+    fn pool(&mut self, bytes: &[u8]) -> Range<usize> {
+        let start = self.filter.bytes.len();
+        self.filter.bytes.extend_from_slice(bytes);
+        start..self.filter.bytes.len()
     }
 
     /// Pushes the membership test of `keys` (in any order, repeats allowed).
@@ -263,7 +404,7 @@ impl RowFilterBuilder {
 }
 
 impl RowFilter {
-    pub fn columns(&self) -> &[(usize, KeyType)] {
+    pub fn columns(&self) -> &[(usize, ColumnType)] {
         &self.columns
     }
 
@@ -273,6 +414,14 @@ impl RowFilter {
 
     pub fn keys(&self) -> &[i128] {
         &self.keys
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    pub fn strings(&self) -> &[Range<usize>] {
+        &self.strings
     }
 
     /// Checks the program's stack discipline and references: what a device needs to trust
@@ -285,10 +434,22 @@ impl RowFilter {
                     if *column >= self.columns.len() {
                         return Err(format!("a test reads column {column}, which is not listed"));
                     }
-                    if let Test::In { keys, .. } = test
-                        && (keys.start > keys.end || keys.end > self.keys.len())
-                    {
-                        return Err("an IN list's keys lie outside the filter's".to_owned());
+                    let within = |range: &Range<usize>, len: usize| {
+                        range.start <= range.end && range.end <= len
+                    };
+                    let fits = match test {
+                        Test::In { keys, .. } => within(keys, self.keys.len()),
+                        Test::CompareBytes(_, literal) => within(literal, self.bytes.len()),
+                        Test::InBytes { strings, .. } => {
+                            within(strings, self.strings.len())
+                                && self.strings[strings.clone()]
+                                    .iter()
+                                    .all(|s| within(s, self.bytes.len()))
+                        }
+                        _ => true,
+                    };
+                    if !fits {
+                        return Err("a test's literals lie outside the filter's".to_owned());
                     }
                     depth += 1;
                 }
@@ -314,29 +475,41 @@ impl RowFilter {
         }
     }
 
-    /// The program's answer for row `row`: what the device runs, on the host, for tests.
-    /// `column(c, row)` is the key of `columns[c]` at `row`, `None` for NULL.
-    pub fn evaluate_row(&self, column: impl Fn(usize) -> Option<i128>) -> Option<bool> {
+    /// The program's answer for one row: what the device runs, on the host, for tests.
+    /// `column(c)` is the row's cell of `columns[c]`.
+    pub fn evaluate_row<'a>(&self, column: impl Fn(usize) -> Cell<'a>) -> Option<bool> {
+        let found = |found: bool, null: bool| match (found, null) {
+            (true, _) => Some(true),
+            (false, true) => None,
+            (false, false) => Some(false),
+        };
         let mut stack: Vec<Option<bool>> = Vec::with_capacity(MAX_STACK);
         for op in &self.ops {
             let answer = match op {
                 Op::Test { column: c, test } => {
                     let value = column(*c);
                     match (test, value) {
-                        (Test::IsNull, value) => Some(value.is_none()),
-                        (Test::IsNotNull, value) => Some(value.is_some()),
-                        (_, None) | (Test::Null, _) => None,
-                        (Test::Compare(op, literal), Some(value)) => {
+                        (Test::IsNull, value) => Some(value == Cell::Null),
+                        (Test::IsNotNull, value) => Some(value != Cell::Null),
+                        (_, Cell::Null) | (Test::Null, _) => None,
+                        (Test::Constant(answer), _) => Some(*answer),
+                        (Test::Compare(op, literal), Cell::Key(value)) => {
                             Some(op.holds(value.cmp(literal)))
                         }
-                        (Test::Constant(answer), Some(_)) => Some(*answer),
-                        (Test::In { keys, null }, Some(value)) => {
-                            match self.keys[keys.clone()].binary_search(&value) {
-                                Ok(_) => Some(true),
-                                Err(_) if *null => None,
-                                Err(_) => Some(false),
-                            }
+                        (Test::In { keys, null }, Cell::Key(value)) => {
+                            found(self.keys[keys.clone()].binary_search(&value).is_ok(), *null)
                         }
+                        (Test::CompareBytes(op, literal), Cell::Bytes(value)) => {
+                            Some(op.holds(value.cmp(&self.bytes[literal.clone()])))
+                        }
+                        (Test::InBytes { strings, null }, Cell::Bytes(value)) => {
+                            let listed = self.strings[strings.clone()]
+                                .iter()
+                                .any(|s| &self.bytes[s.clone()] == value);
+                            found(listed, *null)
+                        }
+                        // A test of another kind of value than the column holds.
+                        _ => None,
                     }
                 }
                 Op::And(n) => {
@@ -435,7 +608,21 @@ mod tests {
             .expect("int64");
         assert!(builder.finish().is_none(), "two answers");
         let mut builder = RowFilterBuilder::default();
-        assert!(builder.test(0, &DataType::Utf8, Test::IsNull).is_none());
+        assert!(builder.test(0, &DataType::Utf8View, Test::IsNull).is_none());
+        assert!(builder.test(0, &DataType::Float16, Test::IsNull).is_none());
+        // A test of keys on strings, of bytes on keys: refused.
+        let key_test = Test::Compare(Comparison::Eq, 1);
+        assert!(builder.test(1, &DataType::Utf8, key_test).is_none());
+        assert!(
+            builder
+                .compare_bytes(2, &DataType::Int64, Comparison::Eq, b"x")
+                .is_none()
+        );
+        assert!(
+            builder
+                .test(3, &DataType::LargeUtf8, Test::IsNull)
+                .is_some()
+        );
     }
 
     #[test]
@@ -449,7 +636,7 @@ mod tests {
         builder.in_list(0, &int, vec![9, 7, 9], true).expect("int");
         builder.or(2);
         let filter = builder.finish().expect("well formed");
-        let at = |x: Option<i128>| filter.evaluate_row(|_| x);
+        let at = |x: Option<i128>| filter.evaluate_row(|_| x.map_or(Cell::Null, Cell::Key));
         assert_eq!(at(Some(3)), Some(true));
         assert_eq!(at(Some(7)), Some(true));
         assert_eq!(at(Some(8)), None, "not found in a list holding NULL");

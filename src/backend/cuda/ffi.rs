@@ -29,9 +29,9 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::abi::{self, ConcatTask, TaskOwners};
-use super::filter_abi::{self, FilterColumn, FilterKey, FilterOp, TILE};
+use super::filter_abi::{self, FilterColumn, FilterOp, Program, TILE};
 use crate::backend::BackendError;
-use crate::backend::filter::KeyType;
+use crate::backend::filter::ColumnType;
 
 /// An array rebuilt from bytes this server copied back from its own device memory, checked for
 /// structure only ([`ArrayData::validate`]: buffer sizes, the first and last offsets, children),
@@ -849,9 +849,66 @@ impl Span<'_> {
 /// A column a filter reads: its values (or bits) and validity from row 0 of the partition.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct FilterInput<'a> {
+    /// Values, string offsets, or dictionary keys, from row 0 of the partition.
     pub(super) values: Span<'a>,
     pub(super) validity: Option<Span<'a>>,
-    pub(super) key_type: KeyType,
+    /// Strings' bytes: the column's, or its dictionary's.
+    pub(super) data: Option<Span<'a>>,
+    /// A dictionary's string offsets, and how many strings it holds.
+    pub(super) dictionary: Option<(Span<'a>, usize)>,
+    pub(super) column: ColumnType,
+}
+
+impl FilterInput<'_> {
+    /// The kernel's record of this column for reads of rows up to `end`, once every extent
+    /// the kernel may touch is checked.
+    fn record(&self, end: usize) -> Result<FilterColumn, BackendError> {
+        let (kind, aux) = filter_abi::column_code(self.column);
+        let mut record = FilterColumn {
+            kind,
+            aux,
+            ..FilterColumn::default()
+        };
+        record.validity = match self.validity {
+            Some(span) => span.address(bitmap_bytes(end), 1, "filtered validity")?,
+            None => 0,
+        };
+        let data = |data: Option<Span<'_>>| {
+            data.ok_or_else(|| BackendError::Device("filtered strings without bytes".to_owned()))
+                .and_then(|span| Ok((span.address(0, 1, "filtered strings")?, span.len as u64)))
+        };
+        match self.column {
+            ColumnType::Key(key) => {
+                let (needed, align) = match key.width() {
+                    Some(width) => (end * width, width.min(8) as u64),
+                    None => (bitmap_bytes(end), 1),
+                };
+                record.values = self.values.address(needed, align, "filtered values")?;
+            }
+            ColumnType::Strings { offsets } => {
+                let needed = (end + 1) * offsets;
+                record.values = self
+                    .values
+                    .address(needed, offsets as u64, "filtered offsets")?;
+                (record.data, record.data_len) = data(self.data)?;
+            }
+            ColumnType::Dictionary { keys, offsets } => {
+                let width = keys.width().unwrap_or(8);
+                record.values = self
+                    .values
+                    .address(end * width, width as u64, "filtered keys")?;
+                let (span, strings) = self.dictionary.ok_or_else(|| {
+                    BackendError::Device("a filtered dictionary without strings".to_owned())
+                })?;
+                let needed = (strings + 1) * offsets;
+                record.dictionary_offsets =
+                    span.address(needed, offsets as u64, "dictionary offsets")?;
+                record.dictionary_len = strings as u64;
+                (record.data, record.data_len) = data(self.data)?;
+            }
+        }
+        Ok(record)
+    }
 }
 
 /// A filtered read's rows and the per-row and per-tile working memory its kernels share.
@@ -905,19 +962,41 @@ fn bitmap_bytes(bits: usize) -> usize {
     bits.div_ceil(8)
 }
 
-/// Serialises the filter's column table, program and keys (see `filter_abi`) as the kernel
-/// reads them, in one buffer: columns, then ops, then keys, each 64-byte aligned. Returns
-/// the three offsets.
+/// Where each part of a filter's table lies: columns, ops, keys, strings, bytes, and the end.
+#[derive(Debug, Clone, Copy)]
+struct TableLayout {
+    ops: usize,
+    keys: usize,
+    strings: usize,
+    bytes: usize,
+    end: usize,
+}
+
+impl TableLayout {
+    fn new(columns: usize, ops: usize, keys: usize, strings: usize, bytes: usize) -> Self {
+        let ops_at = (columns * std::mem::size_of::<FilterColumn>()).next_multiple_of(64);
+        let keys_at = (ops_at + ops * std::mem::size_of::<FilterOp>()).next_multiple_of(64);
+        let strings_at = (keys_at + keys * 16).next_multiple_of(64);
+        let bytes_at = (strings_at + strings * 8).next_multiple_of(64);
+        Self {
+            ops: ops_at,
+            keys: keys_at,
+            strings: strings_at,
+            bytes: bytes_at,
+            end: bytes_at + bytes,
+        }
+    }
+}
+
+/// Serialises the filter's column records and program as the kernel reads them, into `into`
+/// (laid out as [`TableLayout`]).
 fn write_program(
     into: &mut [u8],
     columns: &[FilterColumn],
-    ops: &[FilterOp],
-    keys: &[FilterKey],
-) -> Result<(usize, usize, usize, usize), BackendError> {
-    let ops_at = (columns.len() * 24).next_multiple_of(64);
-    let keys_at = (ops_at + ops.len() * 40).next_multiple_of(64);
-    let end = keys_at + keys.len() * 16;
-    if into.len() < end {
+    program: &Program,
+    layout: TableLayout,
+) -> Result<(), BackendError> {
+    if into.len() < layout.end {
         return Err(BackendError::Device(
             "a filter program larger than its staging".to_owned(),
         ));
@@ -928,13 +1007,21 @@ fn write_program(
     };
     let mut at = 0;
     for column in columns {
-        put(&mut at, &column.values.to_le_bytes());
-        put(&mut at, &column.validity.to_le_bytes());
-        put(&mut at, &column.key_type.to_le_bytes());
-        put(&mut at, &column.reserved.to_le_bytes());
+        for field in [
+            column.values,
+            column.validity,
+            column.data,
+            column.data_len,
+            column.dictionary_offsets,
+            column.dictionary_len,
+        ] {
+            put(&mut at, &field.to_le_bytes());
+        }
+        put(&mut at, &column.kind.to_le_bytes());
+        put(&mut at, &column.aux.to_le_bytes());
     }
-    at = ops_at;
-    for op in ops {
+    at = layout.ops;
+    for op in &program.ops {
         for field in [op.code, op.column, op.cmp, op.arg] {
             put(&mut at, &field.to_le_bytes());
         }
@@ -943,19 +1030,32 @@ fn write_program(
         put(&mut at, &op.list_start.to_le_bytes());
         put(&mut at, &op.list_len.to_le_bytes());
     }
-    at = keys_at;
-    for key in keys {
+    at = layout.keys;
+    for key in &program.keys {
         put(&mut at, &key.lo.to_le_bytes());
         put(&mut at, &key.hi.to_le_bytes());
     }
-    Ok((0, ops_at, keys_at, end))
+    at = layout.strings;
+    for string in &program.strings {
+        put(&mut at, &string.start.to_le_bytes());
+        put(&mut at, &string.len.to_le_bytes());
+    }
+    at = layout.bytes;
+    put(&mut at, &program.bytes);
+    Ok(())
 }
 
-/// Bytes [`CopyBatch::launch_filter`] needs for a program's table, in device and staging
-/// memory.
-pub(super) fn filter_program_bytes(columns: usize, ops: usize, keys: usize) -> usize {
-    let ops_at = (columns * 24).next_multiple_of(64);
-    (ops_at + ops * 40).next_multiple_of(64) + keys * 16
+/// Bytes [`CopyBatch::launch_filter`] needs for a program's table over `columns` columns, in
+/// device and staging memory.
+pub(super) fn filter_program_bytes(columns: usize, program: &Program) -> usize {
+    TableLayout::new(
+        columns,
+        program.ops.len(),
+        program.keys.len(),
+        program.strings.len(),
+        program.bytes.len(),
+    )
+    .end
 }
 
 impl<'a> CopyBatch<'a> {
@@ -992,8 +1092,10 @@ impl<'a> CopyBatch<'a> {
 
     /// Queues the program's upload and `gpu_flight_filter`: a flag per row of `rows`, and each
     /// tile's count of rows kept into `tile_counts`. The program is checked first
-    /// ([`filter_abi::check_program`]) and written by this call into `staging`, then copied to
-    /// `table` (see [`filter_program_bytes`]), so the kernel runs exactly what was checked.
+    /// ([`filter_abi::check_program`]), each column's extents are checked
+    /// ([`FilterInput::record`]), and all of it is written by this call into `staging`, then
+    /// copied to `table` (see [`filter_program_bytes`]), so the kernel runs exactly what was
+    /// checked.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_filter(
         &mut self,
@@ -1001,36 +1103,26 @@ impl<'a> CopyBatch<'a> {
         staging: &'a mut PinnedBuffer,
         table: Span<'a>,
         columns: &[FilterInput<'a>],
-        ops: &[FilterOp],
-        keys: &[FilterKey],
+        program: &Program,
         rows: FilterRows<'a>,
         tile_counts: Span<'a>,
     ) -> Result<(), BackendError> {
-        filter_abi::check_program(ops, columns.len(), keys.len())
+        filter_abi::check_program(program, columns.len())
             .map_err(|e| BackendError::Device(format!("a malformed filter program: {e}")))?;
         let end = rows.end()?;
         let records = columns
             .iter()
-            .map(|column| {
-                let (needed, align) = match column.key_type.width() {
-                    Some(width) => (end * width, width.min(8) as u64),
-                    None => (bitmap_bytes(end), 1),
-                };
-                let values = column.values.address(needed, align, "filtered values")?;
-                let validity = match column.validity {
-                    Some(span) => span.address(bitmap_bytes(end), 1, "filtered validity")?,
-                    None => 0,
-                };
-                Ok(FilterColumn {
-                    values,
-                    validity,
-                    key_type: column.key_type as u32,
-                    reserved: 0,
-                })
-            })
+            .map(|column| column.record(end))
             .collect::<Result<Vec<_>, BackendError>>()?;
-        let (columns_at, ops_at, keys_at, bytes) =
-            write_program(staging.as_mut_slice(), &records, ops, keys)?;
+        let layout = TableLayout::new(
+            records.len(),
+            program.ops.len(),
+            program.keys.len(),
+            program.strings.len(),
+            program.bytes.len(),
+        );
+        write_program(staging.as_mut_slice(), &records, program, layout)?;
+        let bytes = layout.end;
         let table_address = table.address(bytes, 64, "filter program")?;
         let staging: &'a PinnedBuffer = staging;
         // SAFETY: the destination lies in `table` (checked), the source in pinned memory; both
@@ -1041,16 +1133,20 @@ impl<'a> CopyBatch<'a> {
         .map_err(|e| device_error("cuMemcpyHtoDAsync", e))?;
         let (mut flags, _, grid, mut first, mut count) = rows.arguments()?;
         let mut counts = tile_counts.address(rows.tiles() * 8, 8, "filter tile counts")?;
-        let mut columns_address = table_address + columns_at as u64;
-        let mut ops_address = table_address + ops_at as u64;
-        let mut keys_address = table_address + keys_at as u64;
-        let mut op_count = u32::try_from(ops.len())
+        let mut columns_address = table_address;
+        let mut ops_address = table_address + layout.ops as u64;
+        let mut keys_address = table_address + layout.keys as u64;
+        let mut strings_address = table_address + layout.strings as u64;
+        let mut bytes_address = table_address + layout.bytes as u64;
+        let mut op_count = u32::try_from(program.ops.len())
             .map_err(|_| BackendError::Device("a filter program too long".to_owned()))?;
         let mut params = [
             (&raw mut columns_address).cast::<std::ffi::c_void>(),
             (&raw mut ops_address).cast(),
             (&raw mut op_count).cast(),
             (&raw mut keys_address).cast(),
+            (&raw mut strings_address).cast(),
+            (&raw mut bytes_address).cast(),
             (&raw mut first).cast(),
             (&raw mut count).cast(),
             (&raw mut flags).cast(),

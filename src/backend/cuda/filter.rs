@@ -30,7 +30,7 @@ use super::layout::{ALIGNMENT, DeviceArray, Kind, Region};
 use super::read::{Stored, read_rows};
 use super::staging::PinnedPool;
 use crate::backend::BackendError;
-use crate::backend::filter::{KeyType, RowFilter};
+use crate::backend::filter::{ColumnType, KeyType, RowFilter};
 
 /// What a filtered read cost.
 #[derive(Debug, Default, Clone, Copy)]
@@ -43,14 +43,10 @@ pub(super) struct FilterStats {
 
 /// Whether [`read_filtered`] can run `filter` over `columns` and gather `output` of them.
 pub(super) fn supports(filter: &RowFilter, columns: &[Stored<'_>], output: &[usize]) -> bool {
-    let tested = filter.columns().iter().all(|&(position, key_type)| {
+    let tested = filter.columns().iter().all(|&(position, column_type)| {
         columns
             .get(position)
-            .is_some_and(|column| match (column.array.kind, key_type.width()) {
-                (Kind::Fixed(width), Some(wanted)) => width == wanted,
-                (Kind::Bits, None) => key_type == KeyType::Bits,
-                _ => false,
-            })
+            .is_some_and(|column| readable(column.array, column_type))
     });
     let flat = |array: &DeviceArray| {
         matches!(
@@ -68,6 +64,56 @@ pub(super) fn supports(filter: &RowFilter, columns: &[Stored<'_>], output: &[usi
         })
     });
     tested && gathered
+}
+
+/// Whether the filter kernel can read `array` as `column_type` says.
+fn readable(array: &DeviceArray, column_type: ColumnType) -> bool {
+    let strings = |array: &DeviceArray, offsets: usize| {
+        array.kind == Kind::VarLen(offsets) && array.buffers.len() == 2
+    };
+    match (array.kind, column_type) {
+        (Kind::Fixed(width), ColumnType::Key(key)) => key.width() == Some(width),
+        (Kind::Bits, ColumnType::Key(key)) => key == KeyType::Bits,
+        (Kind::VarLen(_), ColumnType::Strings { offsets }) => strings(array, offsets),
+        // A dictionary whose strings hold NULLs is left to the host: those rows are NULL
+        // through their values, not their keys.
+        (Kind::Dictionary(width), ColumnType::Dictionary { keys, offsets }) => {
+            key_fits(keys, width)
+                && array
+                    .children
+                    .first()
+                    .is_some_and(|values| strings(values, offsets) && values.validity.is_none())
+        }
+        _ => false,
+    }
+}
+
+fn key_fits(keys: KeyType, width: usize) -> bool {
+    keys.width() == Some(width)
+}
+
+/// The kernel's view of a column the filter reads.
+fn input<'a>(column: Stored<'a>, column_type: ColumnType) -> FilterInput<'a> {
+    let array = column.array;
+    let at = |region: Region| span(column.allocation, region);
+    let (data, dictionary) = match column_type {
+        ColumnType::Key(_) => (None, None),
+        ColumnType::Strings { .. } => (array.buffers.get(1).map(|&r| at(r)), None),
+        ColumnType::Dictionary { .. } => match array.children.first() {
+            Some(values) => (
+                values.buffers.get(1).map(|&r| at(r)),
+                values.buffers.first().map(|&r| (at(r), values.len)),
+            ),
+            None => (None, None),
+        },
+    };
+    FilterInput {
+        values: at(array.buffers[0]),
+        validity: array.validity.map(at),
+        data,
+        dictionary,
+        column: column_type,
+    }
 }
 
 /// Bump allocation of 64-byte aligned regions from offset 0.
@@ -114,7 +160,7 @@ pub(super) fn read_filtered(
     if n == 0 {
         return Ok((RecordBatch::new_empty(Arc::clone(schema)), stats));
     }
-    let (ops, keys) = filter_abi::program(filter)
+    let program = filter_abi::program(filter)
         .ok_or_else(|| BackendError::Device("a filter too large for the device".to_owned()))?;
     let outputs: Vec<Stored<'_>> = output.iter().map(|&p| columns[p]).collect();
     let strings: Vec<usize> = (0..outputs.len())
@@ -124,11 +170,7 @@ pub(super) fn read_filtered(
     // Round 1: flags, counts, string bytes; read back the totals.
     let tiles = n.div_ceil(TILE);
     let mut scratch_layout = Cursor::default();
-    let table = scratch_layout.take(filter_program_bytes(
-        filter.columns().len(),
-        ops.len(),
-        keys.len(),
-    ));
+    let table = scratch_layout.take(filter_program_bytes(filter.columns().len(), &program));
     let flags = scratch_layout.take(n);
     let tile_counts = scratch_layout.take(tiles * 8);
     let tile_offsets = scratch_layout.take((tiles + 1) * 8);
@@ -142,7 +184,7 @@ pub(super) fn read_filtered(
         })
         .collect();
     let scratch = DeviceAllocation::scratch(stream, scratch_layout.0)?;
-    let mut program = pool.lease(table.len)?;
+    let mut staging = pool.lease(table.len)?;
     let mut totals = pool.lease(8 * (1 + strings.len()))?;
     let row_span = FilterRows {
         first: rows.start,
@@ -153,25 +195,17 @@ pub(super) fn read_filtered(
     let inputs: Vec<FilterInput<'_>> = filter
         .columns()
         .iter()
-        .map(|&(position, key_type)| {
-            let column = columns[position];
-            FilterInput {
-                values: span(column.allocation, column.array.buffers[0]),
-                validity: column.array.validity.map(|v| span(column.allocation, v)),
-                key_type,
-            }
-        })
+        .map(|&(position, column_type)| input(columns[position], column_type))
         .collect();
-    let program = program.buffer_mut();
+    let staged_program = staging.buffer_mut();
     let (first_total, mut rest) = totals.buffer_mut().as_mut_slice().split_at_mut(8);
     stream.copies(|batch| {
         batch.launch_filter(
             kernels,
-            program,
+            staged_program,
             span(&scratch, table),
             &inputs,
-            &ops,
-            &keys,
+            &program,
             row_span,
             span(&scratch, tile_counts),
         )?;
