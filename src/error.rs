@@ -75,6 +75,13 @@ pub enum Error {
     /// SQL that is not valid, or not meaningful for the dataset it names.
     #[error("{0}")]
     SqlInvalid(String),
+    /// A shared-memory read this server or this call cannot make: the message says why.
+    #[error("{0}")]
+    SharedMemoryUnavailable(String),
+    /// The dataset changed while a read that must see one version was planned; asking again
+    /// reads the new one.
+    #[error("dataset '{0}' changed while its read was being planned; ask again")]
+    ChangedWhileReading(String),
     #[error("internal error (a bug in gpu-flight, please report it): {0}")]
     Internal(String),
     #[error(transparent)]
@@ -113,6 +120,8 @@ impl Error {
             Self::UnknownPreparedStatement(_) => Code::NotFound,
             Self::SqlUnsupported(_) => Code::Unimplemented,
             Self::SqlInvalid(_) => Code::InvalidArgument,
+            Self::SharedMemoryUnavailable(_) => Code::FailedPrecondition,
+            Self::ChangedWhileReading(_) => Code::Aborted,
             Self::Internal(_) => Code::Internal,
             Self::Auth(error) => auth_code(error),
             Self::Store(error) => store_code(error),
@@ -152,6 +161,9 @@ fn store_code(error: &StoreError) -> Code {
         }
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
+        StoreError::SharedMemoryLimit { .. } => Code::ResourceExhausted,
+        StoreError::SharedMemory(_) => Code::Internal,
+        StoreError::TokenRejected(_) => Code::PermissionDenied,
         StoreError::DiskFull(_) => Code::ResourceExhausted,
         StoreError::Persist(_) => Code::Internal,
         StoreError::Corrupt(_) | StoreError::Damaged { .. } => Code::DataLoss,

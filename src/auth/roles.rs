@@ -55,6 +55,8 @@ pub enum Action {
         copy: bool,
     },
     IpcRelease,
+    /// `shm-read`: a read, staged in shared memory.
+    ShmRead,
     Move,
     Copy,
     /// The Flight specification's `CancelFlightInfo` and `RenewFlightEndpoint`.
@@ -74,6 +76,7 @@ impl Action {
             Self::Status => "status",
             Self::IpcExport { .. } => "ipc-export",
             Self::IpcRelease => "ipc-release",
+            Self::ShmRead => "shm-read",
             Self::Move => "move",
             Self::Copy => "copy",
             Self::PreparedStatements => "Flight SQL prepared statement",
@@ -122,6 +125,7 @@ pub fn required_role(operation: Operation) -> Option<Role> {
             A::Status
             | A::IpcExport { copy: false }
             | A::IpcRelease
+            | A::ShmRead
             | A::PreparedStatements
             | A::FlightInfo,
         ) => Some(Role::Read),
@@ -182,6 +186,7 @@ mod tests {
             (Action::IpcExport { copy: false }, Role::Read),
             (Action::IpcExport { copy: true }, Role::Write),
             (Action::IpcRelease, Role::Read),
+            (Action::ShmRead, Role::Read),
             (Action::Status, Role::Read),
             (Action::PreparedStatements, Role::Read),
             (Action::FlightInfo, Role::Read),

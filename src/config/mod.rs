@@ -254,6 +254,24 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// Offers shared-memory reads (`shm-read`) to processes on this node: the Unix socket
+    /// they fetch their files from. `auto` puts it in a directory of this user's alone
+    /// ($XDG_RUNTIME_DIR/gpu-flight, else /tmp/gpu-flight-UID, mode 0700), so only processes
+    /// of the server's user reach it; a path of your own decides who may connect by the
+    /// permissions of its directory (a token is needed all the same). Off without it.
+    #[arg(long, env = "GPU_FLIGHT_SHM_SOCKET", value_name = "PATH|auto")]
+    pub shm_socket: Option<std::path::PathBuf>,
+
+    /// Shared-memory files one principal may hold at once (`shm-read`).
+    #[arg(long, env = "GPU_FLIGHT_SHM_MAX_FILES", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub shm_max_files: u32,
+
+    /// Bytes of shared-memory files one principal may hold at once; without it only the
+    /// memory budget bounds them.
+    #[arg(long, env = "GPU_FLIGHT_SHM_MAX_BYTES", value_parser = size)]
+    pub shm_max_bytes: Option<ByteSize>,
+
     /// Seconds between progress lines of a long DoPut or DoGet.
     #[arg(long, env = "GPU_FLIGHT_PROGRESS_SECONDS", default_value_t = 5,
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -306,6 +324,15 @@ impl ServeArgs {
             max_request_bytes: bytes(self.max_request_bytes),
             progress_interval: Duration::from_secs(self.progress_seconds),
             filter_on_device: self.filter_on == FilterOn::Device,
+            // The socket is filled in once the server listens on it (`server::run`).
+            shared_memory: crate::flight::SharedMemoryOptions {
+                socket: None,
+                limits: crate::store::SharedLimits {
+                    max_files: self.shm_max_files,
+                    max_bytes: self.shm_max_bytes.map(|b| b.as_u64()),
+                    ..crate::store::SharedLimits::default()
+                },
+            },
             ..FlightOptions::default()
         }
     }

@@ -3,7 +3,7 @@
 use arrow_flight::{Action, ActionType};
 use serde_json::Value;
 
-use super::descriptor::{DeviceRef, parse_json_object, parse_name};
+use super::descriptor::{Compression, DeviceRef, ReadCommand, parse_json_object, parse_name};
 use super::ipc_export;
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
@@ -51,6 +51,16 @@ pub const ACTIONS: &[(&str, &str)] = &[
          \"copied_bytes\", \"version\"}.",
     ),
     (
+        "shm-read",
+        "Stage a dataset's rows as an Arrow IPC file in shared memory, for a process on this \
+         node to map without a copy (needs --shm-socket). Body: JSON {\"name\", \"columns\" \
+         (optional), \"where\" (optional SQL predicate), \"compression\" (optional), \
+         \"lease_seconds\" (optional, default 300)}. Result: JSON {\"lease\", \"token\", \
+         \"socket\", \"bytes\", \"num_rows\", \"expires_at\", \"token_expires_at\"}: send \
+         the token on the Unix socket to receive the file's descriptor (see docs/protocol.md). \
+         The file stays until ipc-release or expiry.",
+    ),
+    (
         "ipc-release",
         "End an ipc-export lease. Body: JSON {\"lease\"}. Result: JSON {\"lease\", \"name\"}. \
          Close your handles first: memory of a dropped dataset is freed once its last lease ends.",
@@ -83,6 +93,11 @@ pub enum ActionRequest {
     IpcRelease {
         lease: String,
     },
+    /// `shm-read`: a read command (the GetFlightInfo CMD document) staged in shared memory.
+    ShmRead {
+        read: ReadCommand,
+        lease_seconds: u64,
+    },
     Move {
         name: String,
         device: DeviceRef,
@@ -103,6 +118,7 @@ impl ActionRequest {
             Self::Status => auth::Action::Status,
             Self::IpcExport { copy, .. } => auth::Action::IpcExport { copy: *copy },
             Self::IpcRelease { .. } => auth::Action::IpcRelease,
+            Self::ShmRead { .. } => auth::Action::ShmRead,
             Self::Move { .. } => auth::Action::Move,
             Self::Copy { .. } => auth::Action::Copy,
         })
@@ -115,6 +131,7 @@ impl ActionRequest {
             Self::Status => "status".to_owned(),
             Self::IpcExport { name, .. } => format!("ipc-export {name}"),
             Self::IpcRelease { .. } => "ipc-release".to_owned(),
+            Self::ShmRead { read, .. } => format!("shm-read {}", read.name),
             Self::Move { name, .. } => format!("move {name}"),
             Self::Copy { name, copy, .. } => format!("copy {name} as {copy}"),
         }
@@ -198,6 +215,39 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
             )?;
             Ok(ActionRequest::IpcRelease {
                 lease: parse_lease(&body.lease)?,
+            })
+        }
+        "shm-read" => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct ShmReadBody {
+                name: String,
+                columns: Option<Vec<String>>,
+                compression: Option<Compression>,
+                #[serde(rename = "where")]
+                filter: Option<String>,
+                lease_seconds: Option<u64>,
+            }
+            let body: ShmReadBody = parse_json_object(
+                &action.body,
+                "shm-read takes a JSON object {\"name\": \"...\", \"columns\": [...], \
+                 \"where\": \"SQL predicate\", \"compression\": \"lz4\" | \"zstd\", \
+                 \"lease_seconds\": N} (all but name optional)",
+            )?;
+            let lease_seconds = body.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS);
+            if !(1..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
+                return Err(Error::InvalidCommand(format!(
+                    "lease_seconds must be 1..={MAX_LEASE_SECONDS}, not {lease_seconds}"
+                )));
+            }
+            Ok(ActionRequest::ShmRead {
+                read: ReadCommand {
+                    name: parse_name(body.name.as_bytes())?,
+                    compression: body.compression,
+                    columns: body.columns,
+                    filter: body.filter,
+                },
+                lease_seconds,
             })
         }
         "move" => {
@@ -374,6 +424,8 @@ pub struct LeaseDocument {
     pub bytes: u64,
     /// Memory of the replicas made for this lease (`"copy": true`), freed when it ends.
     pub replica_bytes: u64,
+    /// Memory of a shared-memory read's file (`shm-read`), freed when the lease ends.
+    pub staged_bytes: u64,
     pub expires_at: String,
     pub in_catalog: bool,
 }
@@ -426,6 +478,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
                 device: lease.device,
                 bytes: lease.bytes,
                 replica_bytes: lease.replica_bytes,
+                staged_bytes: lease.staged_bytes,
                 expires_at: ipc_export::rfc3339(lease.expires_at),
                 in_catalog: lease.in_catalog,
             })
@@ -602,6 +655,7 @@ mod tests {
             device: None,
             bytes: 0,
             replica_bytes: 0,
+            staged_bytes: 0,
             expires_at: std::time::SystemTime::now(),
             in_catalog: true,
         };

@@ -10,11 +10,13 @@
 //!
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
-//! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`).
+//! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`,
+//!   `shm-read`, `move`, `copy`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
 //! - `read`: what a `DoGet` ticket reads; `doget`: the framed fast path that sends it without
 //!   copying (the `do_get` handler is the plain encoder, arrow-flight's).
+//! - `shared`: `shm-read`, the same read staged in shared memory for a process on this node.
 //! - [`sql`]: Flight SQL (ADBC): the catalog, SELECT statements, bulk ingestion.
 //! - `lifecycle`: shutdown, and the streams it waits for.
 //! - `call`: each call's log line, progress and metrics.
@@ -28,6 +30,7 @@ pub mod ipc_export;
 mod lifecycle;
 mod put;
 mod read;
+mod shared;
 pub mod sql;
 pub mod ticket;
 
@@ -49,7 +52,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::auth::{self, Auth, Operation, Origin, Principal};
 use crate::backend::ExportDevice;
 use crate::error::Error;
-use crate::store::{Dataset, ExportRequest, Store};
+use crate::store::{Dataset, ExportRequest, SharedLimits, Store};
 use action::ActionRequest;
 pub(crate) use call::Call;
 pub use decode::MAX_BATCH_ROWS;
@@ -100,6 +103,17 @@ pub struct FlightOptions {
     pub progress_interval: std::time::Duration,
     /// Whether filters run where the rows live when the backend can (`--filter-on`).
     pub filter_on_device: bool,
+    /// `shm-read`: its side channel and limits.
+    pub shared_memory: SharedMemoryOptions,
+}
+
+/// Shared-memory reads (`shm-read`).
+#[derive(Debug, Clone, Default)]
+pub struct SharedMemoryOptions {
+    /// The Unix socket consumers fetch their files' descriptors from (`--shm-socket`), which
+    /// the server fills in once it listens there; `None`: the server offers no shared memory.
+    pub socket: Option<std::path::PathBuf>,
+    pub limits: SharedLimits,
 }
 
 impl Default for FlightOptions {
@@ -115,6 +129,7 @@ impl Default for FlightOptions {
             max_request_bytes: 64 << 10,
             progress_interval: std::time::Duration::from_secs(5),
             filter_on_device: true,
+            shared_memory: SharedMemoryOptions::default(),
         }
     }
 }
@@ -367,7 +382,8 @@ impl Service {
         &self,
         action: &Action,
         caller: &Principal,
-        call: Option<&Call>,
+        call: Option<&Arc<Call>>,
+        origin: Option<Origin>,
     ) -> Result<serde_json::Value, Error> {
         let request = action::parse(action)?;
         if let Some(call) = call {
@@ -458,6 +474,10 @@ impl Service {
                 );
                 Ok(document)
             }
+            ActionRequest::ShmRead {
+                read,
+                lease_seconds,
+            } => shared::shm_read(self, read, lease_seconds, caller, origin, call).await,
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;
                 tracing::info!(
@@ -712,8 +732,9 @@ impl FlightService for Service {
                 .map(|body| Ok(arrow_flight::Result { body }));
             return Ok(Response::new(futures::stream::iter(results).boxed()));
         }
+        let origin = request.extensions().get::<Origin>().copied();
         let result = self
-            .run_action(request.get_ref(), &caller, call.as_deref())
+            .run_action(request.get_ref(), &caller, call.as_ref(), origin)
             .await?;
         let body = serde_json::to_vec(&result)
             .map_err(|e| Error::Internal(format!("encoding action result: {e}")))?;

@@ -3,7 +3,7 @@
 //! `--health-listen`. Errors are the messages the server refuses to start with.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tokio::net::TcpListener;
 
@@ -93,4 +93,55 @@ pub async fn bind_side(spec: Option<&str>, flag: &str) -> Result<Option<TcpListe
         tracing::warn!("{warning}");
     }
     Ok(Some(listener))
+}
+
+/// The side channel of shared-memory reads (`--shm-socket`): at `spec`, or for `auto` in a
+/// directory of this user's alone; `None` without the flag.
+pub async fn bind_shared_memory(spec: Option<&Path>) -> Result<Option<Listener>, String> {
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    let path = if spec == Path::new("auto") {
+        private_dir()?.join(format!("shm-{}.sock", std::process::id()))
+    } else {
+        spec.to_owned()
+    };
+    Listener::bind_unix(&path).await.map(Some).map_err(|error| {
+        format!(
+            "cannot listen on {} (--shm-socket): {error}",
+            path.display()
+        )
+    })
+}
+
+/// `$XDG_RUNTIME_DIR/gpu-flight`, else `/tmp/gpu-flight-UID`: made with mode 0700 where it
+/// is missing, and refused unless it is a directory this user owns that nobody else can
+/// enter (another user could otherwise have made it first, and hold it open).
+fn private_dir() -> Result<PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let uid = nix::unistd::getuid().as_raw();
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(run) if !run.is_empty() => PathBuf::from(run).join("gpu-flight"),
+        _ => std::env::temp_dir().join(format!("gpu-flight-{uid}")),
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(error) => {
+            return Err(format!(
+                "cannot make {} for --shm-socket auto: {error}",
+                dir.display()
+            ));
+        }
+    }
+    let metadata = std::fs::symlink_metadata(&dir)
+        .map_err(|error| format!("cannot read {} (--shm-socket auto): {error}", dir.display()))?;
+    if !metadata.is_dir() || metadata.uid() != uid || metadata.mode() & 0o077 != 0 {
+        return Err(format!(
+            "{} is not a directory of this user's alone (mode 0700, owner {uid}), so \
+             --shm-socket auto will not put its socket there: remove it, or name a socket path",
+            dir.display()
+        ));
+    }
+    Ok(dir)
 }

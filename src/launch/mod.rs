@@ -117,6 +117,9 @@ where
     let health_listener = bind::bind_side(args.health_listen.as_deref(), "--health-listen")
         .await
         .map_err(Failure::Start)?;
+    let shared_memory = bind::bind_shared_memory(args.shm_socket.as_deref())
+        .await
+        .map_err(Failure::Start)?;
 
     // Signal handlers go in before the server says it serves: a SIGTERM that a supervisor
     // sends as soon as it reads that line must shut down cleanly, not kill the process.
@@ -152,6 +155,9 @@ where
     if let Some(address) = health_listener.as_ref().and_then(|l| l.local_addr().ok()) {
         println!("gpu-flight health on grpc://{address}");
     }
+    if let Some((_, path)) = shared_memory.as_ref().and_then(|l| l.unix()) {
+        println!("gpu-flight shared memory on {}", path.display());
+    }
     let _metrics_task = metrics_listener.map(|listener| {
         if let Ok(address) = listener.local_addr() {
             println!("gpu-flight metrics on http://{address}/metrics");
@@ -174,6 +180,7 @@ where
     let listeners = server::Listeners {
         flight: listeners,
         health: health_listener,
+        shared_memory,
     };
     let served = server::run(listeners, store.clone(), options, shutdown).await;
     // Changes acknowledged under --durability async reach the disk before the process ends.

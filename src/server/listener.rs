@@ -171,6 +171,14 @@ impl Listener {
         })
     }
 
+    /// A Unix listener's socket and the path it is bound at.
+    pub(crate) fn unix(&self) -> Option<(&UnixListener, &Path)> {
+        match self {
+            Self::Unix(listener, file) => Some((listener, &file.path)),
+            Self::Tcp(_) => None,
+        }
+    }
+
     pub fn is_unix(&self) -> bool {
         matches!(self, Self::Unix(..))
     }

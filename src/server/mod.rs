@@ -4,7 +4,7 @@
 //! Connections come first (`listener`, `connection`, `tls`, `peer`); then each Flight request
 //! passes the layers that every method shares (`endpoint` assembles them: `accounting`,
 //! `authenticate`, `limits`, `panics`) before arrow-flight's generated server hands it to its
-//! handler.
+//! handler. `shared` serves the side channel of shared-memory reads, beside gRPC.
 //!
 //! The health service answers without authentication, so that Kubernetes' gRPC probes work on
 //! a server that requires tokens; it tells nothing but whether the server is serving. Probes
@@ -32,6 +32,7 @@ mod listener;
 mod method;
 mod panics;
 mod peer;
+mod shared;
 mod tls;
 mod unix_authority;
 
@@ -56,6 +57,9 @@ pub struct Listeners {
     /// Only the gRPC health service, always plain text: for probes that can neither
     /// authenticate nor speak TLS (the kubelet's).
     pub health: Option<TcpListener>,
+    /// The Unix socket of shared-memory reads' side channel (`--shm-socket`); `None`: the
+    /// server offers no shared memory.
+    pub shared_memory: Option<Listener>,
 }
 
 impl From<Vec<TcpListener>> for Listeners {
@@ -63,6 +67,7 @@ impl From<Vec<TcpListener>> for Listeners {
         Self {
             flight: flight.into_iter().map(Listener::from).collect(),
             health: None,
+            shared_memory: None,
         }
     }
 }
@@ -126,11 +131,19 @@ const HEALTH_MAX_CONNECTIONS: usize = 16;
 pub async fn run(
     listeners: Listeners,
     store: Store,
-    options: ServeOptions,
+    mut options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let lifecycle = Lifecycle::default();
     let _reaper = AbortOnDrop(store.spawn_lease_reaper(LEASE_REAPER_PERIOD));
+    // Replies name the side channel's socket where one is served, and only then.
+    options.flight.shared_memory.socket = listeners
+        .shared_memory
+        .as_ref()
+        .and_then(|listener| listener.unix().map(|(_, path)| path.to_owned()));
+    let _side_channel = listeners
+        .shared_memory
+        .map(|listener| AbortOnDrop(tokio::spawn(shared::serve(listener, store.clone()))));
     let (health, health_service) = tonic_health::server::health_reporter();
     let flight = endpoint::flight(
         store,

@@ -109,6 +109,18 @@ impl Dataset {
         }
     }
 
+    /// This version without its rows: what a lease on a copy of them names (a
+    /// shared-memory read's), holding none of the dataset's memory but its schema's charge.
+    pub(crate) fn without_rows(&self) -> Self {
+        Self::new(
+            self.name.clone(),
+            Arc::clone(&self.schema),
+            self.version,
+            Vec::new(),
+            Arc::clone(&self.schema_charge),
+        )
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -140,6 +140,21 @@ pub enum StoreError {
         leased: String,
         requested: String,
     },
+    #[error(
+        "principal '{owner}' would hold {what} in shared-memory reads, over {flag}; release \
+         some (ipc-release, or let go of the tables read_shared returned) or raise {flag}"
+    )]
+    SharedMemoryLimit {
+        owner: String,
+        what: String,
+        flag: &'static str,
+    },
+    #[error("staging rows in shared memory failed: {0}")]
+    SharedMemory(String),
+    /// A shared-memory token that opens nothing: unknown, used, expired, or presented by
+    /// another user than the one who asked for it.
+    #[error("{0}")]
+    TokenRejected(String),
     #[error("the data directory is full: {0}; free space there or drop datasets")]
     DiskFull(String),
     #[error("the data directory failed: {0}")]

@@ -140,10 +140,11 @@ impl Exporter {
                 .leases
                 .renew(id, &request.name, request.duration, |lease| {
                     let terms = &lease.terms;
-                    if request
-                        .columns
-                        .as_ref()
-                        .is_some_and(|c| c != &terms.columns)
+                    if lease.terms.staged.is_some()
+                        || request
+                            .columns
+                            .as_ref()
+                            .is_some_and(|c| c != &terms.columns)
                         || request.consumer.is_some_and(|d| Some(d) != terms.consumer)
                         || (request.copy && !terms.copy)
                     {
@@ -226,6 +227,7 @@ impl Exporter {
             copy: request.copy,
             held: Arc::new(held),
             replicas: Arc::new(replicas),
+            staged: None,
         };
         let lease = Lease::new(dataset, terms, request.duration, request.owner);
         let export = self.describe(lease)?;

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::dataset::Dataset;
 use super::error::StoreError;
+use super::memfile::StagedFile;
 use super::slot::{Resident, StoredPartition};
 
 /// One consumer's hold on an exported dataset.
@@ -46,6 +47,9 @@ pub struct LeaseTerms {
     /// Per partition of the dataset, its replica on the consumer's device, if one was made:
     /// held by the lease alone, so its memory returns when the lease ends.
     pub(crate) replicas: Arc<Vec<Option<StoredPartition>>>,
+    /// A shared-memory read's file (`shm-read`), held by the lease alone: its memory returns
+    /// when the lease ends (a consumer's mapping keeps its pages until it unmaps them).
+    pub(crate) staged: Option<Arc<StagedFile>>,
 }
 
 impl LeaseTerms {
@@ -56,6 +60,11 @@ impl LeaseTerms {
             .flatten()
             .map(StoredPartition::memory_bytes)
             .sum()
+    }
+
+    /// Bytes of the lease's shared-memory file, if it has one.
+    pub fn staged_bytes(&self) -> u64 {
+        self.staged.as_ref().map_or(0, |staged| staged.bytes)
     }
 }
 
@@ -219,6 +228,7 @@ mod tests {
             copy: false,
             held: Arc::new(vec![]),
             replicas: Arc::new(vec![]),
+            staged: None,
         };
         let lease = Lease::new(dataset(name), terms, Duration::from_secs(10), "o".into());
         leases.insert(lease.clone());

@@ -21,7 +21,7 @@
 //!
 //! 1. `files` (the data directory's formats and filesystem; nothing else of the store);
 //! 2. `error`, `options`, `stats` (every counter), `memory` (budgets, reservations, charges),
-//!    `progress` (puts in flight);
+//!    `progress` (puts in flight), `memfile` (sealed memory files, paid for as written);
 //! 3. `slot` (a partition's place: its [`Tier`] and what pays for it there), then `tier` (the
 //!    budgets of the tiers, reserving on a device, spilling);
 //! 4. `compactor`: the one place partitions are compacted (puts, moves, loads, background);
@@ -30,7 +30,8 @@
 //! 7. `durable`: persistence, the writer of the catalog's changes into `files`;
 //! 8. `catalog`: names, versions and damaged datasets, opened from `--data-dir`;
 //! 9. `background` (compacting appended partitions after their commit), then `put`,
-//!    `relocate` (moves and copies), `lease`, `export` (`ipc-export`) and `status`;
+//!    `relocate` (moves and copies), `lease`, `export` (`ipc-export`), `shared` (`shm-read`'s
+//!    files and tokens) and `status`;
 //! 10. this facade, which builds them and delegates.
 
 mod background;
@@ -43,11 +44,13 @@ mod export;
 mod files;
 mod lease;
 mod load;
+mod memfile;
 pub mod memory;
 mod options;
 mod progress;
 mod put;
 mod relocate;
+mod shared;
 mod slot;
 mod stats;
 mod status;
@@ -65,11 +68,13 @@ pub use export::{
     Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS, column_indices,
 };
 pub use lease::{Lease, LeaseTerms};
+pub use memfile::{SharedFileWriter, SharedLimits, StagedFile};
 pub use memory::ARRAY_OVERHEAD;
 pub use options::{Durability, PutMode, StoreOptions, default_host_memory_limit};
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload};
 pub use relocate::{CopySummary, MoveSummary};
+pub use shared::{ClaimedFile, ShareTerms, SharedGrant};
 pub use slot::{StoredPartition, Tier};
 pub use status::{DeviceStatus, LeaseStatus, PersistenceStatus, StoreStatus, TierStatus};
 
@@ -84,6 +89,7 @@ use memory::{MemoryBudget, Reservation};
 use progress::InFlight;
 use put::Puts;
 use relocate::Mover;
+use shared::SharedFiles;
 use stats::Stats;
 use tier::Tiers;
 
@@ -99,6 +105,7 @@ pub struct Store {
     mover: Arc<Mover>,
     leases: Arc<Leases>,
     exporter: Arc<Exporter>,
+    shared: Arc<SharedFiles>,
     in_flight: Arc<InFlight>,
 }
 
@@ -193,6 +200,7 @@ impl Below {
             Arc::clone(&mover),
             Arc::clone(&leases),
         ));
+        let shared = Arc::new(SharedFiles::new(Arc::clone(&tiers), Arc::clone(&leases)));
         Store {
             backend,
             stats,
@@ -203,6 +211,7 @@ impl Below {
             mover,
             leases,
             exporter,
+            shared,
             in_flight,
         }
     }
@@ -346,6 +355,35 @@ impl Store {
     /// be exported.
     pub async fn export(&self, request: ExportRequest) -> Result<Export, StoreError> {
         self.exporter.export(request).await
+    }
+
+    /// A new shared-memory file for `owner`'s rows of `schema` (`shm-read`), paid for as it
+    /// is written; fails where `owner` holds `limits.max_files` already.
+    pub fn shared_writer(
+        &self,
+        owner: &str,
+        schema: &arrow::datatypes::Schema,
+        options: arrow::ipc::writer::IpcWriteOptions,
+        limits: &SharedLimits,
+    ) -> Result<SharedFileWriter, StoreError> {
+        self.shared.writer(owner, schema, options, limits)
+    }
+
+    /// Grants `staged` (rows of `dataset`) as `terms` say, under a lease and a one-time
+    /// token that must be claimed within `limits.token_ttl`.
+    pub fn grant_shared(
+        &self,
+        dataset: &Dataset,
+        staged: StagedFile,
+        terms: ShareTerms,
+        limits: &SharedLimits,
+    ) -> Result<SharedGrant, StoreError> {
+        self.shared.grant(dataset, staged, terms, limits)
+    }
+
+    /// The shared-memory file `token` opens for user `uid`, once.
+    pub fn claim_shared(&self, token: &str, uid: Option<u32>) -> Result<ClaimedFile, StoreError> {
+        self.shared.claim(token, uid)
     }
 
     /// Ends lease `id`. Memory that only the lease held is freed.

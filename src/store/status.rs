@@ -115,6 +115,8 @@ pub struct LeaseStatus {
     pub bytes: u64,
     /// Backend memory of the replicas made for this lease alone.
     pub replica_bytes: u64,
+    /// Bytes of the shared-memory file of a `shm-read` lease (0 for an export's).
+    pub staged_bytes: u64,
     pub expires_at: SystemTime,
     /// Whether the leased version is still the one in the catalog.
     pub in_catalog: bool,
@@ -206,7 +208,8 @@ pub(crate) fn status(
                 leased_only.insert(Arc::as_ptr(schema_charge) as usize, schema_charge.bytes());
             }
             let replica_bytes = lease.terms.replica_bytes();
-            replicas += replica_bytes;
+            let staged_bytes = lease.terms.staged_bytes();
+            replicas += replica_bytes + staged_bytes;
             lease_status.push(LeaseStatus {
                 id: lease.id,
                 owner: lease.owner,
@@ -216,6 +219,7 @@ pub(crate) fn status(
                 device: lease.terms.consumer,
                 bytes: dataset.memory_bytes(),
                 replica_bytes,
+                staged_bytes,
                 expires_at: lease.expires_at,
                 in_catalog,
             });

@@ -92,6 +92,19 @@ impl Tiers {
         self.host.try_reserve(0, bytes)
     }
 
+    /// Reserves `bytes` of host memory the store hands to other processes (a shared-memory
+    /// read's file), grown with [`Reservation::try_grow`]. A backend of host memory pays from
+    /// its device with the most free memory (its devices are host memory); a backend of device
+    /// memory from the host tier (`--host-memory-limit`), whose budget is the host memory the
+    /// server may hold beside its devices. Nothing spills to make room: the caller is told.
+    pub(crate) fn reserve_host_copy(&self, bytes: u64) -> Result<Reservation, StoreError> {
+        if self.backend.holds_host_memory() {
+            self.budget.try_reserve(self.budget.freest_device(), bytes)
+        } else {
+            self.try_reserve_host(bytes)
+        }
+    }
+
     /// Bytes partitions only on disk hold there.
     pub(crate) fn disk_used(&self) -> u64 {
         self.disk.used(0)

@@ -69,6 +69,20 @@ impl TestServer {
         Self::launch_store(store, options, false).await
     }
 
+    /// Also serves the shared-memory side channel (`shm-read`) on a Unix socket at `socket`.
+    pub async fn start_with_shared_memory(
+        backend: Arc<dyn Backend>,
+        store_options: StoreOptions,
+        options: ServeOptions,
+        socket: &std::path::Path,
+    ) -> Self {
+        let listener = server::Listener::bind_unix(socket)
+            .await
+            .expect("bind the side channel");
+        let store = Store::new(backend, store_options);
+        Self::launch_with(store, options, false, Some(listener)).await
+    }
+
     async fn launch(
         backend: Arc<dyn Backend>,
         store_options: StoreOptions,
@@ -78,7 +92,16 @@ impl TestServer {
         Self::launch_store(Store::new(backend, store_options), options, health_listener).await
     }
 
-    async fn launch_store(store: Store, mut options: ServeOptions, health_listener: bool) -> Self {
+    async fn launch_store(store: Store, options: ServeOptions, health_listener: bool) -> Self {
+        Self::launch_with(store, options, health_listener, None).await
+    }
+
+    async fn launch_with(
+        store: Store,
+        mut options: ServeOptions,
+        health_listener: bool,
+        shared_memory: Option<server::Listener>,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
         let health = match health_listener {
@@ -89,6 +112,7 @@ impl TestServer {
         let listeners = server::Listeners {
             flight: vec![listener.into()],
             health,
+            shared_memory,
         };
         let metrics = Arc::clone(
             options

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_flight::backend::HostBackend;
-use gpu_flight::flight::FlightOptions;
+use gpu_flight::flight::{FlightOptions, SharedMemoryOptions};
 use gpu_flight::server::ServeOptions;
-use gpu_flight::store::StoreOptions;
+use gpu_flight::store::{SharedLimits, StoreOptions};
 use tonic::transport::Channel;
 
 /// The device budget of the server under test (no host tier).
@@ -29,7 +29,10 @@ impl Served {
             .enable_all()
             .build()
             .expect("server runtime");
-        let server = runtime.block_on(crate::common::TestServer::start_with(
+        // `shm-read` stages its files for real, so that they too must return their memory.
+        let socket =
+            std::env::temp_dir().join(format!("gpu-flight-fuzz-{}.sock", std::process::id()));
+        let server = runtime.block_on(crate::common::TestServer::start_with_shared_memory(
             Arc::new(HostBackend::new()),
             StoreOptions {
                 memory_limit: Some(MEMORY_LIMIT),
@@ -38,6 +41,7 @@ impl Served {
                 ..StoreOptions::default()
             },
             options,
+            &socket,
         ));
         let addr = server.addr;
         Self {
@@ -69,6 +73,14 @@ pub(crate) fn serve_options() -> ServeOptions {
         flight: FlightOptions {
             rows_per_endpoint: 64,
             max_message_bytes: 64 << 10,
+            // Files staged by `shm-read` and never claimed go within the settle's wait.
+            shared_memory: SharedMemoryOptions {
+                socket: None,
+                limits: SharedLimits {
+                    token_ttl: Duration::from_millis(200),
+                    ..SharedLimits::default()
+                },
+            },
             ..FlightOptions::default()
         },
         ..ServeOptions::default()

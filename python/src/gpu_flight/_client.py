@@ -14,6 +14,7 @@ import pyarrow.flight as flight
 
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult, parse
 from ._export import DEFAULT_LEASE_SECONDS, Export, open_export
+from ._shared import read_shared
 
 Mode = Literal["create", "replace", "append"]
 Compression = Literal["lz4", "zstd"]
@@ -412,3 +413,22 @@ class Client:
         releasing the lease) if the dataset is on a GPU this process cannot see.
         """
         return open_export(self, name, columns, device, copy, lease_seconds)
+
+    def read_shared(
+        self,
+        name: str,
+        columns: Optional[Sequence[str]] = None,
+        where: Optional[str] = None,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
+    ) -> pa.Table:
+        """The dataset (or its `columns`, or the rows `where` selects, as `get` takes them) as a
+        Table mapped from the server's shared memory, without a copy and without the network:
+        for a process on the server's node, on a server started with `--shm-socket`. Needs no
+        GPU library.
+
+        The server writes the rows into a sealed memory file once; this process maps it and
+        the table's buffers point into the mapping, which stays mapped as long as anything
+        taken from the table is alive. The server's lease on the file is released once none
+        is (or after `lease_seconds`, whichever comes first).
+        """
+        return read_shared(self, name, columns, where, lease_seconds)

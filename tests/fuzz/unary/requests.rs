@@ -276,6 +276,8 @@ impl UnaryRig {
             "ipc-export",
             "ipc-export",
             "ipc-release",
+            "shm-read",
+            "shm-read",
             "move",
             "move",
             "copy",
@@ -412,6 +414,22 @@ impl UnaryRig {
                 json_body(
                     serde_json::json!({"name": name, "as": self.some_name(rng), "device": move_device}),
                 ),
+            ),
+            (
+                "shared-memory read".into(),
+                json_body(serde_json::json!({
+                    "name": name,
+                    "columns": [column],
+                    "where": *["c0 > 3", "c0 >", "s = 'x' OR c1 IS NULL", "nope = 1", ""]
+                        .choose(rng)
+                        .expect("predicates"),
+                    "compression": *["lz4", "zstd", "gzip"].choose(rng).expect("codecs"),
+                    "lease_seconds": lease_seconds,
+                })),
+            ),
+            (
+                "shared-memory read of everything".into(),
+                json_body(serde_json::json!({"name": name, "lease_seconds": 1})),
             ),
             (
                 "export copy without a device".into(),

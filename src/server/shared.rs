@@ -1,0 +1,159 @@
+//! The side channel of shared-memory reads: a Unix socket where a consumer trades the token
+//! `shm-read` gave it for the descriptor of its memory file, passed with `SCM_RIGHTS`.
+//!
+//! The exchange is one line each way. The consumer sends its token and a newline; the server
+//! answers `ok <bytes>` with the descriptor attached, or `error <why>` without one, and
+//! closes the connection. The store decides whether the token opens anything: once, in time,
+//! and, where the `shm-read` call came over a Unix socket, only for the same user, which the
+//! kernel reports for this connection (`SO_PEERCRED`). A connection that sends nothing in
+//! time is closed; a few at once are served, and more wait in the backlog.
+
+use std::io::{self, IoSlice};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+use tokio::io::Interest;
+use tokio::net::UnixStream;
+use tokio::sync::Semaphore;
+
+use super::Listener;
+use crate::store::Store;
+
+/// Longest line a consumer may send: a token is 64 hex digits.
+const MAX_LINE_BYTES: usize = 256;
+
+/// How long a consumer has to send its token and read the answer.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connections served at once; others wait in the listener's backlog.
+const MAX_EXCHANGES: usize = 64;
+
+/// Serves the side channel on `listener` until the task is aborted.
+pub(super) async fn serve(listener: Listener, store: Store) {
+    let Some((socket, path)) = listener.unix() else {
+        tracing::warn!("the shared-memory side channel needs a Unix socket");
+        return;
+    };
+    tracing::info!(socket = %path.display(), "shared-memory side channel listening");
+    let exchanges = Arc::new(Semaphore::new(MAX_EXCHANGES));
+    loop {
+        let Ok(permit) = Arc::clone(&exchanges).acquire_owned().await else {
+            return;
+        };
+        let stream = match socket.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of descriptors, usually: wait rather than spin.
+                tracing::warn!(%error, "shared-memory side channel: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let store = store.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            match tokio::time::timeout(EXCHANGE_TIMEOUT, exchange(&stream, &store)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::info!(%error, "shared-memory side channel: exchange failed");
+                }
+                Err(_) => tracing::info!("shared-memory side channel: the consumer was too slow"),
+            }
+        });
+    }
+}
+
+/// One consumer's exchange: its token in, the descriptor (or why not) out.
+async fn exchange(stream: &UnixStream, store: &Store) -> io::Result<()> {
+    let credentials = stream.peer_cred().ok();
+    let uid = credentials.map(|c| c.uid());
+    let line = read_line(stream).await?;
+    let token = std::str::from_utf8(&line).unwrap_or("").trim();
+    match store.claim_shared(token, uid) {
+        Ok(file) => {
+            tracing::debug!(
+                lease = file.lease.get(..8).unwrap_or(""),
+                bytes = file.bytes,
+                pid = ?credentials.and_then(|c| c.pid()),
+                ?uid,
+                "shared-memory file handed over"
+            );
+            send_with_fd(stream, format!("ok {}\n", file.bytes).as_bytes(), &file.fd).await
+        }
+        Err(error) => {
+            tracing::info!(
+                pid = ?credentials.and_then(|c| c.pid()),
+                ?uid,
+                %error,
+                "shared-memory token refused"
+            );
+            let answer = format!("error {}\n", error.to_string().replace('\n', " "));
+            write_all(stream, answer.as_bytes()).await
+        }
+    }
+}
+
+/// The first line the consumer sends (without its newline), of at most `MAX_LINE_BYTES`.
+async fn read_line(stream: &UnixStream) -> io::Result<Vec<u8>> {
+    let mut line = Vec::with_capacity(MAX_LINE_BYTES);
+    let mut buffer = [0u8; MAX_LINE_BYTES];
+    loop {
+        stream.readable().await?;
+        let read = match stream.try_read(&mut buffer[..MAX_LINE_BYTES - line.len()]) {
+            Ok(0) => return Ok(line),
+            Ok(read) => read,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(error) => return Err(error),
+        };
+        line.extend_from_slice(&buffer[..read]);
+        if let Some(end) = line.iter().position(|&b| b == b'\n') {
+            line.truncate(end);
+            return Ok(line);
+        }
+        if line.len() >= MAX_LINE_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "a token line longer than a token",
+            ));
+        }
+    }
+}
+
+/// Sends `message` with `fd` attached (`SCM_RIGHTS`), then whatever of `message` the first
+/// send left.
+async fn send_with_fd(stream: &UnixStream, message: &[u8], fd: &OwnedFd) -> io::Result<()> {
+    let fds = [fd.as_raw_fd()];
+    let sent = loop {
+        stream.writable().await?;
+        let sent = stream.try_io(Interest::WRITABLE, || {
+            sendmsg::<()>(
+                stream.as_raw_fd(),
+                &[IoSlice::new(message)],
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )
+            .map_err(io::Error::from)
+        });
+        match sent {
+            Ok(sent) => break sent,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(error) => return Err(error),
+        }
+    };
+    write_all(stream, message.get(sent..).unwrap_or_default()).await
+}
+
+async fn write_all(stream: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        stream.writable().await?;
+        match stream.try_write(bytes) {
+            Ok(written) => bytes = bytes.get(written..).unwrap_or_default(),
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,134 @@
+"""`Client.read_shared` (shm-read) against the real binary: the rows DoGet reads, mapped from the
+server's shared memory without a copy, its lease released once the table is gone."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import gpu_flight
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from test_flight import all_types_table, unique
+
+
+def leases(server):
+    return server.status()["leases"]
+
+
+def settle(server, baseline):
+    gc.collect()
+    server.wait_for(lambda: leases(server) == [] and server.used_bytes() == baseline, timeout=10)
+
+
+@pytest.fixture
+def shared(make_server, tmp_path):
+    return make_server("--shm-socket", str(tmp_path / "shm.sock"))
+
+
+def mapped_ranges():
+    """The address ranges this process maps the server's shared-memory files at."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "memfd:gpu-flight-shm-read" in line:
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def buffers(table):
+    for column in table.columns:
+        for chunk in column.chunks:
+            stack = [chunk]
+            while stack:
+                array = stack.pop()
+                yield from (b for b in array.buffers() if b is not None and b.size > 0)
+                if pa.types.is_dictionary(array.type):
+                    stack.append(array.dictionary)
+
+
+def assert_zero_copy(table):
+    ranges = mapped_ranges()
+    assert ranges, "the file is mapped"
+    for buffer in buffers(table):
+        assert any(start <= buffer.address < end for start, end in ranges), "zero-copy"
+
+
+def test_rows_match_get_and_lie_in_the_mapping(shared):
+    table = all_types_table(5000)
+    with gpu_flight.connect(shared.location) as client:
+        name = unique()
+        client.put(name, table)
+        baseline = shared.used_bytes()
+        got = client.read_shared(name)
+        assert got.equals(client.get(name))
+        assert got.equals(table)
+        assert_zero_copy(got)
+        assert len(leases(shared)) == 1
+        assert leases(shared)[0]["staged_bytes"] > 0
+        # A column taken from the table keeps the mapping and the lease.
+        column = got.column(0)
+        del got
+        gc.collect()
+        assert len(leases(shared)) == 1
+        assert column.to_pylist() == table.column(0).to_pylist()
+        del column
+        settle(shared, baseline)
+        assert mapped_ranges() == []
+
+
+def test_columns_and_where_as_get_takes_them(shared):
+    table = pa.table(
+        {"a": np.arange(10_000), "b": np.arange(10_000) * 2.0, "c": [str(i) for i in range(10_000)]}
+    )
+    with gpu_flight.connect(shared.location) as client:
+        name = unique()
+        client.put(name, table)
+        baseline = shared.used_bytes()
+        got = client.read_shared(name, columns=["c", "a"], where="a >= 9000 AND b < 19000")
+        assert got.equals(client.get(name, columns=["c", "a"], where="a >= 9000 AND b < 19000"))
+        assert got.num_rows == 500
+        del got
+        settle(shared, baseline)
+        with pytest.raises(pa.ArrowKeyError):
+            client.read_shared(unique())
+        with pytest.raises(pa.ArrowInvalid):
+            client.read_shared(name, columns=["nope"])
+        settle(shared, baseline)
+
+
+def test_a_server_without_the_socket_refuses(server):
+    with gpu_flight.connect(server.location) as client:
+        name = unique()
+        client.put(name, pa.table({"a": [1, 2, 3]}))
+        with pytest.raises(pa.ArrowException, match="--shm-socket"):
+            client.read_shared(name)
+
+
+CONSUMER = """
+import os, sys
+import gpu_flight
+with gpu_flight.connect(sys.argv[1]) as client:
+    table = client.read_shared(sys.argv[2], lease_seconds=2)
+    assert table.num_rows == 1000
+    print("mapped", flush=True)
+    os._exit(0)  # dies holding the table: nothing released
+"""
+
+
+def test_a_consumer_that_dies_leaks_nothing(shared):
+    with gpu_flight.connect(shared.location) as client:
+        name = unique()
+        client.put(name, pa.table({"a": np.arange(1000)}))
+        baseline = shared.used_bytes()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", CONSUMER, shared.location, name], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mapped" in done.stdout
+    assert len(leases(shared)) == 1, "held until the lease ends"
+    settle(shared, baseline)
