@@ -55,6 +55,8 @@ pub enum Action {
         copy: bool,
     },
     IpcRelease,
+    /// Writes a dataset, as a put does.
+    IpcImport,
     Move,
     Copy,
     /// The Flight specification's `CancelFlightInfo` and `RenewFlightEndpoint`.
@@ -74,6 +76,7 @@ impl Action {
             Self::Status => "status",
             Self::IpcExport { .. } => "ipc-export",
             Self::IpcRelease => "ipc-release",
+            Self::IpcImport => "ipc-import",
             Self::Move => "move",
             Self::Copy => "copy",
             Self::PreparedStatements => "Flight SQL prepared statement",
@@ -115,9 +118,9 @@ pub fn required_role(operation: Operation) -> Option<Role> {
         // Answered UNIMPLEMENTED; a caller without a role learns nothing from it either.
         Operation::Method(M::Unknown) => Some(Role::Read),
         // Replicas allocate device memory.
-        Operation::Action(A::Drop | A::Move | A::Copy | A::IpcExport { copy: true } | A::Put) => {
-            Some(Role::Write)
-        }
+        Operation::Action(
+            A::Drop | A::Move | A::Copy | A::IpcExport { copy: true } | A::IpcImport | A::Put,
+        ) => Some(Role::Write),
         Operation::Action(
             A::Status
             | A::IpcExport { copy: false }
@@ -182,6 +185,7 @@ mod tests {
             (Action::IpcExport { copy: false }, Role::Read),
             (Action::IpcExport { copy: true }, Role::Write),
             (Action::IpcRelease, Role::Read),
+            (Action::IpcImport, Role::Write),
             (Action::Status, Role::Read),
             (Action::PreparedStatements, Role::Read),
             (Action::FlightInfo, Role::Read),

@@ -4,7 +4,7 @@ use arrow_flight::{Action, ActionType};
 use serde_json::Value;
 
 use super::descriptor::{DeviceRef, parse_json_object, parse_name};
-use super::ipc_export;
+use super::ipc_export::{self, ImportDocument};
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
 use crate::store::{PersistenceStatus, PutMode, StoreStatus, TierStatus};
@@ -51,6 +51,17 @@ pub const ACTIONS: &[(&str, &str)] = &[
          \"copied_bytes\", \"version\"}.",
     ),
     (
+        "ipc-import",
+        "Copy Arrow columns another process on this node holds on one of the server's GPUs into \
+         a dataset, device to device, without the network (CUDA backend). Body: JSON {\"name\", \
+         \"mode\" (optional: create, replace or append), \"device\" ({\"uuid\", \"pci_bus_id\", \
+         \"ordinal\"}: the producer's GPU), \"num_rows\", \"schema\" (base64 Arrow IPC \
+         schema), \"columns\" (per column a CUDA IPC handle, allocation_bytes and buffer offsets, \
+         as ipc-export describes them)}. Result: JSON as DoPut's {\"name\", \"mode\", \"rows\", \
+         \"bytes\", \"total_rows\", \"total_bytes\"}. The producer may free its memory once \
+         this returns (see docs/protocol.md).",
+    ),
+    (
         "ipc-release",
         "End an ipc-export lease. Body: JSON {\"lease\"}. Result: JSON {\"lease\", \"name\"}. \
          Close your handles first: memory of a dropped dataset is freed once its last lease ends.",
@@ -83,6 +94,9 @@ pub enum ActionRequest {
     IpcRelease {
         lease: String,
     },
+    IpcImport {
+        document: Box<ImportDocument>,
+    },
     Move {
         name: String,
         device: DeviceRef,
@@ -103,6 +117,7 @@ impl ActionRequest {
             Self::Status => auth::Action::Status,
             Self::IpcExport { copy, .. } => auth::Action::IpcExport { copy: *copy },
             Self::IpcRelease { .. } => auth::Action::IpcRelease,
+            Self::IpcImport { .. } => auth::Action::IpcImport,
             Self::Move { .. } => auth::Action::Move,
             Self::Copy { .. } => auth::Action::Copy,
         })
@@ -115,6 +130,7 @@ impl ActionRequest {
             Self::Status => "status".to_owned(),
             Self::IpcExport { name, .. } => format!("ipc-export {name}"),
             Self::IpcRelease { .. } => "ipc-release".to_owned(),
+            Self::IpcImport { document } => format!("ipc-import {}", document.name),
             Self::Move { name, .. } => format!("move {name}"),
             Self::Copy { name, copy, .. } => format!("copy {name} as {copy}"),
         }
@@ -198,6 +214,26 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
             )?;
             Ok(ActionRequest::IpcRelease {
                 lease: parse_lease(&body.lease)?,
+            })
+        }
+        "ipc-import" => {
+            // Not `parse_json_object`, whose limit is for small bodies: a document grows with
+            // its columns, and the request limit (--max-request-bytes) bounds it.
+            let usage = "ipc-import takes a JSON object {\"name\", \"mode\", \"device\", \
+                         \"num_rows\", \"schema\", \"columns\"} (see docs/protocol.md)";
+            let document: ImportDocument = serde_json::from_slice(&action.body)
+                .map_err(|e| Error::InvalidCommand(format!("{usage}: {e}")))?;
+            if let Some(version) = document.version
+                && version != ipc_export::IMPORT_VERSION
+            {
+                return Err(Error::InvalidCommand(format!(
+                    "this server reads import documents of version {}, not {version}",
+                    ipc_export::IMPORT_VERSION
+                )));
+            }
+            parse_name(document.name.as_bytes())?;
+            Ok(ActionRequest::IpcImport {
+                document: Box::new(document),
             })
         }
         "move" => {

@@ -11,7 +11,8 @@
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`).
-//! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
+//! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse), and the one
+//!   `ipc-import` takes; `ipc_import`: a producer's GPU columns committed as a put.
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
 //! - `read`: what a `DoGet` ticket reads; `doget`: the framed fast path that sends it without
 //!   copying (the `do_get` handler is the plain encoder, arrow-flight's).
@@ -25,6 +26,7 @@ mod decode;
 pub mod descriptor;
 pub(crate) mod doget;
 pub mod ipc_export;
+mod ipc_import;
 mod lifecycle;
 mod put;
 mod read;
@@ -457,6 +459,19 @@ impl Service {
                     "dataset exported"
                 );
                 Ok(document)
+            }
+            ActionRequest::IpcImport { document } => {
+                let summary = ipc_import::import(self, *document, &caller.name).await?;
+                tracing::info!(
+                    dataset = ?summary.name,
+                    mode = ?summary.mode,
+                    rows = summary.rows,
+                    bytes = summary.bytes,
+                    total_rows = summary.total_rows,
+                    principal = %caller.name,
+                    "ipc-import committed"
+                );
+                action::to_value(&summary)
             }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;
