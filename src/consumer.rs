@@ -15,22 +15,32 @@
 //! release(&mut client, &document.lease).await?; // ...then end the lease
 //! # Ok(()) }
 //! ```
+//!
+//! A producer goes the other way with [`import_document`] and [`import`]: columns it holds on
+//! a GPU of the server's node, described by their device pointers, are copied by the server
+//! into a dataset (`ipc-import`), device to device; the producer may free them once
+//! [`import`] returns.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use arrow::array::{ArrayData, ArrayRef, make_array};
 use arrow::buffer::Buffer;
-use arrow::datatypes::{DataType, Field, SchemaRef};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::{Action, FlightClient};
+use arrow_flight::{IpcMessage, SchemaAsIpc};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use futures::TryStreamExt;
 
 use crate::backend::cuda::{ImportDevice, ImportedAllocation};
 use crate::backend::{BackendError, BufferKind};
 use crate::flight::ipc_export::{
-    ArrayDocument, ColumnDocument, DeviceDocument, ExportDocument, PartitionDocument, VERSION,
+    ArrayDocument, BufferDocument, ColumnDocument, DeviceDocument, ExportDocument, IMPORT_VERSION,
+    ImportDocument, PartitionDocument, VERSION,
 };
-use crate::store::Access;
+use crate::store::{Access, PutMode, PutSummary};
 
 /// What can go wrong consuming an export.
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +148,133 @@ async fn action(
         .into_iter()
         .next()
         .ok_or_else(|| ConsumerError::Document(format!("{name} returned no result")))
+}
+
+/// One Arrow array this process holds on a GPU, by device addresses, for [`import_document`]:
+/// in the layout `ipc-export` publishes (starting at row 0, offsets from 0, children of
+/// exactly the rows their parent references). Its buffers may lie in any allocations.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceColumn {
+    pub length: u64,
+    pub null_count: u64,
+    /// In Arrow's order, the validity bitmap (where there are nulls) first.
+    pub buffers: Vec<DeviceBuffer>,
+    pub children: Vec<DeviceColumn>,
+    /// A dictionary array's values.
+    pub dictionary: Option<Box<DeviceColumn>>,
+}
+
+/// The `ipc-import` document for `columns` (of `schema`, `num_rows` rows) that this process
+/// holds on `device`: each buffer's allocation found by its address, with its IPC handle.
+/// Fails for memory that cannot be shared (stream-ordered pool memory).
+pub fn import_document(
+    device: &ImportDevice,
+    name: &str,
+    mode: PutMode,
+    schema: &Schema,
+    num_rows: u64,
+    columns: &[DeviceColumn],
+) -> Result<ImportDocument, ConsumerError> {
+    let options = IpcWriteOptions::default();
+    let message = IpcMessage::try_from(SchemaAsIpc::new(schema, &options))?;
+    let mut described = Vec::with_capacity(columns.len());
+    for column in columns {
+        let first = first_address(column);
+        let own = match first {
+            Some(address) => Some(device.allocation_of(address)?),
+            None => None,
+        };
+        described.push(ColumnDocument {
+            handle: BASE64.encode(own.map_or([0; 64], |a| a.handle)),
+            allocation_bytes: own.map_or(0, |a| a.bytes),
+            array: import_array(device, own.as_ref(), column)?,
+        });
+    }
+    Ok(ImportDocument {
+        version: Some(IMPORT_VERSION),
+        name: name.to_owned(),
+        mode: Some(mode),
+        device: DeviceDocument {
+            device: None,
+            ordinal: device.ordinal(),
+            uuid: device.uuid()?,
+            pci_bus_id: device.pci_bus_id()?,
+        },
+        num_rows,
+        schema: BASE64.encode(&message.0),
+        columns: described,
+    })
+}
+
+/// The address of the first buffer with bytes of `column`, its children's or dictionary's.
+fn first_address(column: &DeviceColumn) -> Option<u64> {
+    column
+        .buffers
+        .iter()
+        .find(|b| b.length > 0)
+        .map(|b| b.address)
+        .or_else(|| column.children.iter().find_map(first_address))
+        .or_else(|| column.dictionary.as_deref().and_then(first_address))
+}
+
+fn import_array(
+    device: &ImportDevice,
+    own: Option<&crate::backend::cuda::ProducerAllocation>,
+    column: &DeviceColumn,
+) -> Result<ArrayDocument, ConsumerError> {
+    let mut buffers = Vec::with_capacity(column.buffers.len());
+    for buffer in &column.buffers {
+        let (offset, handle, allocation_bytes) = if buffer.length == 0 {
+            (0, None, None)
+        } else {
+            let allocation = match own {
+                Some(own) if (own.base..own.base + own.bytes).contains(&buffer.address) => *own,
+                _ => device.allocation_of(buffer.address)?,
+            };
+            let theirs = own.is_none_or(|own| own.handle != allocation.handle);
+            (
+                buffer.address - allocation.base,
+                theirs.then(|| BASE64.encode(allocation.handle)),
+                theirs.then_some(allocation.bytes),
+            )
+        };
+        buffers.push(BufferDocument {
+            kind: buffer.kind,
+            offset,
+            length: buffer.length,
+            handle,
+            allocation_bytes,
+        });
+    }
+    Ok(ArrayDocument {
+        name: String::new(),
+        data_type: String::new(),
+        length: column.length,
+        null_count: column.null_count,
+        buffers,
+        children: column
+            .children
+            .iter()
+            .map(|child| import_array(device, own, child))
+            .collect::<Result<_, _>>()?,
+        dictionary: column
+            .dictionary
+            .as_deref()
+            .map(|values| import_array(device, own, values).map(Box::new))
+            .transpose()?,
+    })
+}
+
+/// Calls `ipc-import` with `document`: the server copies the columns into the dataset and
+/// commits as a put would. The producer's memory may be freed once this returns.
+pub async fn import(
+    client: &mut FlightClient,
+    document: &ImportDocument,
+) -> Result<PutSummary, ConsumerError> {
+    let body =
+        serde_json::to_value(document).map_err(|e| ConsumerError::Document(e.to_string()))?;
+    let reply = action(client, "ipc-import", &body).await?;
+    serde_json::from_slice(&reply).map_err(|e| ConsumerError::Document(e.to_string()))
 }
 
 /// One Arrow buffer of a mapped column, in this process's address space.

@@ -176,10 +176,12 @@ fn backend_code(error: &BackendError) -> Code {
         BackendError::OutOfMemory { .. } | BackendError::StagingExhausted { .. } => {
             Code::ResourceExhausted
         }
-        BackendError::UnsupportedType { .. } => Code::InvalidArgument,
-        BackendError::CannotCompact { .. } | BackendError::NotExportable { .. } => {
-            Code::FailedPrecondition
+        BackendError::UnsupportedType { .. } | BackendError::ImportRefused(_) => {
+            Code::InvalidArgument
         }
+        BackendError::CannotCompact { .. }
+        | BackendError::NotExportable { .. }
+        | BackendError::NotImportable { .. } => Code::FailedPrecondition,
         BackendError::OutsidePartition { .. } | BackendError::Device(_) => Code::Internal,
     }
 }

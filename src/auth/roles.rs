@@ -57,6 +57,8 @@ pub enum Action {
     IpcRelease,
     /// `shm-read`: a read, staged in shared memory.
     ShmRead,
+    /// Writes a dataset, as a put does.
+    IpcImport,
     Move,
     Copy,
     /// The Flight specification's `CancelFlightInfo` and `RenewFlightEndpoint`.
@@ -77,6 +79,7 @@ impl Action {
             Self::IpcExport { .. } => "ipc-export",
             Self::IpcRelease => "ipc-release",
             Self::ShmRead => "shm-read",
+            Self::IpcImport => "ipc-import",
             Self::Move => "move",
             Self::Copy => "copy",
             Self::PreparedStatements => "Flight SQL prepared statement",
@@ -118,9 +121,9 @@ pub fn required_role(operation: Operation) -> Option<Role> {
         // Answered UNIMPLEMENTED; a caller without a role learns nothing from it either.
         Operation::Method(M::Unknown) => Some(Role::Read),
         // Replicas allocate device memory.
-        Operation::Action(A::Drop | A::Move | A::Copy | A::IpcExport { copy: true } | A::Put) => {
-            Some(Role::Write)
-        }
+        Operation::Action(
+            A::Drop | A::Move | A::Copy | A::IpcExport { copy: true } | A::IpcImport | A::Put,
+        ) => Some(Role::Write),
         Operation::Action(
             A::Status
             | A::IpcExport { copy: false }
@@ -187,6 +190,7 @@ mod tests {
             (Action::IpcExport { copy: true }, Role::Write),
             (Action::IpcRelease, Role::Read),
             (Action::ShmRead, Role::Read),
+            (Action::IpcImport, Role::Write),
             (Action::Status, Role::Read),
             (Action::PreparedStatements, Role::Read),
             (Action::FlightInfo, Role::Read),

@@ -16,7 +16,8 @@ pub struct ExportDevice {
     pub pci_bus_id: String,
 }
 
-/// One column: the allocation holding all its buffers (children's and dictionary's too).
+/// One column: the allocation holding all its buffers (children's and dictionary's too). Also
+/// what a producer hands `ipc-import`, where a buffer may lie in an allocation of its own.
 #[derive(Debug, Clone)]
 pub struct ExportedColumn {
     /// The 64-byte `CUipcMemHandle` of the allocation. It maps the whole allocation from its
@@ -44,6 +45,16 @@ pub struct ExportedBuffer {
     pub kind: BufferKind,
     pub offset: u64,
     pub length: u64,
+    /// The allocation the buffer lies in where it is not its column's: exports never say,
+    /// while a producer's buffers (`ipc-import`) often lie in allocations of their own.
+    pub allocation: Option<ForeignAllocation>,
+}
+
+/// Another process's allocation, as its IPC handle and its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForeignAllocation {
+    pub handle: [u8; 64],
+    pub bytes: u64,
 }
 
 /// The role of a buffer, in the order Arrow lists an array's buffers.

@@ -13,6 +13,7 @@ pub(crate) mod dictionary;
 pub mod export;
 pub mod filter;
 pub mod host;
+pub mod ingest;
 pub mod numa;
 pub mod spilled;
 
@@ -24,7 +25,9 @@ use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
 pub use cuda::{CudaBackend, FragmentCopies};
-pub use export::{BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn};
+pub use export::{
+    BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, ForeignAllocation,
+};
 pub use host::{HostBackend, host_memory_bytes};
 pub use spilled::SpilledPartition;
 
@@ -64,6 +67,16 @@ pub enum BackendError {
          map; read it with DoGet, or run the server with --backend cuda"
     )]
     NotExportable { backend: &'static str },
+    /// `ipc-import` copies from another process's GPU memory, which this backend cannot.
+    #[error(
+        "ipc-import copies another process's GPU memory and needs the cuda backend; this \
+         server keeps datasets in host memory (the {backend} backend): send the data with DoPut"
+    )]
+    NotImportable { backend: &'static str },
+    /// What an `ipc-import` document describes cannot be imported: handles that do not open,
+    /// sizes, offsets or lengths that do not fit, data Arrow's validation refuses.
+    #[error("ipc-import refused: {0}")]
+    ImportRefused(String),
     /// A row range outside the partition: a bug in the caller, never client input (a client's
     /// range outside a dataset is the store's `RowsOutOfRange`, checked before any partition
     /// is read).
@@ -173,6 +186,33 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         columns: Vec<usize>,
         device: u32,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
+
+    /// Bytes [`Backend::import`] of `columns` (checked by [`ingest::check_columns`])
+    /// allocates, so the store can reserve them first. `NotImportable` where the backend
+    /// cannot map another process's memory.
+    fn imported_size(&self, _columns: &[ExportedColumn]) -> Result<u64, BackendError> {
+        Err(BackendError::NotImportable {
+            backend: self.name(),
+        })
+    }
+
+    /// Copies `columns` (checked by [`ingest::check_columns`]), `rows` rows of `schema`, out
+    /// of another process's memory on `device` into a new partition of this backend's own
+    /// layout, and checks the copy as Arrow's decoder checks a put's data. The producer's
+    /// memory is no longer used once the future resolved, whatever its outcome; every mapping
+    /// of it is closed by then.
+    fn import(
+        &self,
+        _device: u32,
+        _schema: arrow::datatypes::SchemaRef,
+        _rows: usize,
+        _columns: Vec<ExportedColumn>,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let backend = self.name();
+        Box::pin(futures::future::ready(Err(BackendError::NotImportable {
+            backend,
+        })))
+    }
 
     /// Which devices can access which directly: `peer_access()[a][b]` says whether device `a`
     /// can read and write device `b`'s memory (every device its own). One memory space

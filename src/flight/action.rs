@@ -4,7 +4,7 @@ use arrow_flight::{Action, ActionType};
 use serde_json::Value;
 
 use super::descriptor::{Compression, DeviceRef, ReadCommand, parse_json_object, parse_name};
-use super::ipc_export;
+use super::ipc_export::{self, ImportDocument};
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
 use crate::store::{PersistenceStatus, PutMode, StoreStatus, TierStatus};
@@ -61,6 +61,17 @@ pub const ACTIONS: &[(&str, &str)] = &[
          The file stays until ipc-release or expiry.",
     ),
     (
+        "ipc-import",
+        "Copy Arrow columns another process on this node holds on one of the server's GPUs into \
+         a dataset, device to device, without the network (CUDA backend). Body: JSON {\"name\", \
+         \"mode\" (optional: create, replace or append), \"device\" ({\"uuid\", \"pci_bus_id\", \
+         \"ordinal\"}: the producer's GPU), \"num_rows\", \"schema\" (base64 Arrow IPC \
+         schema), \"columns\" (per column a CUDA IPC handle, allocation_bytes and buffer offsets, \
+         as ipc-export describes them)}. Result: JSON as DoPut's {\"name\", \"mode\", \"rows\", \
+         \"bytes\", \"total_rows\", \"total_bytes\"}. The producer may free its memory once \
+         this returns (see docs/protocol.md).",
+    ),
+    (
         "ipc-release",
         "End an ipc-export lease. Body: JSON {\"lease\"}. Result: JSON {\"lease\", \"name\"}. \
          Close your handles first: memory of a dropped dataset is freed once its last lease ends.",
@@ -98,6 +109,9 @@ pub enum ActionRequest {
         read: ReadCommand,
         lease_seconds: u64,
     },
+    IpcImport {
+        document: Box<ImportDocument>,
+    },
     Move {
         name: String,
         device: DeviceRef,
@@ -119,6 +133,7 @@ impl ActionRequest {
             Self::IpcExport { copy, .. } => auth::Action::IpcExport { copy: *copy },
             Self::IpcRelease { .. } => auth::Action::IpcRelease,
             Self::ShmRead { .. } => auth::Action::ShmRead,
+            Self::IpcImport { .. } => auth::Action::IpcImport,
             Self::Move { .. } => auth::Action::Move,
             Self::Copy { .. } => auth::Action::Copy,
         })
@@ -132,6 +147,7 @@ impl ActionRequest {
             Self::IpcExport { name, .. } => format!("ipc-export {name}"),
             Self::IpcRelease { .. } => "ipc-release".to_owned(),
             Self::ShmRead { read, .. } => format!("shm-read {}", read.name),
+            Self::IpcImport { document } => format!("ipc-import {}", document.name),
             Self::Move { name, .. } => format!("move {name}"),
             Self::Copy { name, copy, .. } => format!("copy {name} as {copy}"),
         }
@@ -248,6 +264,26 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                     filter: body.filter,
                 },
                 lease_seconds,
+            })
+        }
+        "ipc-import" => {
+            // Not `parse_json_object`, whose limit is for small bodies: a document grows with
+            // its columns, and the request limit (--max-request-bytes) bounds it.
+            let usage = "ipc-import takes a JSON object {\"name\", \"mode\", \"device\", \
+                         \"num_rows\", \"schema\", \"columns\"} (see docs/protocol.md)";
+            let document: ImportDocument = serde_json::from_slice(&action.body)
+                .map_err(|e| Error::InvalidCommand(format!("{usage}: {e}")))?;
+            if let Some(version) = document.version
+                && version != ipc_export::IMPORT_VERSION
+            {
+                return Err(Error::InvalidCommand(format!(
+                    "this server reads import documents of version {}, not {version}",
+                    ipc_export::IMPORT_VERSION
+                )));
+            }
+            parse_name(document.name.as_bytes())?;
+            Ok(ActionRequest::IpcImport {
+                document: Box::new(document),
             })
         }
         "move" => {

@@ -7,6 +7,11 @@
 //! buffer from the base of the allocation the handle maps. Version 1, what a client gets
 //! unless it asks for 2, is the same for a dataset of one partition, with that partition's
 //! device and columns at the top level. The same types parse it back for Rust consumers.
+//!
+//! `ipc-import` goes the other way with the same pieces: an [`ImportDocument`] describes a
+//! producer's columns on its GPU exactly as an export describes the server's (per column a
+//! handle, the allocation's size and every buffer's offset from its base), and the server
+//! copies them into memory of its own.
 
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::ipc::writer::IpcWriteOptions;
@@ -15,9 +20,11 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BufferKind, ExportDevice, ExportedArray, ExportedColumn};
+use crate::backend::{
+    BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, ForeignAllocation,
+};
 use crate::error::Error;
-use crate::store::{Access, Dataset, Export, ExportedPartition};
+use crate::store::{Access, Dataset, Export, ExportedPartition, PutMode};
 
 /// The document version a client gets unless it asks for another.
 pub const VERSION_1: u32 = 1;
@@ -95,10 +102,11 @@ pub struct ColumnDocument {
 /// allocation. Arrays start at row 0.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ArrayDocument {
-    /// The field name (`"values"` for a dictionary's values).
+    /// The field name (`"values"` for a dictionary's values); may be left out of an import.
+    #[serde(default)]
     pub name: String,
-    /// The Arrow type, for reading; the schema has it exactly.
-    #[serde(rename = "type")]
+    /// The Arrow type, for reading; the schema has it exactly. May be left out of an import.
+    #[serde(rename = "type", default)]
     pub data_type: String,
     pub length: u64,
     pub null_count: u64,
@@ -108,13 +116,20 @@ pub struct ArrayDocument {
     pub dictionary: Option<Box<ArrayDocument>>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BufferDocument {
     /// `validity`, `offsets` or `values`.
     pub kind: BufferKind,
     /// Bytes from the allocation's base.
     pub offset: u64,
     pub length: u64,
+    /// In an import, the handle of the allocation this buffer lies in where that is not its
+    /// column's (base64, 64 bytes); exports never set it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<String>,
+    /// With `handle`: that allocation's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocation_bytes: Option<u64>,
 }
 
 /// The document of `version` for `export` of `dataset`.
@@ -203,17 +218,7 @@ fn device_document(index: Option<u32>, device: &ExportDevice) -> DeviceDocument 
 
 /// `array` named as the schema names it: children after their fields.
 fn array_document(name: &str, data_type: &DataType, array: &ExportedArray) -> ArrayDocument {
-    let child_fields: Vec<(String, DataType)> = match data_type {
-        DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) => {
-            vec![(f.name().clone(), f.data_type().clone())]
-        }
-        DataType::Map(f, _) => vec![(f.name().clone(), f.data_type().clone())],
-        DataType::Struct(fields) => fields
-            .iter()
-            .map(|f| (f.name().clone(), f.data_type().clone()))
-            .collect(),
-        _ => Vec::new(),
-    };
+    let child_fields = child_types(data_type);
     let children = array
         .children
         .iter()
@@ -245,6 +250,8 @@ fn array_document(name: &str, data_type: &DataType, array: &ExportedArray) -> Ar
                 kind: b.kind,
                 offset: b.offset,
                 length: b.length,
+                handle: None,
+                allocation_bytes: None,
             })
             .collect(),
         children,
@@ -255,24 +262,179 @@ fn array_document(name: &str, data_type: &DataType, array: &ExportedArray) -> Ar
 impl ExportDocument {
     /// The exported columns' schema, decoded.
     pub fn decode_schema(&self) -> Result<Schema, String> {
-        let bytes = BASE64
-            .decode(&self.schema)
-            .map_err(|e| format!("schema is not base64: {e}"))?;
-        arrow::ipc::convert::try_schema_from_ipc_buffer(&bytes)
-            .map_err(|e| format!("schema is not an Arrow IPC schema message: {e}"))
+        decode_schema(&self.schema)
     }
+}
+
+fn decode_schema(base64: &str) -> Result<Schema, String> {
+    let bytes = BASE64
+        .decode(base64)
+        .map_err(|e| format!("schema is not base64: {e}"))?;
+    arrow::ipc::convert::try_schema_from_ipc_buffer(&bytes)
+        .map_err(|e| format!("schema is not an Arrow IPC schema message: {e}"))
+}
+
+/// The import document version this server reads.
+pub const IMPORT_VERSION: u32 = 1;
+
+/// The `ipc-import` request: columns a producer on this node holds on one of the server's
+/// GPUs, for the server to copy into a dataset as a put of them would (see docs/protocol.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportDocument {
+    /// [`IMPORT_VERSION`] where given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u32>,
+    /// The dataset to create, replace or append to.
+    pub name: String,
+    /// As a put's; `create` where left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<PutMode>,
+    /// The GPU whose memory holds the columns, by UUID (or PCI bus id): the server's device
+    /// with that identity receives the dataset. `ordinal` is the producer's own, for logs.
+    pub device: DeviceDocument,
+    pub num_rows: u64,
+    /// Base64 of the Arrow IPC schema message of the columns.
+    pub schema: String,
+    /// In schema order; each column's buffers lie in the allocation its handle maps.
+    pub columns: Vec<ColumnDocument>,
+}
+
+impl ImportDocument {
+    /// The columns' schema, decoded.
+    pub fn decode_schema(&self) -> Result<Schema, String> {
+        decode_schema(&self.schema)
+    }
+
+    /// The columns as the backend takes them, typed by `schema` (the document's own `type`
+    /// strings are for people). Only the document's shape is checked here; its numbers are
+    /// checked by `backend::ingest::check_columns`.
+    pub fn columns(&self, schema: &Schema) -> Result<Vec<ExportedColumn>, String> {
+        if schema.fields().len() != self.columns.len() {
+            return Err(format!(
+                "the schema has {} fields but the document describes {} columns",
+                schema.fields().len(),
+                self.columns.len()
+            ));
+        }
+        schema
+            .fields()
+            .iter()
+            .zip(&self.columns)
+            .map(|(field, column)| {
+                Ok(ExportedColumn {
+                    handle: column
+                        .handle_bytes()
+                        .map_err(|e| format!("column {}: {e}", field.name()))?,
+                    allocation_bytes: column.allocation_bytes,
+                    array: exported_array(field.name(), field.data_type(), &column.array)?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The types of `data_type`'s children, in order.
+fn child_types(data_type: &DataType) -> Vec<(String, DataType)> {
+    match data_type {
+        DataType::List(f)
+        | DataType::LargeList(f)
+        | DataType::FixedSizeList(f, _)
+        | DataType::Map(f, _) => vec![(f.name().clone(), f.data_type().clone())],
+        DataType::Struct(fields) => fields
+            .iter()
+            .map(|f| (f.name().clone(), f.data_type().clone()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `array`, described in a document, as an array of `data_type` named `path`.
+fn exported_array(
+    path: &str,
+    data_type: &DataType,
+    array: &ArrayDocument,
+) -> Result<ExportedArray, String> {
+    let types = child_types(data_type);
+    if types.len() != array.children.len() {
+        return Err(format!(
+            "{path}: an array of type {data_type} has {} children, not {}",
+            types.len(),
+            array.children.len()
+        ));
+    }
+    let children = types
+        .iter()
+        .zip(&array.children)
+        .map(|((name, child_type), child)| {
+            exported_array(&format!("{path}.{name}"), child_type, child)
+        })
+        .collect::<Result<_, _>>()?;
+    let dictionary = match (data_type, &array.dictionary) {
+        (DataType::Dictionary(_, value_type), Some(values)) => Some(Box::new(exported_array(
+            &format!("{path}.values"),
+            value_type,
+            values,
+        )?)),
+        (DataType::Dictionary(..), None) => {
+            return Err(format!(
+                "{path}: a dictionary array needs its \"dictionary\""
+            ));
+        }
+        (_, Some(_)) => {
+            return Err(format!(
+                "{path}: only dictionary arrays have a \"dictionary\""
+            ));
+        }
+        (_, None) => None,
+    };
+    Ok(ExportedArray {
+        data_type: data_type.clone(),
+        length: array.length,
+        null_count: array.null_count,
+        buffers: array
+            .buffers
+            .iter()
+            .map(|b| {
+                let allocation = match (&b.handle, b.allocation_bytes) {
+                    (None, None) => None,
+                    (Some(handle), Some(bytes)) => Some(ForeignAllocation {
+                        handle: handle_bytes(handle).map_err(|e| format!("{path}: {e}"))?,
+                        bytes,
+                    }),
+                    _ => {
+                        return Err(format!(
+                            "{path}: a buffer's \"handle\" and \"allocation_bytes\" go together"
+                        ));
+                    }
+                };
+                Ok(ExportedBuffer {
+                    kind: b.kind,
+                    offset: b.offset,
+                    length: b.length,
+                    allocation,
+                })
+            })
+            .collect::<Result<_, String>>()?,
+        children,
+        dictionary,
+    })
 }
 
 impl ColumnDocument {
     /// The 64 handle bytes.
     pub fn handle_bytes(&self) -> Result<[u8; 64], String> {
-        let bytes = BASE64
-            .decode(&self.handle)
-            .map_err(|e| format!("handle is not base64: {e}"))?;
-        bytes
-            .try_into()
-            .map_err(|b: Vec<u8>| format!("a handle has 64 bytes, not {}", b.len()))
+        handle_bytes(&self.handle)
     }
+}
+
+fn handle_bytes(base64: &str) -> Result<[u8; 64], String> {
+    let bytes = BASE64
+        .decode(base64)
+        .map_err(|e| format!("handle is not base64: {e}"))?;
+    bytes
+        .try_into()
+        .map_err(|b: Vec<u8>| format!("a handle has 64 bytes, not {}", b.len()))
 }
 
 /// RFC 3339 in UTC with milliseconds, as every timestamp the server reports.

@@ -11,8 +11,9 @@
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`,
-//!   `shm-read`, `move`, `copy`).
-//! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse).
+//!   `shm-read`, `ipc-import`, `move`, `copy`).
+//! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse), and the one
+//!   `ipc-import` takes; `ipc_import`: a producer's GPU columns committed as a put.
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
 //! - `read`: what a `DoGet` ticket reads; `doget`: the framed fast path that sends it without
 //!   copying (the `do_get` handler is the plain encoder, arrow-flight's).
@@ -27,6 +28,7 @@ mod decode;
 pub mod descriptor;
 pub(crate) mod doget;
 pub mod ipc_export;
+mod ipc_import;
 mod lifecycle;
 mod put;
 mod read;
@@ -478,6 +480,19 @@ impl Service {
                 read,
                 lease_seconds,
             } => shared::shm_read(self, read, lease_seconds, caller, origin, call).await,
+            ActionRequest::IpcImport { document } => {
+                let summary = ipc_import::import(self, *document, &caller.name).await?;
+                tracing::info!(
+                    dataset = ?summary.name,
+                    mode = ?summary.mode,
+                    rows = summary.rows,
+                    bytes = summary.bytes,
+                    total_rows = summary.total_rows,
+                    principal = %caller.name,
+                    "ipc-import committed"
+                );
+                action::to_value(&summary)
+            }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;
                 tracing::info!(

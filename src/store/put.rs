@@ -15,16 +15,16 @@ use super::compactor::Compactor;
 use super::dataset::Dataset;
 use super::durable::{self, Job};
 use super::error::StoreError;
-use super::memory::{Reservation, stored_charge};
+use super::memory::{ARRAY_OVERHEAD, Reservation, charge, stored_charge};
 use super::options::PutMode;
 use super::progress::{InFlight, Registered};
 use super::slot::StoredPartition;
 use super::tier::Tiers;
 use crate::arrays::{batch_bytes, schema_bytes};
-use crate::backend::Backend;
+use crate::backend::{Backend, ExportedArray, ExportedColumn};
 
 /// What a committed put reports back to the client.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PutSummary {
     pub name: String,
     pub mode: PutMode,
@@ -214,6 +214,41 @@ impl PendingPut {
         Ok(Some(upload))
     }
 
+    /// Adds `rows` rows another process holds on the put's device (`ipc-import`): `columns`
+    /// (checked by `backend::ingest::check_columns` against the declared schema) are paid for
+    /// first, as an upload is (spilling other partitions to make room), then copied by the
+    /// backend into memory of its own and checked there. Fails with nothing kept where the
+    /// backend cannot import, the memory does not fit, or the producer's data is refused.
+    pub async fn import(
+        &mut self,
+        rows: u64,
+        columns: Vec<ExportedColumn>,
+    ) -> Result<(), StoreError> {
+        let Some(schema) = self.schema.clone() else {
+            return Err(StoreError::MissingSchema);
+        };
+        let backend = Arc::clone(&self.puts.backend);
+        // Asked even for no rows: a backend that cannot import says so whatever the data.
+        let bytes = backend.imported_size(&columns)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let arrays: u64 = columns.iter().map(|c| array_count(&c.array)).sum();
+        let data_bytes: u64 = columns.iter().map(|c| array_bytes(&c.array)).sum();
+        let cost = charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(arrays));
+        let reservation = self.reserve(cost, &mut None).await?;
+        let rows_usize = usize::try_from(rows).unwrap_or(usize::MAX);
+        let data = backend
+            .import(self.device, schema, rows_usize, columns)
+            .await?;
+        self.rows = self.rows.saturating_add(rows);
+        self.data_bytes = self.data_bytes.saturating_add(data_bytes);
+        self.progress.progress.add(rows, data_bytes);
+        let stored = self.puts.tiers.hold(data, reservation, data_bytes);
+        self.partitions.push(stored);
+        Ok(())
+    }
+
     /// Reserves `bytes` on the put's device or, for a put the store places, on the freest
     /// device that has room, which the put then stays on. Where none has room, the charge of
     /// the batch's own `message` on a device gives way first (see [`Tiers::message_yields`]),
@@ -362,6 +397,23 @@ impl PendingPut {
         }
         Ok(summary(&committed))
     }
+}
+
+/// Arrays an imported column describes: itself, its children and its dictionary's.
+fn array_count(array: &ExportedArray) -> u64 {
+    1 + array.children.iter().map(array_count).sum::<u64>()
+        + array.dictionary.as_deref().map_or(0, array_count)
+}
+
+/// Arrow bytes of an imported column: its buffers', its children's and its dictionary's.
+fn array_bytes(array: &ExportedArray) -> u64 {
+    array
+        .buffers
+        .iter()
+        .map(|b| b.length)
+        .fold(0u64, u64::saturating_add)
+        .saturating_add(array.children.iter().map(array_bytes).sum::<u64>())
+        .saturating_add(array.dictionary.as_deref().map_or(0, array_bytes))
 }
 
 /// `append` needs the same fields (names, types, nullability, field metadata). Schema-level

@@ -15,6 +15,9 @@ interface:
         frame = weather.to_cudf()                 # cuDF, zero-copy where its layout allows
         temps = cupy.asarray(weather["temp"])     # a CuPy view of the server's memory
 
+and `client.put_device(name, frame)` hands GPU data (cuDF, CuPy, PyTorch, the Arrow device
+interface) to the server the other way, device to device.
+
 Errors are pyarrow's own, carrying the server's message (and the gRPC code's name):
 NOT_FOUND is `pyarrow.ArrowKeyError`, INVALID_ARGUMENT `pyarrow.ArrowInvalid`, UNIMPLEMENTED
 `pyarrow.ArrowNotImplementedError`, UNAUTHENTICATED `pyarrow.flight.FlightUnauthenticatedError`,
@@ -29,6 +32,7 @@ from ._cluster import Cluster, connect_all
 from ._cuda import CudaError
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult
 from ._export import Bitmap, Column, DeviceNotVisible, Export, Partition, device_uuid
+from ._import import NotShareable
 
 __all__ = [
     "Bitmap",
@@ -44,6 +48,7 @@ __all__ = [
     "Export",
     "Mode",
     "MoveResult",
+    "NotShareable",
     "Partition",
     "PutData",
     "PutResult",

@@ -15,6 +15,7 @@ import pyarrow.flight as flight
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult, parse
 from ._export import DEFAULT_LEASE_SECONDS, Export, open_export
 from ._shared import read_shared
+from ._import import put_device
 
 Mode = Literal["create", "replace", "append"]
 Compression = Literal["lz4", "zstd"]
@@ -389,6 +390,20 @@ class Client:
         return CopyResult.from_json(self._action("copy", body))
 
     # Zero-copy on the same node
+
+    def put_device(self, name: str, obj: Any, mode: Mode = "create") -> PutResult:
+        """Hands `obj`, held on a GPU of the server's node, to the server without the network:
+        the server copies it device to device into dataset `name` and commits it as `put`
+        would (`mode` as there). The memory may be freed once this returns.
+
+        `obj` is anything with `__arrow_c_device_array__` (a record batch on a CUDA device) or
+        `__arrow_c_device_stream__` (each batch in turn, the rest appended: not atomic), a
+        cuDF DataFrame, or a dict of column name to one-dimensional CuPy array or PyTorch
+        tensor. Needs `cuda-bindings` (extra `cuda`), the server on the GPU the data is on,
+        and memory from `cudaMalloc` (not a `cudaMallocAsync` pool, which cannot be shared:
+        `NotShareable`). A server on the host backend refuses with FAILED_PRECONDITION.
+        """
+        return put_device(self, name, obj, mode)
 
     def export(
         self,

@@ -269,16 +269,20 @@ impl DeviceAllocation {
 
     /// The CUDA IPC handle another process opens to map this whole allocation.
     pub(super) fn ipc_handle(&self) -> Result<[u8; 64], BackendError> {
+        // A cuMemAlloc allocation of this context: exportable, unlike pool allocations.
+        ipc_handle_of(&self.context, self.ptr)
+    }
+
+    /// Copies `bytes` to the start of the allocation and waits for the copy (producers
+    /// without a CUDA library of their own, and tests of `ipc-import`).
+    pub(super) fn write(&self, bytes: &[u8]) -> Result<(), BackendError> {
+        check_device_range(self, 0, bytes.len())?;
         self.context.bind()?;
-        let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
-        // SAFETY: `ptr` is the base of a cuMemAlloc allocation of this context (such memory
-        // is exportable, unlike pool allocations); the driver fills `handle`.
-        unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), self.ptr) }
-            .result()
-            .map_err(|e| device_error("cuIpcGetMemHandle", e))?;
-        // SAFETY: initialized by the successful call above.
-        let handle = unsafe { handle.assume_init() };
-        Ok(handle.reserved.map(|c| c as u8))
+        // SAFETY: the destination range lies inside this allocation (checked), alive for
+        // `&self`; the source is an ordinary host slice the synchronous copy reads before it
+        // returns.
+        unsafe { result::memcpy_htod_sync(self.ptr, bytes) }
+            .map_err(|e| device_error("cuMemcpyHtoD", e))
     }
 
     /// Sets every byte to `value` (tests poison outputs so unwritten bytes show).
@@ -510,6 +514,41 @@ impl<'a> CopyBatch<'a> {
         .map_err(|e| device_error("cuMemcpyDtoDAsync", e))
     }
 
+    /// Queues a copy of `len` bytes at `src_offset` of another process's allocation, mapped
+    /// in this context, to `dst` at `dst_offset`.
+    pub(super) fn copy_from_mapping(
+        &mut self,
+        dst: &'a DeviceAllocation,
+        dst_offset: usize,
+        src: &'a IpcMapping,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        check_device_range(dst, dst_offset, len)?;
+        if src_offset
+            .checked_add(len)
+            .is_none_or(|end| end > src.bytes)
+        {
+            return Err(BackendError::Device(format!(
+                "copy of {len} bytes at {src_offset} exceeds a mapped allocation of {} bytes",
+                src.bytes
+            )));
+        }
+        // SAFETY: the destination range lies inside `dst` and the source range inside the
+        // mapped allocation, as large as the driver reported it (both checked); both stay
+        // borrowed until the stream is synchronized. The producer may free its memory
+        // meanwhile: the mapping keeps the allocation alive until it is closed.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.ptr + dst_offset as u64,
+                src.ptr + src_offset as u64,
+                len,
+                self.stream.raw,
+            )
+        }
+        .map_err(|e| device_error("cuMemcpyDtoDAsync", e))
+    }
+
     /// Queues a copy of `len` bytes from `src` at `src_offset`, on any GPU, to `dst` at
     /// `dst_offset`, on any GPU (`cuMemcpyPeerAsync`: direct where peer access is enabled,
     /// through host memory by the driver otherwise).
@@ -648,6 +687,8 @@ impl Drop for CopyBatch<'_> {
 #[derive(Debug)]
 pub(super) struct IpcMapping {
     ptr: sys::CUdeviceptr,
+    /// The mapped allocation's size, as the driver reports it.
+    bytes: usize,
     context: Arc<Context>,
 }
 
@@ -674,14 +715,30 @@ impl IpcMapping {
         }
         .result()
         .map_err(|e| device_error("cuIpcOpenMemHandle", e))?;
-        Ok(Self {
+        let mut mapping = Self {
             ptr,
+            bytes: 0,
             context: Arc::clone(context),
-        })
+        };
+        // Closed by the drop if this fails.
+        let (base, bytes) = allocation_range(context, ptr)?;
+        if base != ptr {
+            return Err(BackendError::Device(
+                "an IPC handle mapped somewhere other than its allocation's base".to_owned(),
+            ));
+        }
+        mapping.bytes = bytes;
+        Ok(mapping)
     }
 
     pub(super) fn address(&self) -> u64 {
         self.ptr
+    }
+
+    /// The mapped allocation's size, as the driver reports it: what its handle really maps,
+    /// whatever the document that named it says.
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Copies `dst.len()` bytes from `offset` of the mapping. The caller vouches that the
@@ -694,6 +751,38 @@ impl IpcMapping {
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset) }
             .map_err(|e| device_error("cuMemcpyDtoH", e))
     }
+}
+
+/// The base and size of the device allocation that contains `address` in this context, as
+/// `cuMemGetAddressRange` reports them; an error for an address in no allocation.
+pub(super) fn allocation_range(
+    context: &Context,
+    address: u64,
+) -> Result<(u64, usize), BackendError> {
+    context.bind()?;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut bytes: usize = 0;
+    // SAFETY: the driver only looks `address` up (an unknown one is an error, not undefined
+    // behaviour) and writes one value into each out-parameter.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut bytes, address) }
+        .result()
+        .map_err(|e| device_error("cuMemGetAddressRange", e))?;
+    Ok((base, bytes))
+}
+
+/// The IPC handle of the allocation whose base is `base` in this context. Fails for memory
+/// that cannot be exported, as stream-ordered pool memory (`cudaMallocAsync`) cannot.
+pub(super) fn ipc_handle_of(context: &Context, base: u64) -> Result<[u8; 64], BackendError> {
+    context.bind()?;
+    let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+    // SAFETY: the driver checks `base` (memory it cannot export is an error, not undefined
+    // behaviour) and fills `handle` when it succeeds.
+    unsafe { sys::cuIpcGetMemHandle(handle.as_mut_ptr(), base) }
+        .result()
+        .map_err(|e| device_error("cuIpcGetMemHandle", e))?;
+    // SAFETY: initialized by the successful call above.
+    let handle = unsafe { handle.assume_init() };
+    Ok(handle.reserved.map(|c| c as u8))
 }
 
 impl Drop for IpcMapping {

@@ -3,10 +3,14 @@
 //! A consumer finds the exporting GPU among the devices it can see by UUID or PCI bus id (its
 //! ordinals depend on its own `CUDA_VISIBLE_DEVICES`), then opens each distinct handle once.
 //! An [`ImportedAllocation`] unmaps on drop; the exporter's lease must outlive it.
+//!
+//! The other way, `ipc-import`: [`ImportDevice::allocation_of`] finds the allocation holding a
+//! producer's device pointer and its IPC handle, and [`ImportDevice::upload`] gives a producer
+//! without a CUDA library of its own exportable device memory.
 
 use std::sync::Arc;
 
-use super::ffi::{self, Context, IpcMapping};
+use super::ffi::{self, Context, DeviceAllocation, IpcMapping};
 use crate::backend::BackendError;
 
 /// A visible CUDA device, opened to map allocations exported from it.
@@ -50,6 +54,38 @@ impl ImportDevice {
     /// The device's UUID, as `nvidia-smi` prints it: what a consumer tells `ipc-export`.
     pub fn uuid(&self) -> Result<String, BackendError> {
         self.context.uuid()
+    }
+
+    /// The device's PCI bus id, `domain:bus:device.function`.
+    pub fn pci_bus_id(&self) -> Result<String, BackendError> {
+        self.context.pci_bus_id()
+    }
+
+    /// The allocation of this process holding device address `address`: its base, its size
+    /// and its IPC handle, what an `ipc-import` document names. Fails for memory that cannot
+    /// be exported: stream-ordered pool memory (`cudaMallocAsync`, the default of some
+    /// allocators) has no IPC handle; allocate with `cudaMalloc`/`cuMemAlloc` instead.
+    pub fn allocation_of(&self, address: u64) -> Result<ProducerAllocation, BackendError> {
+        let (base, bytes) = ffi::allocation_range(&self.context, address)?;
+        let handle = ffi::ipc_handle_of(&self.context, base).map_err(|e| {
+            BackendError::Device(format!(
+                "{e}: this memory cannot be shared with another process (stream-ordered pool \
+                 memory, from cudaMallocAsync, cannot); allocate it with cudaMalloc"
+            ))
+        })?;
+        Ok(ProducerAllocation {
+            handle,
+            base,
+            bytes: bytes as u64,
+        })
+    }
+
+    /// `bytes` copied into a new device allocation of this process (plain `cuMemAlloc`,
+    /// which can be shared), freed when the returned memory is dropped.
+    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceMemory, BackendError> {
+        let allocation = DeviceAllocation::new(&self.context, bytes.len())?;
+        allocation.write(bytes)?;
+        Ok(DeviceMemory { allocation })
     }
 
     /// This process's ordinal for the device.
@@ -97,5 +133,31 @@ impl ImportedAllocation {
             self.mapping.copy_to_host(offset, &mut host)?;
         }
         Ok(host)
+    }
+}
+
+/// A device allocation of a producer, as `ipc-import` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProducerAllocation {
+    pub handle: [u8; 64],
+    /// Its first byte's device address in this process.
+    pub base: u64,
+    pub bytes: u64,
+}
+
+/// Device memory this process allocated, freed on drop.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    allocation: DeviceAllocation,
+}
+
+impl DeviceMemory {
+    /// The device address of its first byte.
+    pub fn address(&self) -> u64 {
+        self.allocation.address()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.allocation.bytes() as u64
     }
 }

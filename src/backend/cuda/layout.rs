@@ -55,7 +55,7 @@ pub(super) enum Kind {
     Dictionary(usize),
 }
 
-fn kind(data_type: &DataType) -> Result<Kind, BackendError> {
+pub(super) fn kind(data_type: &DataType) -> Result<Kind, BackendError> {
     let kind = match data_type {
         DataType::Null => Kind::Null,
         DataType::Boolean => Kind::Bits,
@@ -224,6 +224,7 @@ pub(super) fn exported(array: &DeviceArray) -> ExportedArray {
         kind,
         offset: region.offset as u64,
         length: region.len as u64,
+        allocation: None,
     };
     let mut buffers: Vec<ExportedBuffer> = array
         .validity

@@ -10,6 +10,8 @@
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
+//! - `ingest`: `ipc-import`, a producer's allocations copied into this backend's layout and
+//!   validated.
 //!
 //! An upload copies the batch's buffers into a pinned staging buffer laid out exactly as the
 //! device allocation, then issues one host-to-device copy and waits on its own stream, on a
@@ -29,11 +31,12 @@ mod ffi;
 mod filter;
 mod filter_abi;
 mod import;
+mod ingest;
 mod layout;
 mod read;
 mod staging;
 
-pub use import::{ImportDevice, ImportedAllocation};
+pub use import::{DeviceMemory, ImportDevice, ImportedAllocation, ProducerAllocation};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -141,6 +144,9 @@ struct Counters {
     filtered_rows_kept: AtomicU64,
     /// Chunks that could not be filtered on this GPU for want of memory.
     filter_fallbacks: AtomicU64,
+    /// `ipc-import`s committed to this GPU's memory, and the bytes they allocated.
+    imports: AtomicU64,
+    imported_bytes: AtomicU64,
 }
 
 impl CudaBackend {
@@ -642,6 +648,30 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
+    fn imported_size(&self, columns: &[ExportedColumn]) -> Result<u64, BackendError> {
+        Ok(ingest::ImportPlan::new(columns)?.allocated_bytes())
+    }
+
+    /// Copies and validates on a blocking thread: the copies take one synchronization.
+    fn import(
+        &self,
+        device: u32,
+        schema: SchemaRef,
+        rows: usize,
+        columns: Vec<ExportedColumn>,
+    ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        let shared = match self.gpu(device) {
+            Ok(gpu) => Arc::clone(&gpu.shared),
+            Err(error) => return futures::future::ready(Err(error)).boxed(),
+        };
+        let task = tokio::task::spawn_blocking(move || {
+            let plan = ingest::ImportPlan::new(&columns)?;
+            let partition = ingest::import(&shared, plan, schema, rows)?;
+            Ok(Arc::new(partition) as Arc<dyn Partition>)
+        });
+        task.map(flatten_join).boxed()
+    }
+
     fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         let parts = downcast_all::<CudaPartition>(partitions, "the cuda backend")?;
         if parts.is_empty() {
@@ -756,6 +786,8 @@ impl Shared {
             "filtered_rows_kept": c.filtered_rows_kept.load(Ordering::Relaxed),
             "filter_fallbacks": c.filter_fallbacks.load(Ordering::Relaxed),
             "filter_kernels_loaded": self.filter_kernels.is_some(),
+            "imports": c.imports.load(Ordering::Relaxed),
+            "imported_bytes": c.imported_bytes.load(Ordering::Relaxed),
         });
         match counters {
             Value::Object(map) => map,

@@ -278,6 +278,8 @@ impl UnaryRig {
             "ipc-release",
             "shm-read",
             "shm-read",
+            "ipc-import",
+            "ipc-import",
             "move",
             "move",
             "copy",
@@ -436,7 +438,21 @@ impl UnaryRig {
                 json_body(serde_json::json!({"name": name, "version": 2, "copy": true})),
             ),
         ];
-        let chosen = rng.random_range(0..bodies.len());
+        let mut bodies = bodies;
+        bodies.push((
+            "import document".into(),
+            json_body(import_document(rng, &name)),
+        ));
+        bodies.push((
+            "import document".into(),
+            json_body(import_document(rng, &name)),
+        ));
+        // An import mostly gets an import document, forged where it counts.
+        let chosen = if kind == "ipc-import" && rng.random_bool(0.7) {
+            bodies.len() - 1
+        } else {
+            rng.random_range(0..bodies.len())
+        };
         let (label, mut body) = bodies.into_iter().nth(chosen).expect("a body");
         log.push(format!("action {kind:?} body {label}"));
         if rng.random_bool(0.3) {
@@ -444,6 +460,103 @@ impl UnaryRig {
         }
         Action::new(kind, body)
     }
+}
+
+/// An `ipc-import` document, well formed or forged: made-up handles (the host backend refuses
+/// every import, a GPU server's driver opens none of these), and numbers from the edges.
+fn import_document(rng: &mut StdRng, name: &str) -> serde_json::Value {
+    use arrow::datatypes::{DataType, Field, Schema};
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD as BASE64;
+    let numbers = [
+        0_u64,
+        1,
+        7,
+        8,
+        63,
+        64,
+        100,
+        800,
+        2 << 20,
+        u32::MAX as u64,
+        u64::MAX,
+    ];
+    let number = |rng: &mut StdRng| *numbers.choose(rng).expect("numbers");
+    let rows = number(rng);
+    let (offset, length, allocation) = (number(rng), number(rng), number(rng));
+    let null_count = number(rng);
+    let types = [
+        DataType::Int64,
+        DataType::Utf8,
+        DataType::Boolean,
+        DataType::List(std::sync::Arc::new(Field::new(
+            "item",
+            DataType::Int32,
+            true,
+        ))),
+        DataType::Dictionary(Box::new(DataType::Int16), Box::new(DataType::Utf8)),
+        DataType::Null,
+    ];
+    let data_type = types.choose(rng).expect("types").clone();
+    let schema = Schema::new(vec![Field::new("c", data_type, rng.random_bool(0.5))]);
+    let options = arrow::ipc::writer::IpcWriteOptions::default();
+    let message =
+        arrow_flight::IpcMessage::try_from(arrow_flight::SchemaAsIpc::new(&schema, &options))
+            .expect("schema");
+    let kinds = ["validity", "offsets", "values", "bits"];
+    if rng.random_bool(0.3) {
+        // Well formed: only the handle is made up.
+        let schema = Schema::new(vec![Field::new("c", DataType::Int64, true)]);
+        let message =
+            arrow_flight::IpcMessage::try_from(arrow_flight::SchemaAsIpc::new(&schema, &options))
+                .expect("schema");
+        let rows = *[0_u64, 1, 100].choose(rng).expect("rows");
+        return serde_json::json!({
+            "name": name,
+            "device": {"ordinal": 0, "uuid": "GPU-x", "pci_bus_id": "0000:00:00.0"},
+            "num_rows": rows,
+            "schema": BASE64.encode(&message.0),
+            "columns": [{"handle": BASE64.encode([rng.random::<u8>(); 64]),
+                         "allocation_bytes": 2 << 20, "length": rows, "null_count": 0,
+                         "buffers": [{"kind": "values", "offset": 64, "length": rows * 8}],
+                         "children": []}],
+        });
+    }
+    let buffers: Vec<serde_json::Value> = (0..rng.random_range(0..4))
+        .map(|_| {
+            let mut buffer = serde_json::json!({
+                "kind": kinds.choose(rng).expect("kinds"),
+                "offset": if rng.random_bool(0.5) { offset } else { 0 },
+                "length": if rng.random_bool(0.5) { length } else { rows.saturating_mul(8) },
+            });
+            if rng.random_bool(0.2) {
+                buffer["handle"] = BASE64.encode([rng.random::<u8>(); 64]).into();
+                buffer["allocation_bytes"] = allocation.into();
+            }
+            buffer
+        })
+        .collect();
+    let child = serde_json::json!({"length": rows, "null_count": 0, "buffers": [], "children": []});
+    let mut column = serde_json::json!({
+        "handle": BASE64.encode([rng.random::<u8>(); 64]),
+        "allocation_bytes": allocation,
+        "length": rows,
+        "null_count": if rng.random_bool(0.8) { 0 } else { null_count },
+        "buffers": buffers,
+        "children": if rng.random_bool(0.3) { vec![child.clone()] } else { vec![] },
+    });
+    if rng.random_bool(0.3) {
+        column["dictionary"] = child;
+    }
+    serde_json::json!({
+        "version": *[1_i64, 1, 1, 2].choose(rng).expect("versions"),
+        "name": name,
+        "mode": *["create", "replace", "append", "upsert"].choose(rng).expect("modes"),
+        "device": {"ordinal": 0, "uuid": "GPU-x", "pci_bus_id": "0000:00:00.0"},
+        "num_rows": rows,
+        "schema": BASE64.encode(&message.0),
+        "columns": if rng.random_bool(0.9) { vec![column] } else { vec![] },
+    })
 }
 
 fn json_body(value: serde_json::Value) -> Vec<u8> {

@@ -1,0 +1,663 @@
+//! `ipc-import` on the CUDA backend: columns another process holds on this GPU, copied device
+//! to device into the layout `ipc-export` publishes, then checked as a put's data is.
+//!
+//! [`ImportPlan`] (pure, unit-tested without a GPU) lays each column out as an upload would
+//! (validity, buffers, children depth first, a dictionary's values last, each 64-byte
+//! aligned) and arranges the columns as a concatenation does (large columns in allocations of
+//! their own, small ones packed together), so an import is exportable and compact at once.
+//!
+//! [`import`] opens each distinct handle once and checks the size the driver reports for the
+//! mapped allocation against the document's, copies every buffer into the server's own
+//! allocations, and on the same stream copies back to pinned host memory the bytes Arrow's
+//! validation reads (validity bitmaps, offsets, UTF-8 strings, dictionary keys, and
+//! dictionaries whole, which the layout keeps a host copy of). The mappings are closed as soon
+//! as the copies are done, on every path, so the producer may free its memory once the call
+//! returns. The copies are then validated in full, with zeroed stand-ins for the buffers no
+//! value of which can be invalid (fixed-width values, booleans, binary bytes): what was
+//! validated is the server's own copy, which the producer can no longer change. Only then is
+//! the partition made, so readers (`read_back_array` trusts put data to be validated) never
+//! see unchecked bytes.
+
+use std::sync::Arc;
+
+use arrow::array::{ArrayData, make_array};
+use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::datatypes::{DataType, SchemaRef};
+use arrow::record_batch::{RecordBatch, RecordBatchOptions};
+
+use super::concat::Arrangement;
+use super::ffi::IpcMapping;
+use super::layout::{self, ALIGNMENT, DeviceArray, Kind, Region};
+use super::{CudaPartition, Shared, TrackedAllocation};
+use crate::backend::ingest::refused;
+use crate::backend::{
+    BackendError, BufferKind, ExportedArray, ExportedBuffer, ExportedColumn, ForeignAllocation,
+};
+
+/// Where an import's bytes come from and go.
+#[derive(Debug)]
+pub(super) struct ImportPlan {
+    /// Each distinct handle a buffer with bytes lies in, once, with the largest allocation
+    /// size declared for it.
+    handles: Vec<([u8; 64], u64)>,
+    /// Each column's layout from the start of its place.
+    columns: Vec<DeviceArray>,
+    /// Every region of every column in layout order.
+    regions: Vec<Planned>,
+    arrangement: Arrangement,
+}
+
+/// One buffer to copy.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    column: usize,
+    /// From the column's start.
+    region: Region,
+    /// The producer's allocation (in `handles`), and the offset from its base.
+    handle: usize,
+    source: u64,
+    /// Copied back to the host too, for Arrow's validation to read.
+    host: bool,
+}
+
+impl ImportPlan {
+    /// Lays out `columns`, which `backend::ingest::check_columns` has checked.
+    pub(super) fn new(columns: &[ExportedColumn]) -> Result<Self, BackendError> {
+        let mut handles: Vec<([u8; 64], u64)> = Vec::new();
+        let mut planned = Vec::with_capacity(columns.len());
+        let mut regions = Vec::new();
+        let mut used = Vec::with_capacity(columns.len());
+        for (index, column) in columns.iter().enumerate() {
+            let mut planner = Planner {
+                column: index,
+                own: ForeignAllocation {
+                    handle: column.handle,
+                    bytes: column.allocation_bytes,
+                },
+                used: 0,
+                regions: &mut regions,
+                handles: &mut handles,
+            };
+            let array = planner.array(&column.array, false)?;
+            used.push(planner.used);
+            planned.push(array);
+        }
+        Ok(Self {
+            handles,
+            columns: planned,
+            regions,
+            arrangement: Arrangement::new(&used),
+        })
+    }
+
+    /// Device bytes the import allocates.
+    pub(super) fn allocated_bytes(&self) -> u64 {
+        self.arrangement.total_bytes()
+    }
+
+    /// Bytes copied back to the host for validation.
+    fn host_bytes(&self) -> usize {
+        self.regions
+            .iter()
+            .filter(|r| r.host)
+            .map(|r| r.region.len)
+            .sum()
+    }
+
+    /// Where a planned region lies among the import's allocations: (allocation, offset).
+    fn destination(&self, planned: &Planned) -> (usize, usize) {
+        let (allocation, at) = self.arrangement.columns[planned.column];
+        (allocation, at + planned.region.offset)
+    }
+}
+
+struct Planner<'a> {
+    column: usize,
+    /// The column's allocation, where its buffers do not name another.
+    own: ForeignAllocation,
+    used: usize,
+    regions: &'a mut Vec<Planned>,
+    handles: &'a mut Vec<([u8; 64], u64)>,
+}
+
+impl Planner<'_> {
+    /// The index of `allocation` among the handles to open.
+    fn handle(&mut self, allocation: ForeignAllocation) -> usize {
+        match self
+            .handles
+            .iter()
+            .position(|(h, _)| *h == allocation.handle)
+        {
+            Some(position) => {
+                let declared = &mut self.handles[position].1;
+                *declared = (*declared).max(allocation.bytes);
+                position
+            }
+            None => {
+                self.handles.push((allocation.handle, allocation.bytes));
+                self.handles.len() - 1
+            }
+        }
+    }
+
+    fn region(&mut self, buffer: &ExportedBuffer, host: bool) -> Result<Region, BackendError> {
+        let (source, len) = (buffer.offset, buffer.length);
+        let len = usize::try_from(len).map_err(|_| refused(format!("a buffer of {len} bytes")))?;
+        // Only allocations something is copied from are opened.
+        let handle = if len > 0 {
+            self.handle(buffer.allocation.unwrap_or(self.own))
+        } else {
+            usize::MAX
+        };
+        let offset = self.used.next_multiple_of(ALIGNMENT);
+        let region = Region { offset, len };
+        self.used = offset
+            .checked_add(len)
+            .ok_or_else(|| refused("the columns' bytes overflow".to_owned()))?;
+        self.regions.push(Planned {
+            column: self.column,
+            region,
+            handle,
+            source,
+            host,
+        });
+        Ok(region)
+    }
+
+    /// Lays out `array`; `in_dictionary`: it is (part of) a dictionary's values, all of which
+    /// go to the host too.
+    fn array(
+        &mut self,
+        array: &ExportedArray,
+        in_dictionary: bool,
+    ) -> Result<DeviceArray, BackendError> {
+        let kind = layout::kind(&array.data_type)?;
+        let len =
+            usize::try_from(array.length).map_err(|_| refused(format!("{} rows", array.length)))?;
+        let mut validity = None;
+        let mut buffers = Vec::new();
+        for buffer in &array.buffers {
+            let host = in_dictionary
+                || match (buffer.kind, kind) {
+                    (BufferKind::Validity | BufferKind::Offsets, _) => true,
+                    (BufferKind::Values, Kind::Dictionary(_)) => true,
+                    (BufferKind::Values, Kind::VarLen(_)) => {
+                        matches!(array.data_type, DataType::Utf8 | DataType::LargeUtf8)
+                    }
+                    (BufferKind::Values, _) => false,
+                };
+            let region = self.region(buffer, host)?;
+            match buffer.kind {
+                BufferKind::Validity => validity = Some(region),
+                BufferKind::Offsets | BufferKind::Values => buffers.push(region),
+            }
+        }
+        let mut children = array
+            .children
+            .iter()
+            .map(|child| self.array(child, in_dictionary))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(values) = &array.dictionary {
+            children.push(self.array(values, true)?);
+        }
+        Ok(DeviceArray {
+            data_type: array.data_type.clone(),
+            kind,
+            len,
+            null_count: usize::try_from(array.null_count).unwrap_or(usize::MAX),
+            validity,
+            buffers,
+            children,
+            dictionary: None,
+        })
+    }
+}
+
+/// Copies the planned columns out of the producer's memory into new allocations of `shared`'s
+/// GPU and validates them; `rows` rows of `schema`.
+pub(super) fn import(
+    shared: &Arc<Shared>,
+    plan: ImportPlan,
+    schema: SchemaRef,
+    rows: usize,
+) -> Result<CudaPartition, BackendError> {
+    let mappings = plan
+        .handles
+        .iter()
+        .enumerate()
+        .map(|(index, (handle, declared))| {
+            let mapping = IpcMapping::open(&shared.context, handle).map_err(|e| {
+                refused(format!(
+                    "handle {index} could not be opened on this GPU ({e}): it must be a \
+                     cudaIpcGetMemHandle of memory that is still allocated, by a live process \
+                     other than this server, on the GPU the document names"
+                ))
+            })?;
+            if *declared > mapping.bytes() as u64 {
+                return Err(refused(format!(
+                    "handle {index} maps an allocation of {} bytes, not the {declared} the \
+                     document declares",
+                    mapping.bytes()
+                )));
+            }
+            Ok(mapping)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let allocations = plan
+        .arrangement
+        .allocations
+        .iter()
+        .map(|&bytes| TrackedAllocation::new(shared, bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    let host_bytes = plan.host_bytes();
+    let mut staging = if host_bytes > 0 {
+        Some(shared.pool.lease_for_read(host_bytes)?)
+    } else {
+        None
+    };
+    shared.with_stream(|stream| {
+        stream.copies(|batch| {
+            for planned in &plan.regions {
+                if planned.region.len == 0 {
+                    continue;
+                }
+                let (allocation, at) = plan.destination(planned);
+                let handle = planned.handle;
+                let source = usize::try_from(planned.source)
+                    .map_err(|_| refused(format!("an offset of {}", planned.source)))?;
+                batch.copy_from_mapping(
+                    &allocations[allocation].inner,
+                    at,
+                    &mappings[handle],
+                    source,
+                    planned.region.len,
+                )?;
+            }
+            // After the device copies on the same stream: from the server's own copy.
+            if let Some(staging) = staging.as_mut() {
+                let mut rest = staging.buffer_mut().as_mut_slice();
+                for planned in plan.regions.iter().filter(|r| r.host && r.region.len > 0) {
+                    let (target, tail) = std::mem::take(&mut rest).split_at_mut(planned.region.len);
+                    let (allocation, at) = plan.destination(planned);
+                    batch.copy_to_host(target, &allocations[allocation].inner, at)?;
+                    rest = tail;
+                }
+            }
+            Ok(())
+        })
+    })?;
+    // The producer's memory is not touched again.
+    drop(mappings);
+
+    let host = staging.as_ref().map(|s| s.as_ref().as_slice());
+    let mut taken = 0;
+    let mut bytes = plan.regions.iter().map(|planned| {
+        if !planned.host {
+            return None;
+        }
+        let slice = host.map_or(&[][..], |h| &h[taken..taken + planned.region.len]);
+        taken += planned.region.len;
+        Some(Buffer::from(slice))
+    });
+    let ImportPlan {
+        columns,
+        arrangement,
+        ..
+    } = plan;
+    let mut placed = Vec::with_capacity(columns.len());
+    let mut arrays = Vec::with_capacity(columns.len());
+    for (index, (mut array, field)) in columns.into_iter().zip(schema.fields()).enumerate() {
+        let data = validate(field.name(), &mut array, &mut bytes)?;
+        arrays.push(make_array(data));
+        let (allocation, at) = arrangement.columns[index];
+        array.shift(at);
+        placed.push((allocation, array));
+    }
+    drop(staging);
+    // The schema's own rules: lengths, types, and no nulls in non-nullable fields.
+    RecordBatch::try_new_with_options(
+        Arc::clone(&schema),
+        arrays,
+        &RecordBatchOptions::new().with_row_count(Some(rows)),
+    )
+    .map_err(|e| {
+        refused(format!(
+            "the columns do not make a batch of the schema: {e}"
+        ))
+    })?;
+    let bytes: u64 = allocations.iter().map(|a| a.inner.bytes() as u64).sum();
+    let counters = &shared.counters;
+    counters
+        .imports
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    counters
+        .imported_bytes
+        .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    Ok(CudaPartition {
+        shared: Arc::clone(shared),
+        allocations: Arc::new(allocations),
+        columns: Arc::new(placed),
+        schema,
+        rows,
+    })
+}
+
+/// Rebuilds `array` on the host from `bytes` (the host copy of each region in layout order, or
+/// `None` where a zeroed stand-in will do) and validates it in full; records its null count,
+/// drops a bitmap without nulls and keeps a dictionary's host copy, as uploads do.
+fn validate(
+    path: &str,
+    array: &mut DeviceArray,
+    bytes: &mut impl Iterator<Item = Option<Buffer>>,
+) -> Result<ArrayData, BackendError> {
+    let mut next = |region: &Region| -> Buffer {
+        match bytes.next().flatten() {
+            Some(buffer) => buffer,
+            None => Buffer::from(MutableBuffer::from_len_zeroed(region.len)),
+        }
+    };
+    let validity = array.validity.as_ref().map(&mut next);
+    let buffers: Vec<Buffer> = array.buffers.iter().map(&mut next).collect();
+    let child_paths: Vec<String> = match &array.data_type {
+        DataType::Struct(fields) => fields
+            .iter()
+            .map(|f| format!("{path}.{}", f.name()))
+            .collect(),
+        DataType::List(f)
+        | DataType::LargeList(f)
+        | DataType::FixedSizeList(f, _)
+        | DataType::Map(f, _) => {
+            vec![format!("{path}.{}", f.name())]
+        }
+        _ => vec![format!("{path}.values")],
+    };
+    let children = array
+        .children
+        .iter_mut()
+        .zip(
+            child_paths
+                .iter()
+                .chain(std::iter::repeat(&format!("{path}.values"))),
+        )
+        .map(|(child, child_path)| validate(child_path, child, bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    let offsets = buffers.first().cloned();
+    let data = ArrayData::builder(array.data_type.clone())
+        .len(array.len)
+        .null_bit_buffer(validity)
+        .buffers(buffers)
+        .child_data(children)
+        .build()
+        .map_err(|e| refused(format!("{path}: {e}")))?;
+    // The layout's own contract, beyond Arrow's: offsets start at 0 and end where the bytes
+    // (or the child's rows) do, so the arrays are compact.
+    let end = match array.kind {
+        Kind::VarLen(_) => Some(array.buffers[1].len),
+        Kind::List(_) => Some(array.children[0].len),
+        _ => None,
+    };
+    if let (Some(end), Some(offsets), Kind::VarLen(width) | Kind::List(width)) =
+        (end, offsets, array.kind)
+    {
+        let first = layout::offset_at(offsets.as_slice(), 0, width);
+        let last = layout::offset_at(offsets.as_slice(), array.len, width);
+        if first != 0 || last != end {
+            return Err(refused(format!(
+                "{path}: offsets run from {first} to {last}; an import's start at 0 and end at \
+                 {end}, where its data ends"
+            )));
+        }
+    }
+    array.null_count = data.null_count();
+    if array.null_count == 0 {
+        array.validity = None;
+    }
+    if let Kind::Dictionary(_) = array.kind {
+        let values = data
+            .child_data()
+            .first()
+            .ok_or_else(|| refused(format!("{path}: a dictionary without values")))?;
+        array.dictionary = Some(make_array(values.clone()));
+    }
+    Ok(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::datatypes::Field;
+
+    use super::*;
+    use crate::backend::ExportedBuffer;
+
+    fn buffer(kind: BufferKind, offset: u64, length: u64) -> ExportedBuffer {
+        ExportedBuffer {
+            kind,
+            offset,
+            length,
+            allocation: None,
+        }
+    }
+
+    fn array(data_type: DataType, length: u64, buffers: Vec<ExportedBuffer>) -> ExportedArray {
+        ExportedArray {
+            data_type,
+            length,
+            null_count: 0,
+            buffers,
+            children: vec![],
+            dictionary: None,
+        }
+    }
+
+    fn column(handle: u8, allocation_bytes: u64, array: ExportedArray) -> ExportedColumn {
+        ExportedColumn {
+            handle: [handle; 64],
+            allocation_bytes,
+            array,
+        }
+    }
+
+    #[test]
+    fn large_columns_get_allocations_of_their_own_and_small_ones_share() {
+        let rows = 1 << 20;
+        let big = |handle| {
+            column(
+                handle,
+                8 << 20,
+                array(
+                    DataType::Int64,
+                    rows,
+                    vec![buffer(BufferKind::Values, 0, rows * 8)],
+                ),
+            )
+        };
+        let small = column(
+            3,
+            1 << 20,
+            array(
+                DataType::Int32,
+                10,
+                vec![buffer(BufferKind::Values, 64, 40)],
+            ),
+        );
+        let plan = ImportPlan::new(&[big(1), big(1), small.clone(), small]).expect("plan");
+        assert_eq!(plan.handles.len(), 2, "each handle once");
+        assert_eq!(plan.arrangement.allocations.len(), 3);
+        assert_eq!(
+            plan.allocated_bytes(),
+            18 << 20,
+            "8 + 8 MiB, and 2 MiB shared"
+        );
+        assert_eq!(plan.host_bytes(), 0, "fixed-width values need no host copy");
+        let (allocation, offset) = plan.destination(&plan.regions[3]);
+        assert_eq!((allocation, offset % ALIGNMENT), (2, 0));
+    }
+
+    #[test]
+    fn strings_offsets_bitmaps_and_dictionaries_are_checked_on_the_host() {
+        let mut strings = array(
+            DataType::Utf8,
+            2,
+            vec![
+                buffer(BufferKind::Validity, 0, 1),
+                buffer(BufferKind::Offsets, 64, 12),
+                buffer(BufferKind::Values, 128, 5),
+            ],
+        );
+        strings.null_count = 1;
+        let binary = array(
+            DataType::Binary,
+            2,
+            vec![
+                buffer(BufferKind::Offsets, 0, 12),
+                buffer(BufferKind::Values, 64, 5),
+            ],
+        );
+        let mut dictionary = array(
+            DataType::Dictionary(Box::new(DataType::Int8), Box::new(DataType::Int64)),
+            4,
+            vec![buffer(BufferKind::Values, 0, 4)],
+        );
+        dictionary.dictionary = Some(Box::new(array(
+            DataType::Int64,
+            2,
+            vec![buffer(BufferKind::Values, 64, 16)],
+        )));
+        let plan = ImportPlan::new(&[
+            column(1, 1 << 20, strings),
+            column(1, 1 << 20, binary),
+            column(1, 1 << 20, dictionary),
+        ])
+        .expect("plan");
+        let host: Vec<bool> = plan.regions.iter().map(|r| r.host).collect();
+        assert_eq!(
+            host,
+            [true, true, true, true, false, true, true],
+            "binary bytes need no check; keys and the whole dictionary do"
+        );
+        assert_eq!(plan.host_bytes(), 1 + 12 + 5 + 12 + 4 + 16);
+    }
+
+    /// Validates one planned column from host bytes given per region.
+    fn validated(
+        column: ExportedColumn,
+        regions: Vec<Option<Vec<u8>>>,
+    ) -> Result<DeviceArray, String> {
+        let plan = ImportPlan::new(&[column]).expect("plan");
+        let mut array = plan.columns.into_iter().next().expect("column");
+        let mut bytes = regions.into_iter().map(|r| r.map(Buffer::from_vec));
+        validate("c", &mut array, &mut bytes).map_err(|e| e.to_string())?;
+        Ok(array)
+    }
+
+    fn offsets(values: &[i32]) -> Option<Vec<u8>> {
+        Some(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    #[test]
+    fn copied_bytes_are_validated_in_full() {
+        let strings = || {
+            column(
+                1,
+                1 << 20,
+                array(
+                    DataType::Utf8,
+                    2,
+                    vec![
+                        buffer(BufferKind::Offsets, 0, 12),
+                        buffer(BufferKind::Values, 64, 5),
+                    ],
+                ),
+            )
+        };
+        let good = validated(
+            strings(),
+            vec![offsets(&[0, 2, 5]), Some(b"abcde".to_vec())],
+        )
+        .expect("valid");
+        assert_eq!(good.null_count, 0);
+        for (regions, expected) in [
+            (vec![offsets(&[0, 2, 9]), Some(b"abcde".to_vec())], "offset"),
+            (vec![offsets(&[0, 4, 2]), Some(b"abcde".to_vec())], "offset"),
+            (
+                vec![offsets(&[0, -1, 5]), Some(b"abcde".to_vec())],
+                "offset",
+            ),
+            (vec![offsets(&[0, 2, 5]), Some(b"ab\xffde".to_vec())], "utf"),
+            (
+                vec![offsets(&[1, 2, 5]), Some(b"abcde".to_vec())],
+                "start at 0",
+            ),
+            (
+                vec![offsets(&[0, 2, 4]), Some(b"abcde".to_vec())],
+                "start at 0",
+            ),
+        ] {
+            let error = validated(strings(), regions).expect_err(expected);
+            assert!(
+                error.to_lowercase().contains(expected),
+                "{expected}: {error}"
+            );
+        }
+        let mut keys = array(
+            DataType::Dictionary(Box::new(DataType::Int8), Box::new(DataType::Utf8)),
+            3,
+            vec![buffer(BufferKind::Values, 0, 3)],
+        );
+        keys.dictionary = Some(Box::new(array(
+            DataType::Utf8,
+            2,
+            vec![
+                buffer(BufferKind::Offsets, 64, 12),
+                buffer(BufferKind::Values, 128, 2),
+            ],
+        )));
+        let dictionary = |keys_bytes: Vec<u8>| {
+            validated(
+                column(1, 1 << 20, keys.clone()),
+                vec![Some(keys_bytes), offsets(&[0, 1, 2]), Some(b"xy".to_vec())],
+            )
+        };
+        let kept = dictionary(vec![0, 1, 1]).expect("keys in range");
+        assert!(kept.dictionary.is_some(), "a host copy of the dictionary");
+        let error = dictionary(vec![0, 2, 1]).expect_err("key out of range");
+        assert!(error.contains("c"), "{error}");
+        let mut nullable = array(
+            DataType::Int64,
+            10,
+            vec![
+                buffer(BufferKind::Validity, 0, 2),
+                buffer(BufferKind::Values, 64, 80),
+            ],
+        );
+        nullable.null_count = 0;
+        let counted = validated(
+            column(1, 1 << 20, nullable.clone()),
+            vec![Some(vec![0xff, 0x01]), None],
+        )
+        .expect("valid");
+        assert_eq!(counted.null_count, 1, "counted from the bitmap");
+        let none = validated(
+            column(1, 1 << 20, nullable),
+            vec![Some(vec![0xff, 0x03]), None],
+        )
+        .expect("valid");
+        assert!(none.validity.is_none(), "a bitmap without nulls is dropped");
+        let list = |child_rows| {
+            let mut list = array(
+                DataType::List(Arc::new(Field::new("item", DataType::Int32, true))),
+                2,
+                vec![buffer(BufferKind::Offsets, 0, 12)],
+            );
+            list.children = vec![array(
+                DataType::Int32,
+                child_rows,
+                vec![buffer(BufferKind::Values, 64, child_rows * 4)],
+            )];
+            column(1, 1 << 20, list)
+        };
+        validated(list(3), vec![offsets(&[0, 1, 3]), None]).expect("compact");
+        let error = validated(list(4), vec![offsets(&[0, 1, 3]), None]).expect_err("extra rows");
+        assert!(error.contains("start at 0"), "{error}");
+    }
+}
