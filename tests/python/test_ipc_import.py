@@ -79,6 +79,37 @@ def test_put_device_refuses_what_it_cannot_hand_over(gf):
         gf.put_device(unique("x"), pa.table({"x": [1]}))  # host memory: use put
 
 
+class FakeCudaArray:
+    """An empty column in the CUDA array interface (no device memory: a null pointer)."""
+
+    def __init__(self, typestr: str, rows: int = 0) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (rows,),
+            "typestr": typestr,
+            "data": (0, True),
+            "version": 3,
+        }
+
+
+def test_cuda_array_columns_take_the_arrow_type_of_their_typestr():
+    columns = {
+        name: FakeCudaArray(typestr)
+        for name, typestr in [
+            ("a", "<i1"),
+            ("b", "<i8"),
+            ("c", "<u2"),
+            ("d", "<f4"),
+            ("e", "<f8"),
+            ("f", "|u1"),
+        ]
+    }
+    schema, _, _ = _import._columns(columns)
+    assert schema.types == [pa.int8(), pa.int64(), pa.uint16(), pa.float32(), pa.float64(), pa.uint8()]
+    for typestr in [">i8", "<c8", "<i16", "<M8"]:
+        with pytest.raises(TypeError, match="unsupported type"):
+            _import._columns({"x": FakeCudaArray(typestr)})
+
+
 cupy = pytest.importorskip("cupy") if BACKEND == "cuda" else None
 
 

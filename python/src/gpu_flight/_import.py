@@ -41,6 +41,14 @@ class NotShareable(RuntimeError):
     """Device memory that cannot be handed to another process."""
 
 
+# The Arrow type of a CUDA array interface's `typestr` kind and item size.
+_ARRAY_INTERFACE_TYPES: dict[str, dict[int, pa.DataType]] = {
+    "i": {1: pa.int8(), 2: pa.int16(), 4: pa.int32(), 8: pa.int64()},
+    "u": {1: pa.uint8(), 2: pa.uint16(), 4: pa.uint32(), 8: pa.uint64()},
+    "f": {2: pa.float16(), 4: pa.float32(), 8: pa.float64()},
+}
+
+
 def allocation_of(pointer: int, ordinal: int) -> Allocation:
     """The allocation holding device address `pointer` on device `ordinal`: its IPC handle,
     base and size."""
@@ -323,14 +331,9 @@ def _columns(obj: Mapping[str, Any]) -> tuple[pa.Schema, _cdata.ArrowDeviceArray
                 f"column {column_name!r} holds booleans a byte each; Arrow packs them in bits: "
                 "convert to uint8, or hand over an Arrow array"
             )
-        types = {"i": pa.int, "u": pa.uint, "f": pa.float}
-        if kind not in types or typestr[0] == ">":
+        data_type = _ARRAY_INTERFACE_TYPES.get(kind, {}).get(itemsize)
+        if data_type is None or typestr[0] == ">":
             raise TypeError(f"column {column_name!r} has the unsupported type {typestr}")
-        data_type = {
-            "i": {1: pa.int8(), 2: pa.int16(), 4: pa.int32(), 8: pa.int64()},
-            "u": {1: pa.uint8(), 2: pa.uint16(), 4: pa.uint32(), 8: pa.uint64()},
-            "f": {2: pa.float16(), 4: pa.float32(), 8: pa.float64()},
-        }[kind][itemsize]
         if rows is None:
             rows = shape[0]
         elif rows != shape[0]:
