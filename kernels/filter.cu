@@ -343,28 +343,33 @@ extern "C" __global__ void __launch_bounds__(TILE) gpu_flight_filter(
     u32 keep = 0;
     if (i < rows) {
         const u64 row = first_row + i;
-        u8 stack[MAX_STACK];
-        u32 top = 0;
+        // The stack of answers, two bits each in one register (no local memory): entry k at
+        // bits 2k and 2k + 1. The host checked that it never holds more than MAX_STACK.
+        u32 stack = 0, top = 0;
         for (u32 k = 0; k < op_count; ++k) {
             const Op& op = ops[k];
+            u32 answer;
             if (op.code == AND || op.code == OR) {
                 // AND: false beats NULL beats true; OR: true beats NULL beats false.
-                const u8 wins = op.code == AND ? A_FALSE : A_TRUE;
-                u8 answer = op.code == AND ? A_TRUE : A_FALSE;
+                const u32 wins = op.code == AND ? A_FALSE : A_TRUE;
+                answer = op.code == AND ? A_TRUE : A_FALSE;
                 for (u32 n = 0; n < op.arg; ++n) {
-                    const u8 a = stack[--top];
+                    --top;
+                    const u32 a = (stack >> (2 * top)) & 3u;
                     if (a == wins) answer = wins;
                     else if (a == A_NULL && answer != wins) answer = A_NULL;
                 }
-                stack[top++] = answer;
             } else if (op.code == NOT) {
-                const u8 a = stack[top - 1];
-                stack[top - 1] = a == A_NULL ? A_NULL : (a == A_TRUE ? A_FALSE : A_TRUE);
+                --top;
+                const u32 a = (stack >> (2 * top)) & 3u;
+                answer = a == A_NULL ? A_NULL : (a == A_TRUE ? A_FALSE : A_TRUE);
             } else {
-                stack[top++] = test(op, columns, keys, strings, pool, row);
+                answer = test(op, columns, keys, strings, pool, row);
             }
+            stack = (stack & ~(3u << (2 * top))) | (answer << (2 * top));
+            ++top;
         }
-        keep = top == 1 && stack[0] == A_TRUE;
+        keep = top == 1 && (stack & 3u) == A_TRUE;
         flags[i] = (u8)keep;
     }
     const u32 kept = __syncthreads_count(keep);

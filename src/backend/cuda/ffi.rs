@@ -42,8 +42,9 @@ pub(super) fn read_back_array(builder: ArrayDataBuilder) -> Result<ArrayData, Ar
     // they were put (every offset, every string's UTF-8, dictionary keys); on the device they
     // are only ever moved whole, by copies and the concatenation kernel, which rebases offsets
     // into the ranges it writes, and by the filter kernels, which copy whole values and whole
-    // strings and write offsets that are running sums of the strings' lengths; `read_rows`
-    // rebases the copied offsets by their own first one.
+    // strings and write offsets that are running sums of the strings' lengths (their clamps,
+    // which could cut a string, only act on offsets that disagree with their data, which a
+    // validated put never stores); `read_rows` rebases the copied offsets by their own first one.
     // The structure is still checked below before anything can read through the array.
     let data = unsafe { builder.build_unchecked() };
     data.validate()?;
@@ -98,6 +99,13 @@ impl Context {
 
     pub(super) fn ordinal(&self) -> i32 {
         self.ordinal
+    }
+
+    /// Whether the device has stream-ordered memory pools (`cuMemAllocAsync`).
+    pub(super) fn supports_memory_pools(&self) -> bool {
+        let attribute = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+        // SAFETY: `device` is a valid device handle; the attribute is an integer.
+        unsafe { result::device::get_attribute(self.device, attribute) }.is_ok_and(|v| v != 0)
     }
 
     /// Makes the context current on this thread; every driver call below starts with it.
@@ -207,8 +215,9 @@ pub(super) struct DeviceAllocation {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     context: Arc<Context>,
-    /// From the device's stream-ordered pool ([`DeviceAllocation::scratch`]), not exportable.
-    pooled: bool,
+    /// From the device's stream-ordered pool ([`DeviceAllocation::scratch`]), not exportable:
+    /// the stream it was allocated on, where it is freed (kept alive until then).
+    pooled: Option<Arc<StreamHandle>>,
 }
 
 impl DeviceAllocation {
@@ -221,7 +230,7 @@ impl DeviceAllocation {
                 ptr,
                 bytes,
                 context: Arc::clone(context),
-                pooled: false,
+                pooled: None,
             }),
             Err(DriverError(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)) => {
                 Err(BackendError::OutOfMemory {
@@ -233,9 +242,10 @@ impl DeviceAllocation {
         }
     }
 
-    /// Working memory for a stream's kernels, from the device's stream-ordered pool: far
-    /// cheaper than `cuMemAlloc` and freed without synchronizing the device, but never
-    /// exportable. Only for memory that no partition keeps.
+    /// Working memory for a stream's kernels, from the device's stream-ordered pool, allocated
+    /// and freed in `stream`'s order: it needs no device-wide synchronization, unlike
+    /// `cuMemAlloc`/`cuMemFree`, but is never exportable. Only for memory no partition keeps,
+    /// used on `stream` alone.
     pub(super) fn scratch(stream: &Stream, bytes: usize) -> Result<Self, BackendError> {
         let context = &stream.context;
         context.bind()?;
@@ -246,7 +256,7 @@ impl DeviceAllocation {
                 ptr,
                 bytes,
                 context: Arc::clone(context),
-                pooled: true,
+                pooled: Some(Arc::clone(&stream.handle)),
             }),
             Err(DriverError(sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)) => {
                 Err(BackendError::OutOfMemory {
@@ -297,11 +307,11 @@ impl DeviceAllocation {
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
         let freed = self.context.bind().and_then(|()| {
-            if self.pooled {
-                // SAFETY: `ptr` came from cuMemAllocAsync in this context, and nothing still
-                // uses it (copies and launches borrow it until their stream synchronized), so
-                // freeing it in the null stream's order frees it now.
-                unsafe { result::free_async(self.ptr, std::ptr::null_mut()) }
+            if let Some(stream) = &self.pooled {
+                // SAFETY: `ptr` came from cuMemAllocAsync on `stream` in this context, which
+                // `pooled` keeps alive; the free is ordered after the allocation and after
+                // every use (all on that stream), whether or not the host synchronized.
+                unsafe { result::free_async(self.ptr, stream.raw) }
                     .map_err(|e| device_error("cuMemFreeAsync", e))
             } else {
                 // SAFETY: `ptr` came from cuMemAlloc in this context and no copy can still use
@@ -393,10 +403,23 @@ where
 pub(super) struct Stream {
     raw: sys::CUstream,
     context: Arc<Context>,
+    /// Owns the stream: destroyed when this and every scratch allocation made on it are gone.
+    handle: Arc<StreamHandle>,
+}
+
+/// The stream's handle, destroyed on drop.
+#[derive(Debug)]
+pub(super) struct StreamHandle {
+    raw: sys::CUstream,
+    context: Arc<Context>,
 }
 
 // SAFETY: stream handles may be used from any thread (the context is bound per call).
 unsafe impl Send for Stream {}
+// SAFETY: as above; the handle is only read.
+unsafe impl Send for StreamHandle {}
+// SAFETY: as above.
+unsafe impl Sync for StreamHandle {}
 
 impl Stream {
     pub(super) fn new(context: &Arc<Context>) -> Result<Self, BackendError> {
@@ -406,6 +429,10 @@ impl Stream {
         Ok(Self {
             raw,
             context: Arc::clone(context),
+            handle: Arc::new(StreamHandle {
+                raw,
+                context: Arc::clone(context),
+            }),
         })
     }
 
@@ -440,10 +467,12 @@ impl Stream {
     }
 }
 
-impl Drop for Stream {
+impl Drop for StreamHandle {
     fn drop(&mut self) {
         let destroyed = self.context.bind().and_then(|()| {
-            // SAFETY: `raw` was created in this context; `copies` synchronized it.
+            // SAFETY: `raw` was created in this context and nothing else holds it: the
+            // `Stream` and every scratch allocation freed on it are gone (work they queued
+            // still completes: destroying a stream does not cancel it).
             unsafe { result::stream::destroy(self.raw) }
                 .map_err(|e| device_error("cuStreamDestroy", e))
         });

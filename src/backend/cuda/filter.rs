@@ -1,20 +1,23 @@
 //! Filtered reads: a `WHERE` clause run on the GPU, so that only the rows it keeps are copied
 //! to host memory (`kernels/filter.cu`).
 //!
-//! A chunk is read in three rounds on one stream, each ending in one synchronization:
+//! A chunk is read in three rounds on one stream:
 //! 1. the program and the flag of every row, each tile's count of kept rows, their scan, and
 //!    for each string column the bytes of each tile's kept strings and their scan; the host
-//!    reads back the totals (rows kept, bytes of each string column);
+//!    reads back the totals (rows kept, bytes of each string column): one synchronization;
 //! 2. the kept rows gathered into a compact copy of the output columns, laid out as an upload
-//!    is (`layout`), in scratch memory of the device's stream-ordered pool;
-//! 3. that copy read back as any partition's rows are (`read`).
+//!    is (`layout`), in scratch memory of the device's stream-ordered pool: one more;
+//! 3. that copy read back as any partition's rows are (`read`): one more, two with strings.
 //!
 //! A chunk where every row is kept skips the gather and reads its rows directly; one where
-//! none is, stops after the first round. Filters read fixed-width and boolean columns; rows
-//! can be gathered from columns of any flat type (fixed width, booleans, strings and binary,
-//! dictionaries of those, nulls). Anything else is read whole and filtered on the host by
-//! the caller. Scratch memory is at most the chunk's own size again plus a few bytes per row,
-//! and is freed when the chunk has been read.
+//! none is, stops after the first round. Filters read fixed-width, boolean and string columns
+//! (and dictionaries of strings); rows can be gathered from columns of any flat type (fixed
+//! width, booleans, strings and binary, dictionaries of those, nulls). Anything else is read
+//! whole and filtered on the host by the caller. Scratch memory holds a byte per row and the
+//! kept rows of the output columns (each dictionary whole), at most the chunk's size again
+//! plus its dictionaries; it is not counted in the memory budget, so a GPU without room for
+//! it falls back to the host (see `CudaPartition::read_filtered`). It is freed once the chunk
+//! has been read.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -166,6 +169,11 @@ pub(super) fn read_filtered(
     let strings: Vec<usize> = (0..outputs.len())
         .filter(|&i| matches!(outputs[i].array.kind, Kind::VarLen(_)))
         .collect();
+    // For each output column, its place among the string columns, if it is one.
+    let mut string_slot = vec![None; outputs.len()];
+    for (slot, &index) in strings.iter().enumerate() {
+        string_slot[index] = Some(slot);
+    }
 
     // Round 1: flags, counts, string bytes; read back the totals.
     let tiles = n.div_ceil(TILE);
@@ -183,9 +191,11 @@ pub(super) fn read_filtered(
             )
         })
         .collect();
-    let scratch = DeviceAllocation::scratch(stream, scratch_layout.0)?;
+    // Pinned memory first: nothing may fail between allocating scratch memory and the first
+    // synchronization (the allocation is freed in the stream's order either way).
     let mut staging = pool.lease(table.len)?;
     let mut totals = pool.lease(8 * (1 + strings.len()))?;
+    let scratch = DeviceAllocation::scratch(stream, scratch_layout.0)?;
     let row_span = FilterRows {
         first: rows.start,
         count: n,
@@ -288,7 +298,9 @@ pub(super) fn read_filtered(
             Kind::Fixed(width) => (vec![out_layout.take(kept * width)], Vec::new()),
             Kind::Bits => (vec![out_layout.take(gathered_bitmap(kept))], Vec::new()),
             Kind::VarLen(width) => {
-                let position = strings.iter().position(|&s| s == index).unwrap_or(0);
+                let position = string_slot[index].ok_or_else(|| {
+                    BackendError::Device("a string column without its totals".to_owned())
+                })?;
                 let offsets = out_layout.take((kept + 1) * width);
                 let data = out_layout.take(string_bytes[position]);
                 (vec![offsets, data], Vec::new())
@@ -353,7 +365,9 @@ pub(super) fn read_filtered(
                     )?;
                 }
                 Kind::VarLen(width) => {
-                    let position = strings.iter().position(|&s| s == index).unwrap_or(0);
+                    let position = string_slot[index].ok_or_else(|| {
+                        BackendError::Device("a string column without its totals".to_owned())
+                    })?;
                     batch.launch_gather_strings(
                         kernels,
                         row_span,

@@ -249,10 +249,17 @@ impl Gpu {
                 None
             }
         };
-        let filter_kernels = match FilterKernels::load(&context, FILTER_PTX) {
+        let filter_kernels = if context.supports_memory_pools() {
+            FilterKernels::load(&context, FILTER_PTX)
+        } else {
+            Err(BackendError::Device(
+                "no stream-ordered memory pools for the filters' scratch memory".to_owned(),
+            ))
+        };
+        let filter_kernels = match filter_kernels {
             Ok(kernels) => Some(kernels),
             Err(error) => {
-                tracing::warn!(%error, ordinal, "the filter kernels did not load; statements filter on the host");
+                tracing::warn!(%error, ordinal, "filters run on the host");
                 None
             }
         };

@@ -6,8 +6,9 @@
 //! limit. `DoGet` opens the plain ticket, with every check a plain read gets, and filters each
 //! chunk as it streams, so nothing is held whole: where the chunk lives, when its backend can
 //! run the filter there (`backend::filter`: on a GPU, so that only the rows kept cross PCIe),
-//! and otherwise with arrow's kernels here. A limit ends the read as soon as it is met. A statement with a limit is one endpoint (a limit per endpoint would not
-//! be the statement's); one without has the plain read's endpoints, for parallel readers.
+//! and otherwise with arrow's kernels here. A limit ends the read as soon as it is met. A
+//! statement with a limit is one endpoint (a limit per endpoint would not be the statement's);
+//! one without has the plain read's endpoints, for parallel readers.
 
 use std::sync::Arc;
 
