@@ -31,8 +31,16 @@ pub(super) async fn import(
     let mode = document.mode.unwrap_or(PutMode::Create);
     let mut pending = store.begin_put_on(document.name, mode, owner, Some(device))?;
     pending.declare_schema(schema)?;
+    let started = std::time::Instant::now();
     pending.import(document.num_rows, columns).await?;
-    Ok(pending.commit().await?)
+    let imported = started.elapsed();
+    let summary = pending.commit().await?;
+    tracing::info!(
+        import_ms = imported.as_secs_f64() * 1e3,
+        commit_ms = (started.elapsed() - imported).as_secs_f64() * 1e3,
+        "ipc-import timings"
+    );
+    Ok(summary)
 }
 
 /// The server's device that is the producer's GPU: by UUID, else by PCI bus id (the same GPU

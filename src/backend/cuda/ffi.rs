@@ -398,6 +398,43 @@ where
     unsafe { Buffer::from_custom_allocation(ptr, len, owner) }
 }
 
+/// `len` zero bytes from the system allocator, as an Arrow buffer that costs nothing until it
+/// is read: for large sizes `calloc` maps fresh pages, which the kernel zeroes only when they
+/// are touched (the global allocator, mimalloc, reuses freed memory and clears it: 100 ms a
+/// GiB). For stand-ins that validation measures but never reads (`ingest`).
+pub(super) fn untouched_zeroes(len: usize) -> Buffer {
+    use std::alloc::{GlobalAlloc, Layout, System};
+
+    /// Memory from `System.alloc_zeroed`, returned to it on drop.
+    struct Zeroes {
+        ptr: NonNull<u8>,
+        layout: Layout,
+    }
+    // SAFETY: the memory is only ever read (through the Buffer), from any thread.
+    unsafe impl Send for Zeroes {}
+    // SAFETY: as above.
+    unsafe impl Sync for Zeroes {}
+    impl RefUnwindSafe for Zeroes {}
+    impl Drop for Zeroes {
+        fn drop(&mut self) {
+            // SAFETY: `ptr` came from `System.alloc_zeroed(layout)` and is freed once, here.
+            unsafe { System.dealloc(self.ptr.as_ptr(), self.layout) }
+        }
+    }
+
+    let Ok(layout) = Layout::from_size_align(len.max(1), 64) else {
+        return Buffer::from(arrow::buffer::MutableBuffer::from_len_zeroed(len));
+    };
+    // SAFETY: `layout` has a non-zero size.
+    let Some(ptr) = NonNull::new(unsafe { System.alloc_zeroed(layout) }) else {
+        return Buffer::from(arrow::buffer::MutableBuffer::from_len_zeroed(len));
+    };
+    let owner = Arc::new(Zeroes { ptr, layout });
+    // SAFETY: `ptr..ptr+len` is zeroed memory that `owner` keeps allocated for as long as the
+    // Buffer exists, and nobody writes to it.
+    unsafe { Buffer::from_custom_allocation(ptr, len, owner) }
+}
+
 /// A CUDA stream of this context.
 #[derive(Debug)]
 pub(super) struct Stream {
@@ -1457,6 +1494,15 @@ mod tests {
             .len(offsets.len() - 1)
             .add_buffer(Buffer::from_slice_ref(offsets))
             .add_buffer(Buffer::from_slice_ref(values))
+    }
+
+    #[test]
+    fn untouched_zeroes_are_zeroes_of_the_length_asked() {
+        for len in [0, 1, 4096, 3 << 20] {
+            let zeroes = untouched_zeroes(len);
+            assert_eq!(zeroes.len(), len);
+            assert!(zeroes.as_slice().iter().all(|&b| b == 0), "{len}");
+        }
     }
 
     #[test]

@@ -21,12 +21,12 @@
 use std::sync::Arc;
 
 use arrow::array::{ArrayData, make_array};
-use arrow::buffer::{Buffer, MutableBuffer};
+use arrow::buffer::Buffer;
 use arrow::datatypes::{DataType, SchemaRef};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 
 use super::concat::Arrangement;
-use super::ffi::IpcMapping;
+use super::ffi::{self, IpcMapping};
 use super::layout::{self, ALIGNMENT, DeviceArray, Kind, Region};
 use super::{CudaPartition, Shared, TrackedAllocation};
 use crate::backend::ingest::refused;
@@ -221,6 +221,7 @@ pub(super) fn import(
     schema: SchemaRef,
     rows: usize,
 ) -> Result<CudaPartition, BackendError> {
+    let started = std::time::Instant::now();
     let mappings = plan
         .handles
         .iter()
@@ -243,12 +244,14 @@ pub(super) fn import(
             Ok(mapping)
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let opened = started.elapsed();
     let allocations = plan
         .arrangement
         .allocations
         .iter()
         .map(|&bytes| TrackedAllocation::new(shared, bytes))
         .collect::<Result<Vec<_>, _>>()?;
+    let allocated = started.elapsed();
     let host_bytes = plan.host_bytes();
     let mut staging = if host_bytes > 0 {
         Some(shared.pool.lease_for_read(host_bytes)?)
@@ -286,8 +289,10 @@ pub(super) fn import(
             Ok(())
         })
     })?;
+    let copied = started.elapsed();
     // The producer's memory is not touched again.
     drop(mappings);
+    let closed = started.elapsed();
 
     let host = staging.as_ref().map(|s| s.as_ref().as_slice());
     let mut taken = 0;
@@ -299,6 +304,7 @@ pub(super) fn import(
         taken += planned.region.len;
         Some(Buffer::from(slice))
     });
+    let plan_handles = plan.handles.len();
     let ImportPlan {
         columns,
         arrangement,
@@ -326,6 +332,17 @@ pub(super) fn import(
         ))
     })?;
     let bytes: u64 = allocations.iter().map(|a| a.inner.bytes() as u64).sum();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    tracing::info!(
+        bytes,
+        handles = plan_handles,
+        open_ms = ms(opened),
+        allocate_ms = ms(allocated - opened),
+        copy_ms = ms(copied - allocated),
+        close_ms = ms(closed - copied),
+        validate_ms = ms(started.elapsed() - closed),
+        "ipc-import copied"
+    );
     let counters = &shared.counters;
     counters
         .imports
@@ -353,7 +370,7 @@ fn validate(
     let mut next = |region: &Region| -> Buffer {
         match bytes.next().flatten() {
             Some(buffer) => buffer,
-            None => Buffer::from(MutableBuffer::from_len_zeroed(region.len)),
+            None => ffi::untouched_zeroes(region.len),
         }
     };
     let validity = array.validity.as_ref().map(&mut next);
