@@ -78,6 +78,12 @@ pub enum Error {
     /// A shared-memory read this server or this call cannot make: the message says why.
     #[error("{0}")]
     SharedMemoryUnavailable(String),
+    /// A same-node path (`ipc-import`, `shm-read`) asked for by a client on another node.
+    #[error(
+        "{0} is for processes on the server's own node: call it over a Unix socket or a \
+         loopback address"
+    )]
+    NotOnThisNode(&'static str),
     /// The dataset changed while a read that must see one version was planned; asking again
     /// reads the new one.
     #[error("dataset '{0}' changed while its read was being planned; ask again")]
@@ -120,7 +126,7 @@ impl Error {
             Self::UnknownPreparedStatement(_) => Code::NotFound,
             Self::SqlUnsupported(_) => Code::Unimplemented,
             Self::SqlInvalid(_) => Code::InvalidArgument,
-            Self::SharedMemoryUnavailable(_) => Code::FailedPrecondition,
+            Self::SharedMemoryUnavailable(_) | Self::NotOnThisNode(_) => Code::FailedPrecondition,
             Self::ChangedWhileReading(_) => Code::Aborted,
             Self::Internal(_) => Code::Internal,
             Self::Auth(error) => auth_code(error),

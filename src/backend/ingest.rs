@@ -65,6 +65,14 @@ pub fn check_columns(
     Ok(())
 }
 
+/// Bytes of `len + 1` offsets of `width` bytes: what `len` rows of strings or lists need.
+fn offsets_bytes(path: &str, len: usize, width: usize) -> Result<usize, BackendError> {
+    let count = len
+        .checked_add(1)
+        .ok_or_else(|| refused(format!("{path}: {len} rows overflow")))?;
+    times(path, count, width)
+}
+
 /// Bytes `length` values of `width` bytes take, or an error naming `path`.
 fn times(path: &str, length: usize, width: usize) -> Result<usize, BackendError> {
     length
@@ -197,11 +205,11 @@ impl Check<'_> {
                 vec![(BufferKind::Values, Some(bytes))]
             }
             Shape::VarLen(width) => vec![
-                (BufferKind::Offsets, Some(times(path, len, width)? + width)),
+                (BufferKind::Offsets, Some(offsets_bytes(path, len, width)?)),
                 (BufferKind::Values, None),
             ],
             Shape::List(width) => {
-                vec![(BufferKind::Offsets, Some(times(path, len, width)? + width))]
+                vec![(BufferKind::Offsets, Some(offsets_bytes(path, len, width)?))]
             }
         };
         let mut expected_buffers: Vec<(BufferKind, Option<usize>)> = Vec::new();
@@ -513,6 +521,20 @@ mod tests {
                     vec![],
                 )),
                 "cannot be stored",
+            ),
+            // Offsets for as many rows as a usize holds: len * 4 fits, len * 4 + 4 does not.
+            (
+                field(DataType::Utf8),
+                (usize::MAX / 4) as u64,
+                column(array(
+                    DataType::Utf8,
+                    (usize::MAX / 4) as u64,
+                    vec![
+                        buffer(BufferKind::Offsets, 0, 8),
+                        buffer(BufferKind::Values, 0, 0),
+                    ],
+                )),
+                "overflow",
             ),
         ];
         for (fields, rows, column, expected) in cases {

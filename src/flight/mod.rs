@@ -147,6 +147,17 @@ pub(crate) struct Service {
     prepared: sql::Prepared,
 }
 
+/// Refuses `what` unless the call came from this node: over a Unix socket, or from a loopback
+/// address (an unknown origin is refused).
+fn from_this_node(origin: Option<Origin>, what: &'static str) -> Result<(), Error> {
+    match origin {
+        Some(Origin::UnixUser(_)) => Ok(()),
+        // `to_canonical`: a dual-stack listener sees 127.0.0.1 as ::ffff:127.0.0.1.
+        Some(Origin::Ip(ip)) if ip.to_canonical().is_loopback() => Ok(()),
+        _ => Err(Error::NotOnThisNode(what)),
+    }
+}
+
 impl Service {
     pub(crate) fn new(
         store: Store,
@@ -479,8 +490,14 @@ impl Service {
             ActionRequest::ShmRead {
                 read,
                 lease_seconds,
-            } => shared::shm_read(self, read, lease_seconds, caller, origin, call).await,
+            } => {
+                from_this_node(origin, "shm-read")?;
+                shared::shm_read(self, read, lease_seconds, caller, origin, call).await
+            }
             ActionRequest::IpcImport { document } => {
+                // CUDA IPC handles carry no access control: only a process on this node can
+                // hold a real one, and a remote caller would make the server its deputy.
+                from_this_node(origin, "ipc-import")?;
                 let summary = ipc_import::import(self, *document, &caller.name).await?;
                 tracing::info!(
                     dataset = ?summary.name,
@@ -792,4 +809,32 @@ pub(crate) fn project_schema(
     schema
         .project(columns)
         .map_err(|e| Error::Internal(format!("projecting the schema: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    use super::*;
+
+    #[test]
+    fn same_node_paths_are_refused_from_other_nodes() {
+        let ip = |ip: IpAddr| from_this_node(Some(Origin::Ip(ip)), "ipc-import");
+        assert!(ip(IpAddr::V4(Ipv4Addr::LOCALHOST)).is_ok());
+        assert!(ip(IpAddr::V6(Ipv6Addr::LOCALHOST)).is_ok());
+        assert!(ip(IpAddr::V6(Ipv4Addr::LOCALHOST.to_ipv6_mapped())).is_ok());
+        assert!(from_this_node(Some(Origin::UnixUser(Some(1000))), "shm-read").is_ok());
+        assert!(from_this_node(Some(Origin::UnixUser(None)), "shm-read").is_ok());
+        for remote in [
+            IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7)),
+            IpAddr::V6(Ipv4Addr::new(192, 0, 2, 1).to_ipv6_mapped()),
+        ] {
+            let error = ip(remote).expect_err("another node");
+            assert!(matches!(error, Error::NotOnThisNode("ipc-import")));
+        }
+        assert!(
+            from_this_node(None, "ipc-import").is_err(),
+            "unknown origin"
+        );
+    }
 }

@@ -422,7 +422,9 @@ pub(super) fn untouched_zeroes(len: usize) -> Buffer {
         }
     }
 
-    let Ok(layout) = Layout::from_size_align(len.max(1), 64) else {
+    // No more than malloc's own alignment (16 bytes, enough for every Arrow type): a larger
+    // one makes the system allocator align and clear the memory itself, touching every page.
+    let Ok(layout) = Layout::from_size_align(len.max(1), 16) else {
         return Buffer::from(arrow::buffer::MutableBuffer::from_len_zeroed(len));
     };
     // SAFETY: `layout` has a non-zero size.
@@ -602,8 +604,10 @@ impl<'a> CopyBatch<'a> {
         }
         // SAFETY: the destination range lies inside `dst` and the source range inside the
         // mapped allocation, as large as the driver reported it (both checked); both stay
-        // borrowed until the stream is synchronized. The producer may free its memory
-        // meanwhile: the mapping keeps the allocation alive until it is closed.
+        // borrowed until the stream is synchronized. A producer that frees its memory before
+        // the mapping is closed breaks CUDA's IPC contract (undefined by the driver's
+        // documentation): the protocol requires it to wait for the call's answer, and the
+        // server's own memory is only ever the copy's destination.
         unsafe {
             result::memcpy_dtod_async(
                 dst.ptr + dst_offset as u64,

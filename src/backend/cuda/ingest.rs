@@ -149,7 +149,10 @@ impl Planner<'_> {
         } else {
             usize::MAX
         };
-        let offset = self.used.next_multiple_of(ALIGNMENT);
+        let offset = self
+            .used
+            .checked_next_multiple_of(ALIGNMENT)
+            .ok_or_else(|| refused("the columns' bytes overflow".to_owned()))?;
         let region = Region { offset, len };
         self.used = offset
             .checked_add(len)

@@ -480,6 +480,13 @@ fn import_document(rng: &mut StdRng, name: &str) -> serde_json::Value {
         2 << 20,
         u32::MAX as u64,
         u64::MAX,
+        // Where `n * width` fits and `(n + 1) * width` does not.
+        u64::MAX / 8,
+        u64::MAX / 8 + 1,
+        u64::MAX / 4,
+        u64::MAX / 4 + 1,
+        u64::MAX / 2,
+        u64::MAX / 2 + 1,
     ];
     let number = |rng: &mut StdRng| *numbers.choose(rng).expect("numbers");
     let rows = number(rng);
