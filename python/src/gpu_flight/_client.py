@@ -14,8 +14,8 @@ import pyarrow.flight as flight
 
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult, parse
 from ._export import DEFAULT_LEASE_SECONDS, Export, open_export
-from ._shared import read_shared
 from ._import import put_device
+from ._shared import read_shared
 
 Mode = Literal["create", "replace", "append"]
 Compression = Literal["lz4", "zstd"]
