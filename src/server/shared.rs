@@ -5,12 +5,18 @@
 //! answers `ok <bytes>` with the descriptor attached, or `error <why>` without one, and
 //! closes the connection. The store decides whether the token opens anything: once, in time,
 //! and, where the `shm-read` call came over a Unix socket, only for the same user, which the
-//! kernel reports for this connection (`SO_PEERCRED`). A connection that sends nothing in
-//! time is closed; a few at once are served, and more wait in the backlog.
+//! kernel reports for this connection (`SO_PEERCRED`).
+//!
+//! Idle connections must not delay anyone's claim (a token lives 30 s): every connection is
+//! accepted at once and has two seconds to send its line; past [`MAX_EXCHANGES`] connections
+//! at once, or [`MAX_EXCHANGES_PER_USER`] of one user, a new one is answered `error busy` and
+//! closed, so one user's idle connections cannot take another's turns, and no claim waits
+//! behind them.
 
+use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
@@ -24,11 +30,51 @@ use crate::store::Store;
 /// Longest line a consumer may send: a token is 64 hex digits.
 const MAX_LINE_BYTES: usize = 256;
 
-/// How long a consumer has to send its token and read the answer.
-const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a consumer has to send its token and read the answer: a token line is 65 bytes.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Connections served at once; others wait in the listener's backlog.
-const MAX_EXCHANGES: usize = 64;
+/// Connections served at once; one more is answered `error busy` and closed.
+const MAX_EXCHANGES: usize = 1024;
+
+/// Connections of one user (by `SO_PEERCRED`'s uid) served at once.
+const MAX_EXCHANGES_PER_USER: usize = 64;
+
+/// The exchanges running, by user.
+#[derive(Debug, Default)]
+struct Users(Mutex<HashMap<Option<u32>, usize>>);
+
+/// One user's exchange, counted until dropped.
+struct Turn {
+    users: Arc<Users>,
+    uid: Option<u32>,
+}
+
+impl Users {
+    fn admit(self: &Arc<Self>, uid: Option<u32>) -> Option<Turn> {
+        let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = running.entry(uid).or_default();
+        if *count >= MAX_EXCHANGES_PER_USER {
+            return None;
+        }
+        *count += 1;
+        Some(Turn {
+            users: Arc::clone(self),
+            uid,
+        })
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let mut running = self.users.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = running.get_mut(&self.uid) {
+            *count -= 1;
+            if *count == 0 {
+                running.remove(&self.uid);
+            }
+        }
+    }
+}
 
 /// Serves the side channel on `listener` until the task is aborted.
 pub(super) async fn serve(listener: Listener, store: Store) {
@@ -38,10 +84,8 @@ pub(super) async fn serve(listener: Listener, store: Store) {
     };
     tracing::info!(socket = %path.display(), "shared-memory side channel listening");
     let exchanges = Arc::new(Semaphore::new(MAX_EXCHANGES));
+    let users = Arc::new(Users::default());
     loop {
-        let Ok(permit) = Arc::clone(&exchanges).acquire_owned().await else {
-            return;
-        };
         let stream = match socket.accept().await {
             Ok((stream, _)) => stream,
             Err(error) => {
@@ -51,9 +95,22 @@ pub(super) async fn serve(listener: Listener, store: Store) {
                 continue;
             }
         };
+        let uid = stream.peer_cred().ok().map(|c| c.uid());
+        let turn = Arc::clone(&exchanges)
+            .try_acquire_owned()
+            .ok()
+            .zip(users.admit(uid));
         let store = store.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            let Some(_turn) = turn else {
+                tracing::info!(
+                    ?uid,
+                    "shared-memory side channel: busy, a connection refused"
+                );
+                let busy = b"error busy: too many connections at once; try again\n";
+                let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, write_all(&stream, busy)).await;
+                return;
+            };
             match tokio::time::timeout(EXCHANGE_TIMEOUT, exchange(&stream, &store)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => {
@@ -156,4 +213,38 @@ async fn write_all(stream: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_user_has_its_own_turns() {
+        let users = Arc::new(Users::default());
+        let mine: Vec<Turn> = (0..MAX_EXCHANGES_PER_USER)
+            .map(|_| users.admit(Some(1000)).expect("a turn"))
+            .collect();
+        assert!(
+            users.admit(Some(1000)).is_none(),
+            "one user's turns are used up"
+        );
+        assert!(
+            users.admit(Some(1001)).is_some(),
+            "another user still has turns"
+        );
+        assert!(
+            users.admit(None).is_some(),
+            "and a peer the kernel did not name"
+        );
+        drop(mine);
+        assert!(
+            users.admit(Some(1000)).is_some(),
+            "turns come back when exchanges end"
+        );
+        assert!(
+            users.0.lock().expect("lock").is_empty(),
+            "no user is counted once its exchanges end"
+        );
+    }
 }

@@ -132,3 +132,50 @@ def test_a_consumer_that_dies_leaks_nothing(shared):
     assert "mapped" in done.stdout
     assert len(leases(shared)) == 1, "held until the lease ends"
     settle(shared, baseline)
+
+
+def fake_side_channel(path, answers):
+    """A side channel at `path` giving `answers` to successive connections (`ok` ones with a
+    descriptor); returns the thread serving it and the list of tokens it received."""
+    import socket
+    import threading
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(len(answers))
+    received = []
+
+    def serve():
+        with listener:
+            for answer in answers:
+                connection, _ = listener.accept()
+                with connection:
+                    received.append(connection.recv(128))
+                    if answer.startswith("ok"):
+                        read, write = os.pipe()
+                        socket.send_fds(connection, [answer.encode() + b"\n"], [read])
+                        os.close(read)
+                        os.close(write)
+                    else:
+                        connection.sendall(answer.encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread, received
+
+
+def test_a_busy_side_channel_is_asked_again_and_a_refusal_is_not(tmp_path):
+    from gpu_flight import _shared
+
+    busy = "error busy: too many connections at once; try again"
+    thread, received = fake_side_channel(str(tmp_path / "a.sock"), [busy, busy, "ok 3"])
+    fd = _shared._receive_fd(str(tmp_path / "a.sock"), "t" * 64)
+    os.close(fd)
+    thread.join(5)
+    assert received == [b"t" * 64 + b"\n"] * 3
+
+    thread, received = fake_side_channel(str(tmp_path / "b.sock"), ["error no such token"])
+    with pytest.raises(pa.ArrowInvalid, match="no such token"):
+        _shared._receive_fd(str(tmp_path / "b.sock"), "u" * 64)
+    thread.join(5)
+    assert len(received) == 1

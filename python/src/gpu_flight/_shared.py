@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -43,8 +44,26 @@ class _Mapping(_Held):
         self.whole = whole
 
 
+BUSY_RETRIES = 20
+"""How often a claim the side channel answered `busy` is tried again, 0.1 s further apart each
+time: its connections time out after 2 s, well inside a token's life."""
+
+
 def _receive_fd(path: str, token: str) -> int:
-    """Trades `token` for the file's descriptor on the side channel at `path`."""
+    """Trades `token` for the file's descriptor on the side channel at `path`, trying again
+    while the channel is busy (a busy answer does not spend the token)."""
+    for attempt in range(BUSY_RETRIES):
+        text, fd = _exchange(path, token)
+        if fd is not None:
+            return fd
+        if not text.startswith("error busy"):
+            break
+        time.sleep(0.1 * (attempt + 1))
+    raise pa.ArrowInvalid(f"the server's shared-memory side channel refused: {text or 'no answer'}")
+
+
+def _exchange(path: str, token: str) -> tuple[str, Optional[int]]:
+    """One exchange on the side channel: its answer, and the descriptor where it sent one."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as side:
         side.settimeout(SIDE_CHANNEL_SECONDS)
         side.connect(path)
@@ -61,8 +80,8 @@ def _receive_fd(path: str, token: str) -> int:
     if not text.startswith("ok ") or len(fds) != 1:
         for fd in fds:
             os.close(fd)
-        raise pa.ArrowInvalid(f"the server's shared-memory side channel refused: {text or 'no answer'}")
-    return fds[0]
+        return text, None
+    return text, fds[0]
 
 
 def read_shared(
