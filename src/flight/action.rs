@@ -56,7 +56,7 @@ pub const ACTIONS: &[(&str, &str)] = &[
          node to map without a copy (needs --shm-socket). Body: JSON {\"name\", \"columns\" \
          (optional), \"where\" (optional SQL predicate), \"compression\" (optional), \
          \"lease_seconds\" (optional, default 300)}. Result: JSON {\"lease\", \"token\", \
-         \"socket\", \"bytes\", \"num_rows\", \"expires_at\", \"token_expires_at\"}: send \
+         \"socket\", \"bytes\", \"num_rows\", \"token_expires_at\", \"lease_seconds\"}: send \
          the token on the Unix socket to receive the file's descriptor (see docs/protocol.md). \
          The file stays until ipc-release or expiry.",
     ),
