@@ -33,6 +33,14 @@ use super::filter_abi::{self, FilterColumn, FilterOp, Program, TILE};
 use crate::backend::BackendError;
 use crate::backend::filter::ColumnType;
 
+/// The parameter array `cuLaunchKernel` takes: a pointer to each argument, in the kernel's
+/// order.
+macro_rules! kernel_params {
+    ($($argument:ident),+ $(,)?) => {
+        [$((&raw mut $argument).cast::<std::ffi::c_void>()),+]
+    };
+}
+
 /// An array rebuilt from bytes this server copied back from its own device memory, checked for
 /// structure only ([`ArrayData::validate`]: buffer sizes, the first and last offsets, children),
 /// not value by value: checking every offset and every string's UTF-8 again cost more than the
@@ -712,12 +720,12 @@ impl<'a> CopyBatch<'a> {
         let mut task_count = u32::try_from(tasks.len())
             .map_err(|_| BackendError::Device("too many concatenation tasks".to_owned()))?;
         let mut units = total_units;
-        let mut params = [
-            (&raw mut tasks_address).cast::<std::ffi::c_void>(),
-            (&raw mut starts_address).cast(),
-            (&raw mut maps_address).cast(),
-            (&raw mut task_count).cast(),
-            (&raw mut units).cast(),
+        let mut params = kernel_params![
+            tasks_address,
+            starts_address,
+            maps_address,
+            task_count,
+            units
         ];
         // SAFETY: the parameters match the kernel's signature (three device pointers, u32,
         // u64); every address a task touches was checked above to lie in memory this batch
@@ -1299,17 +1307,17 @@ impl<'a> CopyBatch<'a> {
         let mut bytes_address = table_address + layout.bytes as u64;
         let mut op_count = u32::try_from(program.ops.len())
             .map_err(|_| BackendError::Device("a filter program too long".to_owned()))?;
-        let mut params = [
-            (&raw mut columns_address).cast::<std::ffi::c_void>(),
-            (&raw mut ops_address).cast(),
-            (&raw mut op_count).cast(),
-            (&raw mut keys_address).cast(),
-            (&raw mut strings_address).cast(),
-            (&raw mut bytes_address).cast(),
-            (&raw mut first).cast(),
-            (&raw mut count).cast(),
-            (&raw mut flags).cast(),
-            (&raw mut counts).cast(),
+        let mut params = kernel_params![
+            columns_address,
+            ops_address,
+            op_count,
+            keys_address,
+            strings_address,
+            bytes_address,
+            first,
+            count,
+            flags,
+            counts
         ];
         self.launch(kernels.filter, grid, &mut params)
     }
@@ -1325,11 +1333,7 @@ impl<'a> CopyBatch<'a> {
         let mut input = input.address(n * 8, 8, "scan input")?;
         let mut output = output.address((n + 1) * 8, 8, "scan output")?;
         let mut n = n as u64;
-        let mut params = [
-            (&raw mut input).cast::<std::ffi::c_void>(),
-            (&raw mut n).cast(),
-            (&raw mut output).cast(),
-        ];
+        let mut params = kernel_params![input, n, output];
         self.launch(kernels.scan, 1, &mut params)
     }
 
@@ -1349,15 +1353,7 @@ impl<'a> CopyBatch<'a> {
         let mut tile_bytes = tile_bytes.address(rows.tiles() * 8, 8, "tile bytes")?;
         let mut width = offset_width(width)?;
         let mut data_len = data_len as u64;
-        let mut params = [
-            (&raw mut flags).cast::<std::ffi::c_void>(),
-            (&raw mut first).cast(),
-            (&raw mut count).cast(),
-            (&raw mut offsets).cast(),
-            (&raw mut width).cast(),
-            (&raw mut data_len).cast(),
-            (&raw mut tile_bytes).cast(),
-        ];
+        let mut params = kernel_params![flags, first, count, offsets, width, data_len, tile_bytes];
         self.launch(kernels.string_bytes, grid, &mut params)
     }
 
@@ -1380,16 +1376,7 @@ impl<'a> CopyBatch<'a> {
         let mut kept = kept as u64;
         let mut width = u32::try_from(width)
             .map_err(|_| BackendError::Device(format!("values of {width} bytes")))?;
-        let mut params = [
-            (&raw mut flags).cast::<std::ffi::c_void>(),
-            (&raw mut offsets).cast(),
-            (&raw mut first).cast(),
-            (&raw mut count).cast(),
-            (&raw mut kept).cast(),
-            (&raw mut width).cast(),
-            (&raw mut src).cast(),
-            (&raw mut dst).cast(),
-        ];
+        let mut params = kernel_params![flags, offsets, first, count, kept, width, src, dst];
         self.launch(kernels.gather_fixed, grid, &mut params)
     }
 
@@ -1407,15 +1394,7 @@ impl<'a> CopyBatch<'a> {
         let mut src = src.address(bitmap_bytes(rows.end()?), 1, "gathered bits")?;
         let mut dst = dst.address(kept.div_ceil(32) * 4, 4, "gathered bitmap")?;
         let mut kept = kept as u64;
-        let mut params = [
-            (&raw mut flags).cast::<std::ffi::c_void>(),
-            (&raw mut offsets).cast(),
-            (&raw mut first).cast(),
-            (&raw mut count).cast(),
-            (&raw mut kept).cast(),
-            (&raw mut src).cast(),
-            (&raw mut dst).cast(),
-        ];
+        let mut params = kernel_params![flags, offsets, first, count, kept, src, dst];
         self.launch(kernels.gather_bits, grid, &mut params)
     }
 
@@ -1444,20 +1423,20 @@ impl<'a> CopyBatch<'a> {
         let mut dst_data = dst_data.address(total, 1, "output strings")?;
         let (mut kept, mut total) = (kept as u64, total as u64);
         let mut width = offset_width(width)?;
-        let mut params = [
-            (&raw mut flags).cast::<std::ffi::c_void>(),
-            (&raw mut offsets).cast(),
-            (&raw mut tile_bytes).cast(),
-            (&raw mut first).cast(),
-            (&raw mut count).cast(),
-            (&raw mut kept).cast(),
-            (&raw mut total).cast(),
-            (&raw mut width).cast(),
-            (&raw mut src_offsets).cast(),
-            (&raw mut src_data_address).cast(),
-            (&raw mut data_len).cast(),
-            (&raw mut dst_offsets).cast(),
-            (&raw mut dst_data).cast(),
+        let mut params = kernel_params![
+            flags,
+            offsets,
+            tile_bytes,
+            first,
+            count,
+            kept,
+            total,
+            width,
+            src_offsets,
+            src_data_address,
+            data_len,
+            dst_offsets,
+            dst_data
         ];
         self.launch(kernels.gather_strings, grid, &mut params)
     }
