@@ -318,7 +318,7 @@ impl Check<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
 
     use arrow::datatypes::Field;
@@ -326,7 +326,8 @@ mod tests {
     use super::*;
     use crate::backend::ExportedBuffer;
 
-    fn buffer(kind: BufferKind, offset: u64, length: u64) -> ExportedBuffer {
+    /// A buffer of an import document (also for `backend::cuda::ingest`'s tests).
+    pub(crate) fn buffer(kind: BufferKind, offset: u64, length: u64) -> ExportedBuffer {
         ExportedBuffer {
             kind,
             offset,
@@ -335,7 +336,12 @@ mod tests {
         }
     }
 
-    fn array(data_type: DataType, length: u64, buffers: Vec<ExportedBuffer>) -> ExportedArray {
+    /// An array of an import document, without nulls or children.
+    pub(crate) fn array(
+        data_type: DataType,
+        length: u64,
+        buffers: Vec<ExportedBuffer>,
+    ) -> ExportedArray {
         ExportedArray {
             data_type,
             length,

@@ -447,27 +447,7 @@ mod tests {
     use arrow::datatypes::Field;
 
     use super::*;
-    use crate::backend::ExportedBuffer;
-
-    fn buffer(kind: BufferKind, offset: u64, length: u64) -> ExportedBuffer {
-        ExportedBuffer {
-            kind,
-            offset,
-            length,
-            allocation: None,
-        }
-    }
-
-    fn array(data_type: DataType, length: u64, buffers: Vec<ExportedBuffer>) -> ExportedArray {
-        ExportedArray {
-            data_type,
-            length,
-            null_count: 0,
-            buffers,
-            children: vec![],
-            dictionary: None,
-        }
-    }
+    use crate::backend::ingest::tests::{array, buffer};
 
     fn column(handle: u8, allocation_bytes: u64, array: ExportedArray) -> ExportedColumn {
         ExportedColumn {
