@@ -17,7 +17,7 @@ use arrow::record_batch::RecordBatchOptions;
 
 use super::{BackendError, ExportDevice, ExportedColumn, Partition, check_rows};
 use crate::arrays::batch_bytes;
-use crate::arrays::owned;
+use crate::arrays::{copied_array, copies_as_is, owned};
 
 /// A partition held in host memory as consecutive pieces of its rows.
 #[derive(Debug)]
@@ -97,10 +97,20 @@ impl SpilledPartition {
 /// buffer, which looks like an allocation of its own, or a larger allocation) is not kept.
 pub fn copied(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
     let failed = |e: arrow::error::ArrowError| BackendError::Device(format!("spilling: {e}"));
+    // Fixed-width columns are copied as they are, by several cores (a spill must keep up
+    // with the device-to-host copies); others through `owned`, which checks what it copies.
     let columns = batch
         .columns()
         .iter()
-        .map(|column| owned(&column.to_data()).map(make_array))
+        .map(|column| {
+            let data = column.to_data();
+            if copies_as_is(&data) {
+                copied_array(&data)
+            } else {
+                owned(&data)
+            }
+            .map(make_array)
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(failed)?;
     let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));

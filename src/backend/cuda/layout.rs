@@ -22,6 +22,7 @@ use arrow::datatypes::DataType;
 use arrow::record_batch::RecordBatch;
 
 use super::staging::PinnedLease;
+use crate::arrays::copy_all;
 use crate::backend::{BackendError, BufferKind, ExportedArray, ExportedBuffer};
 
 /// Alignment of every buffer in device and staging memory.
@@ -333,10 +334,19 @@ pub(super) fn rebase_offsets(bytes: &mut [u8], count: usize, width: usize, base:
 
 /// Fills the staging buffer with the plan's host bytes, laid out as on the device.
 pub(super) fn fill_staging(plan: &UploadPlan, staging: &mut PinnedLease) {
-    let target = staging.buffer_mut().as_mut_slice();
+    // The regions are in allocation order and disjoint: the target splits into them, and
+    // the copies run on several cores at once.
+    let mut rest = staging.buffer_mut().as_mut_slice();
+    let mut at = 0;
+    let mut pairs = Vec::with_capacity(plan.sources.len());
     for (region, source) in &plan.sources {
-        target[region.offset..region.offset + region.len].copy_from_slice(source.as_slice());
+        let (_, from_region) = std::mem::take(&mut rest).split_at_mut(region.offset - at);
+        let (target, after) = from_region.split_at_mut(region.len);
+        pairs.push((source.as_slice(), target));
+        rest = after;
+        at = region.offset + region.len;
     }
+    copy_all(pairs);
 }
 
 #[cfg(test)]
