@@ -8,7 +8,7 @@
 //!
 //! First it measures the device's copy rate (one large `cuMemcpyDtoDAsync`), then for each
 //! shape it uploads the partitions and concatenates them `--repeat` times, printing the best:
-//! `total` includes planning and allocating the outputs (`alloc`, `cuMemAlloc`); `kernel` is the task-table copy, the
+//! `total` includes planning on the host (`plan`) and allocating the outputs (`alloc`, `cuMemAlloc`); `kernel` is the task-table copy, the
 //! launch and the synchronization; `memcpy loop` copies the same value buffers with one
 //! `cuMemcpyDtoDAsync` per fragment (bitmaps left out, so it moves a little less). GB/s counts
 //! bytes read plus written; `% of copy` compares the kernel with the device's copy rate.
@@ -31,6 +31,9 @@ struct Args {
     partitions: usize,
     #[arg(long, default_value_t = 10)]
     repeat: usize,
+    /// Only this shape (0-3, in the printed order): for profiling one.
+    #[arg(long)]
+    shape: Option<usize>,
     /// Size of the single copy that measures the device's copy rate.
     #[arg(long, default_value_t = 1024)]
     copy_mib: usize,
@@ -120,10 +123,11 @@ async fn main() {
         args.partitions, args.repeat
     );
     println!(
-        "{:<34} {:>9} {:>9} {:>9} {:>10} {:>11} {:>10} {:>12} {:>9}",
+        "{:<34} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11} {:>10} {:>12} {:>9}",
         "shape (per partition)",
         "MB moved",
         "total ms",
+        "plan ms",
         "alloc ms",
         "kernel ms",
         "kernel GB/s",
@@ -131,12 +135,15 @@ async fn main() {
         "memcpy loop",
         "(copies)"
     );
-    for (name, rows, make) in shapes {
+    for (index, (name, rows, make)) in shapes.into_iter().enumerate() {
+        if args.shape.is_some_and(|only| only != index) {
+            continue;
+        }
         let batches: Vec<RecordBatch> = (0..args.partitions).map(|p| make(rows, p)).collect();
         let data: u64 = batches.iter().map(batch_bytes).sum();
         let partitions = upload_all(&backend, batches).await;
         let (mut best_total, mut best_kernel, mut best_loop) = (f64::MAX, f64::MAX, f64::MAX);
-        let mut allocate_at_best = 0.0;
+        let (mut allocate_at_best, mut plan_at_best) = (0.0, 0.0);
         let mut loop_copies = 0;
         for _ in 0..args.repeat.max(1) {
             let start = Instant::now();
@@ -149,9 +156,11 @@ async fn main() {
             let kernel = counters["concat_last_kernel_ns"].as_u64().unwrap_or(0) as f64 / 1e9;
             let total = counters["concat_last_total_ns"].as_u64().unwrap_or(0) as f64 / 1e9;
             let allocate = counters["concat_last_allocate_ns"].as_u64().unwrap_or(0) as f64 / 1e9;
+            let plan = counters["concat_last_plan_ns"].as_u64().unwrap_or(0) as f64 / 1e9;
             assert_eq!(compact.num_rows(), rows * args.partitions);
             if total.min(wall) < best_total {
                 allocate_at_best = allocate;
+                plan_at_best = plan;
             }
             best_total = best_total.min(total.min(wall));
             best_kernel = best_kernel.min(kernel);
@@ -169,10 +178,11 @@ async fn main() {
             "-".to_owned()
         };
         println!(
-            "{:<34} {:>9.1} {:>9.3} {:>9.3} {:>10.3} {:>11.0} {:>9.0}% {:>12} {:>9}",
+            "{:<34} {:>9.1} {:>9.3} {:>9.3} {:>9.3} {:>10.3} {:>11.0} {:>9.0}% {:>12} {:>9}",
             name,
             moved / 1e6,
             best_total * 1e3,
+            plan_at_best * 1e3,
             allocate_at_best * 1e3,
             best_kernel * 1e3,
             kernel_rate / 1e9,

@@ -7,6 +7,8 @@
 //!
 //! Uploads a table of 8 int64 columns and one of strings through the store, then reads each
 //! back as `DoGet` does (chunks of `--chunk-mib`, `--prefetch` in flight) and prints GB/s.
+//! On cuda, the last row is the baseline in the same run: the same bytes copied from pinned
+//! host memory to the device and back with nothing else (`CudaBackend::plain_copies`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,8 +18,12 @@ use arrow::record_batch::RecordBatch;
 use clap::Parser;
 use futures::TryStreamExt;
 use gpu_flight::arrays::batch_bytes;
-use gpu_flight::backend::{BackendChoice, GpuSelection, select};
+use gpu_flight::backend::{BackendChoice, CudaBackend, GpuSelection, select};
 use gpu_flight::store::{PutMode, Store, StoreOptions};
+
+// The allocator the server uses, so that host copies into fresh memory cost what they do there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -85,7 +91,9 @@ async fn main() {
     for (name, batches) in tables(args.gib, args.batch_rows) {
         let bytes: u64 = batches.iter().map(batch_bytes).sum();
         let (mut best_put, mut best_read) = (f64::MAX, f64::MAX);
+        let mut stages = String::new();
         for _ in 0..args.repeat.max(1) {
+            let before = store.backend().counters();
             let start = Instant::now();
             let mut put = store
                 .begin_put(name.to_owned(), PutMode::Replace, "bench")
@@ -103,6 +111,7 @@ async fn main() {
             }
             put.commit().await.expect("commit");
             best_put = best_put.min(start.elapsed().as_secs_f64());
+            stages = upload_stages(&before, &store.backend().counters());
 
             let dataset = store.get(name).expect("dataset");
             let start = Instant::now();
@@ -122,9 +131,61 @@ async fn main() {
             bytes as f64 / best_put / 1e9,
             bytes as f64 / best_read / 1e9
         );
+        if !stages.is_empty() {
+            println!("         {stages}");
+        }
+    }
+    if args.backend == BackendChoice::Cuda {
+        plain_copies(&args);
     }
     println!(
         "backend: {:?}; reads of {} MiB chunks, {} in flight; best of {}; GB = 1e9 bytes of Arrow buffers",
         args.backend, args.chunk_mib, args.prefetch, args.repeat
+    );
+}
+
+/// Where the last put's uploads spent their time, summed over uploads running at once (the
+/// cuda backend's counters; empty on others).
+fn upload_stages(
+    before: &serde_json::Map<String, serde_json::Value>,
+    after: &serde_json::Map<String, serde_json::Value>,
+) -> String {
+    let seconds = |key: &str| {
+        let at = |m: &serde_json::Map<String, serde_json::Value>| {
+            m.get(key).and_then(serde_json::Value::as_u64)
+        };
+        Some((at(after)? - at(before)?) as f64 / 1e9)
+    };
+    match (
+        seconds("upload_allocate_ns"),
+        seconds("upload_fill_ns"),
+        seconds("upload_copy_ns"),
+    ) {
+        (Some(allocate), Some(fill), Some(copy)) => format!(
+            "last put, summed over its uploads: allocate {allocate:.3} s, fill staging {fill:.3} s, copy to the device {copy:.3} s"
+        ),
+        _ => String::new(),
+    }
+}
+
+/// The baseline in the same run: as many bytes as the int64 table copied between pinned host
+/// memory and the device in `--chunk-mib` pieces, nothing else.
+fn plain_copies(args: &Args) {
+    let backend = CudaBackend::open(args.device).expect("CUDA device");
+    let bytes = (args.gib * (1u64 << 30) as f64) as usize;
+    let (mut to_device, mut to_host) = (f64::MAX, f64::MAX);
+    for _ in 0..args.repeat.max(1) {
+        let copies = backend
+            .plain_copies(args.device, bytes, (args.chunk_mib << 20) as usize)
+            .expect("plain copies");
+        to_device = to_device.min(copies.to_device.as_secs_f64());
+        to_host = to_host.min(copies.to_host.as_secs_f64());
+    }
+    println!(
+        "{:<8} {:>8.0} {:>16.2} {:>16.2}   (pinned memory to the device and back, no layout)",
+        "plain",
+        bytes as f64 / 1e6,
+        bytes as f64 / to_device / 1e9,
+        bytes as f64 / to_host / 1e9
     );
 }

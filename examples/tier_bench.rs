@@ -9,14 +9,16 @@
 //! - **Spill:** `--spill-gib` of int64 datasets (256 MiB each) put with the device's budget at
 //!   a third of that, so two thirds spill to host memory; every row is read back and compared,
 //!   then every spilled dataset is exported (which restores it onto the device, spilling
-//!   others). Prints spill and restore GB/s from the store's own counters.
+//!   others). Prints spill and restore GB/s from the store's own counters, and on cuda the
+//!   baseline in the same run: plain copies between the device and pinned host memory.
 //! - **Appends:** `--appends` appends of `--append-mib` to one dataset: the commits' time, then
 //!   the background merges' (waited for), and the bytes they copied against what recopying
 //!   the dataset at every append copies.
 //! - **Persistence:** with `--data-dir`, `--persist-gib` put durably (`sync`) in 1 GiB
 //!   datasets, then the directory reopened (the page cache dropped first where the bench runs
 //!   as root): the time until a server would answer, then every dataset read twice, the
-//!   first read loading it from the files.
+//!   first read loading it from the files. The baseline, in the same run and dropped cache: a
+//!   plain sequential read of the same files.
 //! - **Durable appends:** with `--data-dir`, `--durable-appends` one-row appends to one
 //!   dataset, each acknowledged once on disk (`sync`): the latency of the first and of the
 //!   last thousand, and what the directory holds afterwards (segment files, and the bytes of
@@ -31,8 +33,12 @@ use arrow::record_batch::RecordBatch;
 use clap::Parser;
 use futures::TryStreamExt;
 use gpu_flight::arrays::batch_bytes;
-use gpu_flight::backend::{Backend, BackendChoice, GpuSelection, select};
+use gpu_flight::backend::{Backend, BackendChoice, CudaBackend, GpuSelection, select};
 use gpu_flight::store::{Durability, ExportRequest, PutMode, Store, StoreOptions};
+
+// The allocator the server uses, so that spills into fresh memory cost what they do there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -143,6 +149,9 @@ async fn spill(args: &Args) {
         gbps(tiers.spilled_bytes, tiers.spill_seconds),
     );
     assert!(status.devices[0].used_bytes <= total / 3, "the budget held");
+    if !store.backend().holds_host_memory() {
+        plain_copies(per_dataset as usize);
+    }
     let started = Instant::now();
     let mut read_bytes = 0;
     for seed in 0..datasets {
@@ -263,8 +272,16 @@ async fn persistence(args: &Args, dir: &PathBuf) {
     );
     store.close().await;
     drop(store);
-    // Best effort: with the page cache dropped (root only), first reads come from the disk.
+    // Best effort: with the page cache dropped (root only), first reads come from the disk,
+    // for the baseline (a plain sequential read of the files) as for the loads.
     let cold = std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
+    let (plain_bytes, plain_gbps) = plain_read(dir);
+    println!(
+        "baseline: the data directory's {:.2} GiB read sequentially (8 MiB reads, {} page cache) at {plain_gbps:.2} GB/s",
+        plain_bytes as f64 / (1u64 << 30) as f64,
+        if cold { "dropped" } else { "warm" },
+    );
+    let cold = cold && std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
     let started = Instant::now();
     let store = Store::open(backend(args), options).await.expect("reopen");
     let answering = started.elapsed().as_secs_f64();
@@ -311,6 +328,57 @@ async fn persistence(args: &Args, dir: &PathBuf) {
     assert!(same_rows(&got, &batches(0, per_dataset)), "p0 as put");
     store.close().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The baseline of spills and restores in the same run: one dataset's bytes copied from the
+/// device to pinned host memory and back in 64 MiB pieces, with nothing else.
+fn plain_copies(bytes: usize) {
+    let backend = CudaBackend::open(0).expect("CUDA device");
+    let copies = (0..3)
+        .map(|_| {
+            backend
+                .plain_copies(0, bytes, 64 << 20)
+                .expect("plain copies")
+        })
+        .min_by_key(|c| c.to_host + c.to_device)
+        .expect("three runs");
+    println!(
+        "baseline: {:.2} GiB copied device to pinned host memory at {:.2} GB/s, back at {:.2} GB/s (plain copies, best of 3)",
+        bytes as f64 / (1u64 << 30) as f64,
+        gbps(copies.bytes, copies.to_host.as_secs_f64()),
+        gbps(copies.bytes, copies.to_device.as_secs_f64()),
+    );
+}
+
+/// Every file under `dir` read sequentially in 8 MiB reads, as the baseline of loads: GB/s.
+fn plain_read(dir: &std::path::Path) -> (u64, f64) {
+    use std::io::Read;
+    let mut files = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        for entry in std::fs::read_dir(&path).expect("read_dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    let mut buffer = vec![0u8; 8 << 20];
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    for path in files {
+        let mut file = std::fs::File::open(path).expect("open");
+        loop {
+            let n = file.read(&mut buffer).expect("read");
+            if n == 0 {
+                break;
+            }
+            bytes += n as u64;
+        }
+    }
+    (bytes, gbps(bytes, started.elapsed().as_secs_f64()))
 }
 
 /// Mean, median and 99th percentile of `latencies`, in milliseconds.
@@ -392,6 +460,11 @@ async fn durable_appends(args: &Args, dir: &PathBuf) {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    // The store's own log (e.g. `RUST_LOG=gpu_flight=info`: each spill's stages).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     if args.spill_gib > 0.0 {
         spill(&args).await;
     }

@@ -492,6 +492,7 @@ impl Loader {
             device = slot.home(),
             rows = restored.data.num_rows(),
             bytes = restored.reservation.bytes(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
             "partition restored from host memory"
         );
         Ok(restored)

@@ -421,6 +421,7 @@ impl Tiers {
             .try_buffered(SPILL_COPIES)
             .try_collect()
             .await?;
+        let copied = started.elapsed();
         let spilled = SpilledPartition::of_copies(pieces);
         let bytes = charge(spilled.bytes(), rows as u64);
         host.resize(bytes)?;
@@ -440,6 +441,8 @@ impl Tiers {
             rows,
             device_bytes,
             host_bytes = bytes,
+            copied_ms = copied.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
             "partition spilled to host memory"
         );
         Ok(true)

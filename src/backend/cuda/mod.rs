@@ -125,6 +125,11 @@ struct Counters {
     device_bytes: AtomicU64,
     uploads: AtomicU64,
     upload_syncs: AtomicU64,
+    /// Time uploads spent, summed over those running at once: allocating device memory,
+    /// copying into pinned staging, and the host-to-device copy (queued to synchronized).
+    upload_allocate_ns: AtomicU64,
+    upload_fill_ns: AtomicU64,
+    upload_copy_ns: AtomicU64,
     read_chunks: AtomicU64,
     read_syncs: AtomicU64,
     /// Bytes reads copied from the device to host memory.
@@ -137,6 +142,8 @@ struct Counters {
     /// launch + sync.
     concat_last_total_ns: AtomicU64,
     concat_last_allocate_ns: AtomicU64,
+    /// The last concatenation's planning on the host (fragments, tasks, arrangement).
+    concat_last_plan_ns: AtomicU64,
     concat_last_kernel_ns: AtomicU64,
     /// Chunks filtered on this GPU, the rows they held and the rows they kept.
     filtered_chunks: AtomicU64,
@@ -357,6 +364,60 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// For benchmarks, the baseline of uploads, spills and restores: `bytes` copied from
+    /// pinned host memory to one device allocation, then back, in copies of `piece` bytes on
+    /// one stream, each direction synchronized once. Nothing else happens in between (no
+    /// layout, no allocation, no CPU copy): the most any transfer path can move.
+    pub fn plain_copies(
+        &self,
+        device: u32,
+        bytes: usize,
+        piece: usize,
+    ) -> Result<PlainCopies, BackendError> {
+        let shared = &self.gpu(device)?.shared;
+        let piece = piece.max(1);
+        let allocation = TrackedAllocation::new(shared, bytes)?;
+        let mut host = shared.pool.lease(bytes)?;
+        let started = std::time::Instant::now();
+        shared.with_stream(|stream| {
+            stream.copies(|batch| {
+                for start in (0..bytes).step_by(piece) {
+                    let end = bytes.min(start + piece);
+                    batch.copy_to_device(&allocation.inner, start, host.as_ref(), start..end)?;
+                }
+                Ok(())
+            })
+        })?;
+        let to_device = started.elapsed();
+        let started = std::time::Instant::now();
+        shared.with_stream(|stream| {
+            stream.copies(|batch| {
+                let target = &mut host.buffer_mut().as_mut_slice()[..bytes];
+                for (index, chunk) in target.chunks_mut(piece).enumerate() {
+                    batch.copy_to_host(chunk, &allocation.inner, index * piece)?;
+                }
+                Ok(())
+            })
+        })?;
+        Ok(PlainCopies {
+            bytes: bytes as u64,
+            to_device,
+            to_host: started.elapsed(),
+        })
+    }
+}
+
+/// What [`CudaBackend::plain_copies`] measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlainCopies {
+    pub bytes: u64,
+    /// Pinned host memory to the device, from the first copy queued to the synchronization.
+    pub to_device: std::time::Duration,
+    /// The device back to pinned host memory, the same way.
+    pub to_host: std::time::Duration,
+}
+
 /// What [`CudaBackend::copy_per_fragment`] did.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FragmentCopies {
@@ -388,16 +449,25 @@ impl Shared {
     fn upload(self: &Arc<Self>, batch: RecordBatch) -> Result<Arc<dyn Partition>, BackendError> {
         let plan = UploadPlan::new(&batch)?;
         let bytes = plan.allocation_bytes();
+        let started = std::time::Instant::now();
         let allocation = TrackedAllocation::new(self, bytes)?;
+        let allocated = std::time::Instant::now();
         let mut staging = self.pool.lease(plan.used_bytes)?;
         layout::fill_staging(&plan, &mut staging);
+        let filled = std::time::Instant::now();
         self.with_stream(|stream| {
             stream.copies(|batch| {
                 batch.copy_to_device(&allocation.inner, 0, staging.as_ref(), 0..plan.used_bytes)
             })
         })?;
-        self.counters.uploads.fetch_add(1, Ordering::Relaxed);
-        self.counters.upload_syncs.fetch_add(1, Ordering::Relaxed);
+        let counters = &self.counters;
+        counters.uploads.fetch_add(1, Ordering::Relaxed);
+        counters.upload_syncs.fetch_add(1, Ordering::Relaxed);
+        let nanos = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let add = |counter: &AtomicU64, d| counter.fetch_add(nanos(d), Ordering::Relaxed);
+        add(&counters.upload_allocate_ns, allocated - started);
+        add(&counters.upload_fill_ns, filled - allocated);
+        add(&counters.upload_copy_ns, filled.elapsed());
         Ok(Arc::new(CudaPartition {
             shared: Arc::clone(self),
             allocations: Arc::new(vec![allocation]),
@@ -469,6 +539,7 @@ impl Shared {
         let fragments = fragments_of(partitions, true);
         let mut plan = concat::plan_table(&fragments)?;
         let arrangement = arrangement_of(&plan);
+        let planned = started.elapsed();
         let allocating = std::time::Instant::now();
         let allocations = arrangement
             .allocations
@@ -559,6 +630,10 @@ impl Shared {
             .store(nanos(started), Ordering::Relaxed);
         counters.concat_last_allocate_ns.store(
             u64::try_from(allocated.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        counters.concat_last_plan_ns.store(
+            u64::try_from(planned.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
         let rows = partitions.iter().map(|p| p.rows).sum();
@@ -778,6 +853,9 @@ impl Shared {
             "pinned_cached_bytes": self.pool.cached_bytes(),
             "uploads": c.uploads.load(Ordering::Relaxed),
             "upload_syncs": c.upload_syncs.load(Ordering::Relaxed),
+            "upload_allocate_ns": c.upload_allocate_ns.load(Ordering::Relaxed),
+            "upload_fill_ns": c.upload_fill_ns.load(Ordering::Relaxed),
+            "upload_copy_ns": c.upload_copy_ns.load(Ordering::Relaxed),
             "read_chunks": c.read_chunks.load(Ordering::Relaxed),
             "read_syncs": c.read_syncs.load(Ordering::Relaxed),
             "read_bytes": c.read_bytes.load(Ordering::Relaxed),
@@ -786,6 +864,7 @@ impl Shared {
             "peer_copy_bytes": c.peer_copy_bytes.load(Ordering::Relaxed),
             "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
             "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
+            "concat_last_plan_ns": c.concat_last_plan_ns.load(Ordering::Relaxed),
             "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
             "concat_kernel_loaded": self.concat_kernel.is_some(),
             "filtered_chunks": c.filtered_chunks.load(Ordering::Relaxed),
