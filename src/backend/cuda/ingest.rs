@@ -18,6 +18,8 @@
 //! the partition made, so readers (`read_back_array` trusts put data to be validated) never
 //! see unchecked bytes.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use arrow::array::{ArrayData, make_array};
@@ -64,6 +66,7 @@ impl ImportPlan {
     /// Lays out `columns`, which `backend::ingest::check_columns` has checked.
     pub(super) fn new(columns: &[ExportedColumn]) -> Result<Self, BackendError> {
         let mut handles: Vec<([u8; 64], u64)> = Vec::new();
+        let mut handle_index = HashMap::new();
         let mut planned = Vec::with_capacity(columns.len());
         let mut regions = Vec::new();
         let mut used = Vec::with_capacity(columns.len());
@@ -77,6 +80,7 @@ impl ImportPlan {
                 used: 0,
                 regions: &mut regions,
                 handles: &mut handles,
+                handle_index: &mut handle_index,
             };
             let array = planner.array(&column.array, false)?;
             used.push(planner.used);
@@ -118,24 +122,23 @@ struct Planner<'a> {
     used: usize,
     regions: &'a mut Vec<Planned>,
     handles: &'a mut Vec<([u8; 64], u64)>,
+    /// Each handle's position in `handles`: a document may name thousands of buffers.
+    handle_index: &'a mut HashMap<[u8; 64], usize>,
 }
 
 impl Planner<'_> {
     /// The index of `allocation` among the handles to open.
     fn handle(&mut self, allocation: ForeignAllocation) -> usize {
-        match self
-            .handles
-            .iter()
-            .position(|(h, _)| *h == allocation.handle)
-        {
-            Some(position) => {
+        match self.handle_index.entry(allocation.handle) {
+            Entry::Occupied(known) => {
+                let position = *known.get();
                 let declared = &mut self.handles[position].1;
                 *declared = (*declared).max(allocation.bytes);
                 position
             }
-            None => {
+            Entry::Vacant(new) => {
                 self.handles.push((allocation.handle, allocation.bytes));
-                self.handles.len() - 1
+                *new.insert(self.handles.len() - 1)
             }
         }
     }
@@ -491,6 +494,72 @@ mod tests {
         assert_eq!(plan.host_bytes(), 0, "fixed-width values need no host copy");
         let (allocation, offset) = plan.destination(&plan.regions[3]);
         assert_eq!((allocation, offset % ALIGNMENT), (2, 0));
+    }
+
+    #[test]
+    fn many_buffers_over_few_handles_name_the_handles_a_plain_search_finds() {
+        // Buffers in their column's allocation, in one of 37 others, and empty ones (nothing
+        // to open), over 13 column handles; declared sizes differ from buffer to buffer.
+        let other = |i: u64| ForeignAllocation {
+            handle: [100 + (i * 7 % 37) as u8; 64],
+            bytes: 4096 + i * 3 % 1000,
+        };
+        let columns: Vec<ExportedColumn> = (0..3000u64)
+            .map(|i| {
+                let mut validity = buffer(BufferKind::Validity, 0, 2);
+                if i % 2 == 0 {
+                    validity.allocation = Some(other(i));
+                }
+                let offsets = buffer(BufferKind::Offsets, 64, 44);
+                let mut values = buffer(BufferKind::Values, 128, if i % 5 == 0 { 0 } else { 9 });
+                if i % 3 == 0 {
+                    values.allocation = Some(other(i + 1));
+                }
+                let mut strings = array(DataType::Utf8, 10, vec![validity, offsets, values]);
+                strings.null_count = 1;
+                column((i % 13) as u8, 1 << 20 | i, strings)
+            })
+            .collect();
+        let plan = ImportPlan::new(&columns).expect("plan");
+
+        // The plain way: each buffer with bytes searches the handles seen so far.
+        let mut handles: Vec<([u8; 64], u64)> = Vec::new();
+        let mut named = Vec::new();
+        for column in &columns {
+            for buffer in &column.array.buffers {
+                if buffer.length == 0 {
+                    named.push(usize::MAX);
+                    continue;
+                }
+                let allocation = buffer.allocation.unwrap_or(ForeignAllocation {
+                    handle: column.handle,
+                    bytes: column.allocation_bytes,
+                });
+                match handles.iter().position(|(h, _)| *h == allocation.handle) {
+                    Some(at) => {
+                        handles[at].1 = handles[at].1.max(allocation.bytes);
+                        named.push(at);
+                    }
+                    None => {
+                        handles.push((allocation.handle, allocation.bytes));
+                        named.push(handles.len() - 1);
+                    }
+                }
+            }
+        }
+        assert_eq!(handles.len(), 13 + 37);
+        assert_eq!(
+            plan.handles, handles,
+            "each once, in order, with its largest size"
+        );
+        let planned: Vec<usize> = plan.regions.iter().map(|r| r.handle).collect();
+        assert_eq!(planned, named, "every buffer names its allocation's handle");
+        let sources: Vec<u64> = plan.regions.iter().map(|r| r.source).collect();
+        let offsets: Vec<u64> = columns
+            .iter()
+            .flat_map(|c| c.array.buffers.iter().map(|b| b.offset))
+            .collect();
+        assert_eq!(sources, offsets);
     }
 
     #[test]
