@@ -78,6 +78,17 @@ pub enum BackendError {
     /// sizes, offsets or lengths that do not fit, data Arrow's validation refuses.
     #[error("ipc-import refused: {0}")]
     ImportRefused(String),
+    /// A producer's handle did not open for want of what a mapping takes on this GPU now
+    /// (device memory, peer mappings): the server's state, not the document's fault.
+    #[error(
+        "device {device} cannot map ipc-import handle {handle} now ({reason}); retry when \
+         other imports have finished or memory has been freed"
+    )]
+    MappingExhausted {
+        device: u32,
+        handle: usize,
+        reason: String,
+    },
     /// A row range outside the partition: a bug in the caller, never client input (a client's
     /// range outside a dataset is the store's `RowsOutOfRange`, checked before any partition
     /// is read).

@@ -28,7 +28,7 @@ use arrow::datatypes::{DataType, SchemaRef};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 
 use super::concat::Arrangement;
-use super::ffi::{self, IpcMapping};
+use super::ffi::{self, IpcMapping, MappingError, OpenFailure};
 use super::layout::{self, ALIGNMENT, DeviceArray, Kind, Region};
 use super::{CudaPartition, Shared, TrackedAllocation};
 use crate::backend::ingest::refused;
@@ -233,13 +233,8 @@ pub(super) fn import(
         .iter()
         .enumerate()
         .map(|(index, (handle, declared))| {
-            let mapping = IpcMapping::open(&shared.context, handle).map_err(|e| {
-                refused(format!(
-                    "handle {index} could not be opened on this GPU ({e}): it must be a \
-                     cudaIpcGetMemHandle of memory that is still allocated, by a live process \
-                     other than this server, on the GPU the document names"
-                ))
-            })?;
+            let mapping = IpcMapping::open(&shared.context, handle)
+                .map_err(|e| unopened(index, shared.context.ordinal() as u32, e))?;
             if *declared > mapping.bytes() as u64 {
                 return Err(refused(format!(
                     "handle {index} maps an allocation of {} bytes, not the {declared} the \
@@ -365,6 +360,29 @@ pub(super) fn import(
     })
 }
 
+/// The error for handle `index` of an import that did not open on `device`: the producer's
+/// (INVALID_ARGUMENT) where the handle maps nothing this server may open, the server's
+/// (RESOURCE_EXHAUSTED) where the GPU lacks what a mapping takes now, a device failure
+/// (INTERNAL) otherwise.
+fn unopened(index: usize, device: u32, error: MappingError) -> BackendError {
+    let MappingError { failure, error } = error;
+    match failure {
+        OpenFailure::Handle => refused(format!(
+            "handle {index} could not be opened on this GPU ({error}): it must be a \
+             cudaIpcGetMemHandle of memory that is still allocated, by a live process other \
+             than this server, on the GPU the document names"
+        )),
+        OpenFailure::Exhausted => BackendError::MappingExhausted {
+            device,
+            handle: index,
+            reason: error.to_string(),
+        },
+        OpenFailure::Driver => {
+            BackendError::Device(format!("opening ipc-import handle {index}: {error}"))
+        }
+    }
+}
+
 /// Rebuilds `array` on the host from `bytes` (the host copy of each region in layout order, or
 /// `None` where a zeroed stand-in will do) and validates it in full; records its null count,
 /// drops a bitmap without nulls and keeps a dictionary's host copy, as uploads do.
@@ -458,6 +476,31 @@ mod tests {
             allocation_bytes,
             array,
         }
+    }
+
+    #[test]
+    fn handles_that_do_not_open_answer_by_whose_failure_it_is() {
+        use tonic::Code;
+        let code = |failure| {
+            let error = unopened(
+                3,
+                1,
+                MappingError {
+                    failure,
+                    error: BackendError::Device("cuIpcOpenMemHandle: the driver's words".into()),
+                },
+            );
+            let status = crate::error::Error::from(error).quiet_status();
+            assert!(status.message().contains("handle 3"), "{status:?}");
+            assert!(
+                status.message().contains("the driver's words"),
+                "{status:?}"
+            );
+            status.code()
+        };
+        assert_eq!(code(OpenFailure::Handle), Code::InvalidArgument);
+        assert_eq!(code(OpenFailure::Exhausted), Code::ResourceExhausted);
+        assert_eq!(code(OpenFailure::Driver), Code::Internal);
     }
 
     #[test]
