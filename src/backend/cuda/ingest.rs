@@ -8,12 +8,13 @@
 //!
 //! [`import`] opens each distinct handle once and checks the size the driver reports for the
 //! mapped allocation against the document's, copies every buffer into the server's own
-//! allocations, and on the same stream copies back to pinned host memory the bytes Arrow's
-//! validation reads (validity bitmaps, offsets, UTF-8 strings, dictionary keys, and
-//! dictionaries whole, which the layout keeps a host copy of). The mappings are closed as soon
-//! as the copies are done, on every path, so the producer may free its memory once the call
-//! returns. The copies are then validated in full, with zeroed stand-ins for the buffers no
-//! value of which can be invalid (fixed-width values, booleans, binary bytes): what was
+//! allocations, and closes the mappings as soon as those copies are done, on every path, so the
+//! producer may free its memory once the call returns. From the server's own copy it then
+//! copies back to host memory the bytes Arrow's validation reads (validity bitmaps, offsets,
+//! UTF-8 strings, dictionary keys, and dictionaries whole, which the layout keeps a host copy
+//! of), in bounded pieces through one pinned staging lease ([`read_back`]), so that imports of
+//! any size validate. The copies are then validated in full, with zeroed stand-ins for the
+//! buffers no value of which can be invalid (fixed-width values, booleans, binary bytes): what was
 //! validated is the server's own copy, which the producer can no longer change. Only then is
 //! the partition made, so readers (`read_back_array` trusts put data to be validated) never
 //! see unchecked bytes.
@@ -47,6 +48,16 @@ pub(super) struct ImportPlan {
     /// Every region of every column in layout order.
     regions: Vec<Planned>,
     arrangement: Arrangement,
+}
+
+/// Part of a host region that one round of `read_back` copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    /// Its index in `ImportPlan::regions`.
+    region: usize,
+    /// Bytes from the region's start.
+    from: usize,
+    len: usize,
 }
 
 /// One buffer to copy.
@@ -106,6 +117,36 @@ impl ImportPlan {
             .filter(|r| r.host)
             .map(|r| r.region.len)
             .sum()
+    }
+
+    /// The bytes validation reads (the host regions), in rounds of at most `limit` bytes, in
+    /// layout order: each round is one trip through a staging buffer of `limit` bytes, and a
+    /// region larger than that spans several.
+    fn read_back_rounds(&self, limit: usize) -> Vec<Vec<Piece>> {
+        let limit = limit.max(1);
+        let mut rounds = Vec::new();
+        let mut round = Vec::new();
+        let mut room = limit;
+        for (region, planned) in self.regions.iter().enumerate() {
+            if !planned.host {
+                continue;
+            }
+            let mut from = 0;
+            while from < planned.region.len {
+                let len = (planned.region.len - from).min(room);
+                round.push(Piece { region, from, len });
+                from += len;
+                room -= len;
+                if room == 0 {
+                    rounds.push(std::mem::take(&mut round));
+                    room = limit;
+                }
+            }
+        }
+        if !round.is_empty() {
+            rounds.push(round);
+        }
+        rounds
     }
 
     /// Where a planned region lies among the import's allocations: (allocation, offset).
@@ -253,12 +294,6 @@ pub(super) fn import(
         .map(|&bytes| TrackedAllocation::new(shared, bytes))
         .collect::<Result<Vec<_>, _>>()?;
     let allocated = started.elapsed();
-    let host_bytes = plan.host_bytes();
-    let mut staging = if host_bytes > 0 {
-        Some(shared.pool.lease_for_read(host_bytes)?)
-    } else {
-        None
-    };
     shared.with_stream(|stream| {
         stream.copies(|batch| {
             for planned in &plan.regions {
@@ -277,16 +312,6 @@ pub(super) fn import(
                     planned.region.len,
                 )?;
             }
-            // After the device copies on the same stream: from the server's own copy.
-            if let Some(staging) = staging.as_mut() {
-                let mut rest = staging.buffer_mut().as_mut_slice();
-                for planned in plan.regions.iter().filter(|r| r.host && r.region.len > 0) {
-                    let (target, tail) = std::mem::take(&mut rest).split_at_mut(planned.region.len);
-                    let (allocation, at) = plan.destination(planned);
-                    batch.copy_to_host(target, &allocations[allocation].inner, at)?;
-                    rest = tail;
-                }
-            }
             Ok(())
         })
     })?;
@@ -295,16 +320,8 @@ pub(super) fn import(
     drop(mappings);
     let closed = started.elapsed();
 
-    let host = staging.as_ref().map(|s| s.as_ref().as_slice());
-    let mut taken = 0;
-    let mut bytes = plan.regions.iter().map(|planned| {
-        if !planned.host {
-            return None;
-        }
-        let slice = host.map_or(&[][..], |h| &h[taken..taken + planned.region.len]);
-        taken += planned.region.len;
-        Some(Buffer::from(slice))
-    });
+    let mut bytes = read_back(shared, &plan, &allocations)?.into_iter();
+    let read = started.elapsed();
     let plan_handles = plan.handles.len();
     let ImportPlan {
         columns,
@@ -320,7 +337,6 @@ pub(super) fn import(
         array.shift(at);
         placed.push((allocation, array));
     }
-    drop(staging);
     // The schema's own rules: lengths, types, and no nulls in non-nullable fields.
     RecordBatch::try_new_with_options(
         Arc::clone(&schema),
@@ -341,7 +357,8 @@ pub(super) fn import(
         allocate_ms = ms(allocated - opened),
         copy_ms = ms(copied - allocated),
         close_ms = ms(closed - copied),
-        validate_ms = ms(started.elapsed() - closed),
+        read_back_ms = ms(read - closed),
+        validate_ms = ms(started.elapsed() - read),
         "ipc-import copied"
     );
     let counters = &shared.counters;
@@ -358,6 +375,64 @@ pub(super) fn import(
         schema,
         rows,
     })
+}
+
+/// Pinned staging one round of [`read_back`] takes at most: the bytes validation reads go
+/// through it in pieces, so an import of any size validates with this much pinned memory.
+const READ_BACK_PIECE_BYTES: usize = 64 << 20;
+
+/// The bytes validation reads of each region of `plan` (`None` for the others), copied back
+/// from the server's own `allocations` in rounds through one ordinary staging lease of at most
+/// [`READ_BACK_PIECE_BYTES`], as uploads and concatenations lease theirs: held only for the
+/// copies, so neither capped like a read's nor in the memory budget. The host copies
+/// themselves are ordinary memory, as large as what they hold, kept until validation is done
+/// (a dictionary's for as long as the partition, as an upload's).
+fn read_back(
+    shared: &Arc<Shared>,
+    plan: &ImportPlan,
+    allocations: &[TrackedAllocation],
+) -> Result<Vec<Option<Buffer>>, BackendError> {
+    let mut copies: Vec<Option<Vec<u8>>> = plan
+        .regions
+        .iter()
+        .map(|planned| planned.host.then(|| Vec::with_capacity(planned.region.len)))
+        .collect();
+    let rounds = plan.read_back_rounds(READ_BACK_PIECE_BYTES);
+    if !rounds.is_empty() {
+        let mut staging = shared
+            .pool
+            .lease(plan.host_bytes().min(READ_BACK_PIECE_BYTES))?;
+        for round in &rounds {
+            shared.with_stream(|stream| {
+                stream.copies(|batch| {
+                    let mut rest = staging.buffer_mut().as_mut_slice();
+                    for piece in round {
+                        let (target, tail) = std::mem::take(&mut rest).split_at_mut(piece.len);
+                        let (allocation, at) = plan.destination(&plan.regions[piece.region]);
+                        batch.copy_to_host(
+                            target,
+                            &allocations[allocation].inner,
+                            at + piece.from,
+                        )?;
+                        rest = tail;
+                    }
+                    Ok(())
+                })
+            })?;
+            let mut filled = staging.as_ref().as_slice();
+            for piece in round {
+                let (piece_bytes, tail) = filled.split_at(piece.len);
+                if let Some(copy) = copies[piece.region].as_mut() {
+                    copy.extend_from_slice(piece_bytes);
+                }
+                filled = tail;
+            }
+        }
+    }
+    Ok(copies
+        .into_iter()
+        .map(|copy| copy.map(Buffer::from_vec))
+        .collect())
 }
 
 /// The error for handle `index` of an import that did not open on `device`: the producer's
@@ -603,6 +678,85 @@ mod tests {
             .flat_map(|c| c.array.buffers.iter().map(|b| b.offset))
             .collect();
         assert_eq!(sources, offsets);
+    }
+
+    #[test]
+    fn validation_reads_back_every_host_byte_once_in_bounded_rounds() {
+        // 2 GiB of strings next to small ones, bitmaps, offsets and int64s (not read back):
+        // planned, never allocated.
+        let strings = |bytes: u64| {
+            let mut strings = array(
+                DataType::Utf8,
+                1 << 18,
+                vec![
+                    buffer(BufferKind::Validity, 0, 1 << 15),
+                    buffer(BufferKind::Offsets, 0, (1 << 20) + 4),
+                    buffer(BufferKind::Values, 0, bytes),
+                ],
+            );
+            strings.null_count = 1;
+            column(1, 1 << 40, strings)
+        };
+        let ints = column(
+            2,
+            1 << 20,
+            array(
+                DataType::Int64,
+                1000,
+                vec![buffer(BufferKind::Values, 0, 8000)],
+            ),
+        );
+        let plan = |big| {
+            ImportPlan::new(&[strings(big), ints.clone(), strings(5), strings(0)]).expect("plan")
+        };
+        let small = plan(5000);
+        for limit in [1, 100, 4096, 1 << 20, READ_BACK_PIECE_BYTES, usize::MAX] {
+            let plan = &small;
+            let rounds = plan.read_back_rounds(limit);
+            assert!(
+                rounds.iter().all(|round| {
+                    round.iter().map(|p| p.len).sum::<usize>() <= limit
+                        && round.iter().all(|p| p.len > 0)
+                }),
+                "each round fits in {limit} bytes"
+            );
+            let pieces: Vec<Piece> = rounds.into_iter().flatten().collect();
+            // Per region, its pieces in order, from 0 to its end.
+            for (index, planned) in plan.regions.iter().enumerate() {
+                let mut next = 0;
+                for piece in pieces.iter().filter(|p| p.region == index) {
+                    assert!(planned.host, "only what validation reads");
+                    assert_eq!(piece.from, next, "region {index}, limit {limit}");
+                    next += piece.len;
+                }
+                let expected = if planned.host { planned.region.len } else { 0 };
+                assert_eq!(next, expected, "region {index}, limit {limit}");
+            }
+            assert!(
+                pieces.windows(2).all(|w| w[0].region <= w[1].region),
+                "layout order"
+            );
+        }
+        let large = plan(2 << 30);
+        let host = large.host_bytes();
+        assert!(host > 2 << 30);
+        for limit in [1 << 20, READ_BACK_PIECE_BYTES] {
+            let rounds = large.read_back_rounds(limit);
+            assert_eq!(
+                rounds.len(),
+                host.div_ceil(limit),
+                "rounds are full but the last: any size goes"
+            );
+            let read: usize = rounds.iter().flatten().map(|p| p.len).sum();
+            assert_eq!(read, host);
+        }
+        let none = ImportPlan::new(&[column(
+            2,
+            1 << 20,
+            array(DataType::Int64, 10, vec![buffer(BufferKind::Values, 0, 80)]),
+        )])
+        .expect("plan");
+        assert!(none.read_back_rounds(64).is_empty(), "nothing to read back");
     }
 
     #[test]
