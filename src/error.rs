@@ -179,9 +179,9 @@ fn store_code(error: &StoreError) -> Code {
 
 fn backend_code(error: &BackendError) -> Code {
     match error {
-        BackendError::OutOfMemory { .. } | BackendError::StagingExhausted { .. } => {
-            Code::ResourceExhausted
-        }
+        BackendError::OutOfMemory { .. }
+        | BackendError::StagingExhausted { .. }
+        | BackendError::MappingExhausted { .. } => Code::ResourceExhausted,
         BackendError::UnsupportedType { .. } | BackendError::ImportRefused(_) => {
             Code::InvalidArgument
         }

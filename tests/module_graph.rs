@@ -512,3 +512,30 @@ fn every_file_names_only_its_own_layer_and_those_below() {
         upward.join("\n")
     );
 }
+
+/// Files of the backend that the layers above the store reach only through it: `ipc-import`'s
+/// document checks run in the store (`store/import.rs`), so that they fail with the store's
+/// error and the backend's plan of the columns is made once, where the put is.
+const THROUGH_THE_STORE: &[&str] = &["backend/ingest.rs"];
+
+#[test]
+fn the_layers_above_the_store_reach_the_ingest_checks_only_through_it() {
+    let graph = file_graph();
+    let store = layer_of("store/mod.rs").expect("the store is a layer");
+    let mut skipping = Vec::new();
+    for (file, names) in &graph {
+        if layer_of(file).is_none_or(|layer| layer >= store) {
+            continue;
+        }
+        for named in names {
+            if THROUGH_THE_STORE.contains(&named.as_str()) {
+                skipping.push(format!("{file} → {named}"));
+            }
+        }
+    }
+    assert!(
+        skipping.is_empty(),
+        "files above the store that name what they must reach through it:\n{}",
+        skipping.join("\n")
+    );
+}

@@ -13,10 +13,48 @@
 //!
 //! The arrays are in the layout `ipc-export` publishes: they start at row 0, offsets start at
 //! 0, and children hold exactly the rows their parent references.
+//!
+//! A backend then plans the import once ([`PreparedImport`]): the store reserves what the
+//! plan allocates and hands the same plan to the copy.
+
+use std::any::Any;
 
 use arrow::datatypes::{DataType, Schema};
 
 use super::{BackendError, BufferKind, ExportedArray, ExportedColumn};
+
+/// An import a backend planned with `Backend::plan_import`: the device bytes it allocates,
+/// and the backend's own plan, which only that backend's `Backend::import` opens.
+#[derive(Debug)]
+pub struct PreparedImport {
+    allocated_bytes: u64,
+    plan: Box<dyn Any + Send>,
+}
+
+impl PreparedImport {
+    /// `plan`, which allocates `allocated_bytes` bytes of device memory.
+    pub fn new(allocated_bytes: u64, plan: impl Any + Send) -> Self {
+        Self {
+            allocated_bytes,
+            plan: Box::new(plan),
+        }
+    }
+
+    /// Device bytes the import allocates: what the store reserves before it runs.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated_bytes
+    }
+
+    /// The backend's own plan; an error where another backend made it (a bug, never client
+    /// input).
+    pub fn into_plan<T: Any>(self, backend: &'static str) -> Result<T, BackendError> {
+        self.plan.downcast::<T>().map(|plan| *plan).map_err(|_| {
+            BackendError::Device(format!(
+                "an import planned by another backend was given to {backend}"
+            ))
+        })
+    }
+}
 
 /// Most columns one import carries.
 pub const MAX_IMPORT_COLUMNS: usize = 4096;

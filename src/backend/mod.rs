@@ -29,6 +29,7 @@ pub use export::{
     BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, ForeignAllocation,
 };
 pub use host::{HostBackend, host_memory_bytes};
+pub use ingest::PreparedImport;
 pub use spilled::SpilledPartition;
 
 /// What can go wrong below the store. Each variant says which gRPC code it becomes in
@@ -77,6 +78,17 @@ pub enum BackendError {
     /// sizes, offsets or lengths that do not fit, data Arrow's validation refuses.
     #[error("ipc-import refused: {0}")]
     ImportRefused(String),
+    /// A producer's handle did not open for want of what a mapping takes on this GPU now
+    /// (device memory, peer mappings): the server's state, not the document's fault.
+    #[error(
+        "device {device} cannot map ipc-import handle {handle} now ({reason}); retry when \
+         other imports have finished or memory has been freed"
+    )]
+    MappingExhausted {
+        device: u32,
+        handle: usize,
+        reason: String,
+    },
     /// A row range outside the partition: a bug in the caller, never client input (a client's
     /// range outside a dataset is the store's `RowsOutOfRange`, checked before any partition
     /// is read).
@@ -187,26 +199,27 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         device: u32,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
-    /// Bytes [`Backend::import`] of `columns` (checked by [`ingest::check_columns`])
-    /// allocates, so the store can reserve them first. `NotImportable` where the backend
-    /// cannot map another process's memory.
-    fn imported_size(&self, _columns: &[ExportedColumn]) -> Result<u64, BackendError> {
+    /// Plans an `ipc-import` of `columns` (checked by [`ingest::check_columns`]): lays them
+    /// out once, for the store to reserve [`PreparedImport::allocated_bytes`] and then hand
+    /// the plan to [`Backend::import`]. `NotImportable` where the backend cannot map another
+    /// process's memory.
+    fn plan_import(&self, _columns: &[ExportedColumn]) -> Result<PreparedImport, BackendError> {
         Err(BackendError::NotImportable {
             backend: self.name(),
         })
     }
 
-    /// Copies `columns` (checked by [`ingest::check_columns`]), `rows` rows of `schema`, out
-    /// of another process's memory on `device` into a new partition of this backend's own
-    /// layout, and checks the copy as Arrow's decoder checks a put's data. The producer's
-    /// memory is no longer used once the future resolved, whatever its outcome; every mapping
-    /// of it is closed by then.
+    /// Copies the columns `plan` (from this backend's [`Backend::plan_import`]) describes,
+    /// `rows` rows of `schema`, out of another process's memory on `device` into a new
+    /// partition of this backend's own layout, and checks the copy as Arrow's decoder checks a
+    /// put's data. The producer's memory is no longer used once the future resolved, whatever
+    /// its outcome; every mapping of it is closed by then.
     fn import(
         &self,
         _device: u32,
         _schema: arrow::datatypes::SchemaRef,
         _rows: usize,
-        _columns: Vec<ExportedColumn>,
+        _plan: PreparedImport,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         let backend = self.name();
         Box::pin(futures::future::ready(Err(BackendError::NotImportable {

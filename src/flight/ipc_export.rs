@@ -308,7 +308,7 @@ impl ImportDocument {
 
     /// The columns as the backend takes them, typed by `schema` (the document's own `type`
     /// strings are for people). Only the document's shape is checked here; its numbers are
-    /// checked by `backend::ingest::check_columns`.
+    /// checked by the store (`Store::check_import`).
     pub fn columns(&self, schema: &Schema) -> Result<Vec<ExportedColumn>, String> {
         if schema.fields().len() != self.columns.len() {
             return Err(format!(

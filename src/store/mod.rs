@@ -29,7 +29,8 @@
 //! 6. `dataset`: an immutable version, and reading it;
 //! 7. `durable`: persistence, the writer of the catalog's changes into `files`;
 //! 8. `catalog`: names, versions and damaged datasets, opened from `--data-dir`;
-//! 9. `background` (compacting appended partitions after their commit), then `put`,
+//! 9. `background` (compacting appended partitions after their commit), then `import`
+//!    (`ipc-import`'s columns checked and planned, the producer's device), `put`,
 //!    `relocate` (moves and copies), `lease`, `export` (`ipc-export`), `shared` (`shm-read`'s
 //!    files and tokens) and `status`;
 //! 10. this facade, which builds them and delegates.
@@ -42,6 +43,7 @@ mod durable;
 mod error;
 mod export;
 mod files;
+mod import;
 mod lease;
 mod load;
 mod memfile;
@@ -67,6 +69,7 @@ pub use error::StoreError;
 pub use export::{
     Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS, column_indices,
 };
+pub use import::CheckedImport;
 pub use lease::{Lease, LeaseTerms};
 pub use memfile::{SharedFileWriter, SharedLimits, StagedFile};
 pub use memory::ARRAY_OVERHEAD;
@@ -253,6 +256,25 @@ impl Store {
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// Checks an `ipc-import`'s `columns`, `rows` rows of `schema`, from their numbers and has
+    /// the backend plan them, once, for [`PendingPut::import`]. Refused where the description
+    /// is malformed, then where the backend cannot import.
+    pub fn check_import(
+        &self,
+        schema: arrow::datatypes::SchemaRef,
+        rows: u64,
+        columns: Vec<crate::backend::ExportedColumn>,
+    ) -> Result<CheckedImport, StoreError> {
+        CheckedImport::new(self.backend.as_ref(), schema, rows, columns)
+    }
+
+    /// The device that is a producer's GPU, named by its UUID or, failing that, its PCI bus
+    /// id (the same GPU whatever either process's `CUDA_VISIBLE_DEVICES`); refused where the
+    /// server holds no datasets on it.
+    pub fn producer_device(&self, uuid: &str, pci_bus_id: &str) -> Result<u32, StoreError> {
+        import::producer_device(&self.backend.devices(), uuid, pci_bus_id)
     }
 
     /// Whether the backend keeps the host arrays a put gives it (see

@@ -15,13 +15,14 @@ use super::compactor::Compactor;
 use super::dataset::Dataset;
 use super::durable::{self, Job};
 use super::error::StoreError;
+use super::import::CheckedImport;
 use super::memory::{ARRAY_OVERHEAD, Reservation, charge, stored_charge};
 use super::options::PutMode;
 use super::progress::{InFlight, Registered};
 use super::slot::StoredPartition;
 use super::tier::Tiers;
 use crate::arrays::{batch_bytes, schema_bytes};
-use crate::backend::{Backend, ExportedArray, ExportedColumn};
+use crate::backend::Backend;
 
 /// What a committed put reports back to the client.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -214,32 +215,31 @@ impl PendingPut {
         Ok(Some(upload))
     }
 
-    /// Adds `rows` rows another process holds on the put's device (`ipc-import`): `columns`
-    /// (checked by `backend::ingest::check_columns` against the declared schema) are paid for
-    /// first, as an upload is (spilling other partitions to make room), then copied by the
-    /// backend into memory of its own and checked there. Fails with nothing kept where the
-    /// backend cannot import, the memory does not fit, or the producer's data is refused.
-    pub async fn import(
-        &mut self,
-        rows: u64,
-        columns: Vec<ExportedColumn>,
-    ) -> Result<(), StoreError> {
-        let Some(schema) = self.schema.clone() else {
-            return Err(StoreError::MissingSchema);
-        };
-        let backend = Arc::clone(&self.puts.backend);
-        // Asked even for no rows: a backend that cannot import says so whatever the data.
-        let bytes = backend.imported_size(&columns)?;
+    /// Adds the rows another process holds on the put's device (`ipc-import`), as `import`
+    /// describes them (see [`crate::store::Store::check_import`]): declares their schema, pays
+    /// for what the backend's plan allocates first, as an upload does (spilling other
+    /// partitions to make room), then has the backend carry the plan out, copying the columns
+    /// into memory of its own and checking them there. Fails with nothing kept where the
+    /// schema is not the put's, the memory does not fit, or the producer's data is refused.
+    pub async fn import(&mut self, import: CheckedImport) -> Result<(), StoreError> {
+        let CheckedImport {
+            schema,
+            rows,
+            plan,
+            arrays,
+            data_bytes,
+        } = import;
+        self.declare_schema(Arc::clone(&schema))?;
         if rows == 0 {
             return Ok(());
         }
-        let arrays: u64 = columns.iter().map(|c| array_count(&c.array)).sum();
-        let data_bytes: u64 = columns.iter().map(|c| array_bytes(&c.array)).sum();
-        let cost = charge(bytes, rows).saturating_add(ARRAY_OVERHEAD.saturating_mul(arrays));
+        let backend = Arc::clone(&self.puts.backend);
+        let cost = charge(plan.allocated_bytes(), rows)
+            .saturating_add(ARRAY_OVERHEAD.saturating_mul(arrays));
         let reservation = self.reserve(cost, &mut None).await?;
         let rows_usize = usize::try_from(rows).unwrap_or(usize::MAX);
         let data = backend
-            .import(self.device, schema, rows_usize, columns)
+            .import(self.device, schema, rows_usize, plan)
             .await?;
         self.rows = self.rows.saturating_add(rows);
         self.data_bytes = self.data_bytes.saturating_add(data_bytes);
@@ -397,23 +397,6 @@ impl PendingPut {
         }
         Ok(summary(&committed))
     }
-}
-
-/// Arrays an imported column describes: itself, its children and its dictionary's.
-fn array_count(array: &ExportedArray) -> u64 {
-    1 + array.children.iter().map(array_count).sum::<u64>()
-        + array.dictionary.as_deref().map_or(0, array_count)
-}
-
-/// Arrow bytes of an imported column: its buffers', its children's and its dictionary's.
-fn array_bytes(array: &ExportedArray) -> u64 {
-    array
-        .buffers
-        .iter()
-        .map(|b| b.length)
-        .fold(0u64, u64::saturating_add)
-        .saturating_add(array.children.iter().map(array_bytes).sum::<u64>())
-        .saturating_add(array.dictionary.as_deref().map_or(0, array_bytes))
 }
 
 /// `append` needs the same fields (names, types, nullability, field metadata). Schema-level

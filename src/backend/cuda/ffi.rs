@@ -775,9 +775,58 @@ unsafe impl Send for IpcMapping {}
 // SAFETY: shared access only reads (copies out).
 unsafe impl Sync for IpcMapping {}
 
+/// Whose failure it is that an IPC handle did not open, told from the driver's error: what
+/// `ipc-import` answers a producer depends on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OpenFailure {
+    /// The handle maps nothing this process may open: forged, stale (its memory freed, its
+    /// process gone), this process's own (`CUDA_ERROR_INVALID_CONTEXT`: the driver's rule), or
+    /// of a GPU this one cannot reach.
+    Handle,
+    /// This GPU lacks what a mapping takes now (memory, peer mappings): the server's state.
+    Exhausted,
+    /// The driver failed otherwise.
+    Driver,
+}
+
+impl OpenFailure {
+    /// The failure `cuIpcOpenMemHandle`'s `error` means.
+    pub(super) fn of(error: sys::CUresult) -> Self {
+        use sys::cudaError_enum as E;
+        match error {
+            E::CUDA_ERROR_INVALID_VALUE
+            | E::CUDA_ERROR_INVALID_HANDLE
+            | E::CUDA_ERROR_INVALID_CONTEXT
+            | E::CUDA_ERROR_INVALID_DEVICE
+            | E::CUDA_ERROR_MAP_FAILED
+            | E::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => Self::Handle,
+            E::CUDA_ERROR_OUT_OF_MEMORY | E::CUDA_ERROR_TOO_MANY_PEERS => Self::Exhausted,
+            _ => Self::Driver,
+        }
+    }
+}
+
+/// Why [`IpcMapping::open`] failed: whose failure it is, and the driver's words. A plain
+/// device error where the caller need not tell them apart.
+#[derive(Debug)]
+pub(super) struct MappingError {
+    pub(super) failure: OpenFailure,
+    pub(super) error: BackendError,
+}
+
+impl From<MappingError> for BackendError {
+    fn from(error: MappingError) -> Self {
+        error.error
+    }
+}
+
 impl IpcMapping {
-    pub(super) fn open(context: &Arc<Context>, handle: &[u8; 64]) -> Result<Self, BackendError> {
-        context.bind()?;
+    pub(super) fn open(context: &Arc<Context>, handle: &[u8; 64]) -> Result<Self, MappingError> {
+        let driver = |error| MappingError {
+            failure: OpenFailure::Driver,
+            error,
+        };
+        context.bind().map_err(driver)?;
         let handle = sys::CUipcMemHandle {
             reserved: handle.map(|b| b as std::ffi::c_char),
         };
@@ -792,18 +841,21 @@ impl IpcMapping {
             )
         }
         .result()
-        .map_err(|e| device_error("cuIpcOpenMemHandle", e))?;
+        .map_err(|e| MappingError {
+            failure: OpenFailure::of(e.0),
+            error: device_error("cuIpcOpenMemHandle", e),
+        })?;
         let mut mapping = Self {
             ptr,
             bytes: 0,
             context: Arc::clone(context),
         };
         // Closed by the drop if this fails.
-        let (base, bytes) = allocation_range(context, ptr)?;
+        let (base, bytes) = allocation_range(context, ptr).map_err(driver)?;
         if base != ptr {
-            return Err(BackendError::Device(
+            return Err(driver(BackendError::Device(
                 "an IPC handle mapped somewhere other than its allocation's base".to_owned(),
-            ));
+            )));
         }
         mapping.bytes = bytes;
         Ok(mapping)
@@ -1506,5 +1558,24 @@ mod tests {
         // Fewer offsets than rows.
         let short = strings(&[0, 2], b"ab").len(3);
         assert!(read_back_array(short).is_err());
+    }
+
+    #[test]
+    fn a_handle_that_does_not_open_is_the_producers_fault_only_where_the_handle_is() {
+        use sys::cudaError_enum as E;
+        for (error, failure) in [
+            (E::CUDA_ERROR_INVALID_VALUE, OpenFailure::Handle),
+            (E::CUDA_ERROR_INVALID_HANDLE, OpenFailure::Handle),
+            (E::CUDA_ERROR_INVALID_CONTEXT, OpenFailure::Handle),
+            (E::CUDA_ERROR_MAP_FAILED, OpenFailure::Handle),
+            (E::CUDA_ERROR_OUT_OF_MEMORY, OpenFailure::Exhausted),
+            (E::CUDA_ERROR_TOO_MANY_PEERS, OpenFailure::Exhausted),
+            (E::CUDA_ERROR_UNKNOWN, OpenFailure::Driver),
+            (E::CUDA_ERROR_DEINITIALIZED, OpenFailure::Driver),
+            (E::CUDA_ERROR_ECC_UNCORRECTABLE, OpenFailure::Driver),
+            (E::CUDA_ERROR_OPERATING_SYSTEM, OpenFailure::Driver),
+        ] {
+            assert_eq!(OpenFailure::of(error), failure, "{error:?}");
+        }
     }
 }

@@ -8,16 +8,19 @@
 //!
 //! [`import`] opens each distinct handle once and checks the size the driver reports for the
 //! mapped allocation against the document's, copies every buffer into the server's own
-//! allocations, and on the same stream copies back to pinned host memory the bytes Arrow's
-//! validation reads (validity bitmaps, offsets, UTF-8 strings, dictionary keys, and
-//! dictionaries whole, which the layout keeps a host copy of). The mappings are closed as soon
-//! as the copies are done, on every path, so the producer may free its memory once the call
-//! returns. The copies are then validated in full, with zeroed stand-ins for the buffers no
-//! value of which can be invalid (fixed-width values, booleans, binary bytes): what was
+//! allocations, and closes the mappings as soon as those copies are done, on every path, so the
+//! producer may free its memory once the call returns. From the server's own copy it then
+//! copies back to host memory the bytes Arrow's validation reads (validity bitmaps, offsets,
+//! UTF-8 strings, dictionary keys, and dictionaries whole, which the layout keeps a host copy
+//! of), in bounded pieces through one pinned staging lease ([`read_back`]), so that imports of
+//! any size validate. The copies are then validated in full, with zeroed stand-ins for the
+//! buffers no value of which can be invalid (fixed-width values, booleans, binary bytes): what was
 //! validated is the server's own copy, which the producer can no longer change. Only then is
 //! the partition made, so readers (`read_back_array` trusts put data to be validated) never
 //! see unchecked bytes.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use arrow::array::{ArrayData, make_array};
@@ -26,7 +29,7 @@ use arrow::datatypes::{DataType, SchemaRef};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 
 use super::concat::Arrangement;
-use super::ffi::{self, IpcMapping};
+use super::ffi::{self, IpcMapping, MappingError, OpenFailure};
 use super::layout::{self, ALIGNMENT, DeviceArray, Kind, Region};
 use super::{CudaPartition, Shared, TrackedAllocation};
 use crate::backend::ingest::refused;
@@ -47,6 +50,16 @@ pub(super) struct ImportPlan {
     arrangement: Arrangement,
 }
 
+/// Part of a host region that one round of `read_back` copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    /// Its index in `ImportPlan::regions`.
+    region: usize,
+    /// Bytes from the region's start.
+    from: usize,
+    len: usize,
+}
+
 /// One buffer to copy.
 #[derive(Debug, Clone, Copy)]
 struct Planned {
@@ -64,6 +77,7 @@ impl ImportPlan {
     /// Lays out `columns`, which `backend::ingest::check_columns` has checked.
     pub(super) fn new(columns: &[ExportedColumn]) -> Result<Self, BackendError> {
         let mut handles: Vec<([u8; 64], u64)> = Vec::new();
+        let mut handle_index = HashMap::new();
         let mut planned = Vec::with_capacity(columns.len());
         let mut regions = Vec::new();
         let mut used = Vec::with_capacity(columns.len());
@@ -77,6 +91,7 @@ impl ImportPlan {
                 used: 0,
                 regions: &mut regions,
                 handles: &mut handles,
+                handle_index: &mut handle_index,
             };
             let array = planner.array(&column.array, false)?;
             used.push(planner.used);
@@ -104,6 +119,36 @@ impl ImportPlan {
             .sum()
     }
 
+    /// The bytes validation reads (the host regions), in rounds of at most `limit` bytes, in
+    /// layout order: each round is one trip through a staging buffer of `limit` bytes, and a
+    /// region larger than that spans several.
+    fn read_back_rounds(&self, limit: usize) -> Vec<Vec<Piece>> {
+        let limit = limit.max(1);
+        let mut rounds = Vec::new();
+        let mut round = Vec::new();
+        let mut room = limit;
+        for (region, planned) in self.regions.iter().enumerate() {
+            if !planned.host {
+                continue;
+            }
+            let mut from = 0;
+            while from < planned.region.len {
+                let len = (planned.region.len - from).min(room);
+                round.push(Piece { region, from, len });
+                from += len;
+                room -= len;
+                if room == 0 {
+                    rounds.push(std::mem::take(&mut round));
+                    room = limit;
+                }
+            }
+        }
+        if !round.is_empty() {
+            rounds.push(round);
+        }
+        rounds
+    }
+
     /// Where a planned region lies among the import's allocations: (allocation, offset).
     fn destination(&self, planned: &Planned) -> (usize, usize) {
         let (allocation, at) = self.arrangement.columns[planned.column];
@@ -118,24 +163,23 @@ struct Planner<'a> {
     used: usize,
     regions: &'a mut Vec<Planned>,
     handles: &'a mut Vec<([u8; 64], u64)>,
+    /// Each handle's position in `handles`: a document may name thousands of buffers.
+    handle_index: &'a mut HashMap<[u8; 64], usize>,
 }
 
 impl Planner<'_> {
     /// The index of `allocation` among the handles to open.
     fn handle(&mut self, allocation: ForeignAllocation) -> usize {
-        match self
-            .handles
-            .iter()
-            .position(|(h, _)| *h == allocation.handle)
-        {
-            Some(position) => {
+        match self.handle_index.entry(allocation.handle) {
+            Entry::Occupied(known) => {
+                let position = *known.get();
                 let declared = &mut self.handles[position].1;
                 *declared = (*declared).max(allocation.bytes);
                 position
             }
-            None => {
+            Entry::Vacant(new) => {
                 self.handles.push((allocation.handle, allocation.bytes));
-                self.handles.len() - 1
+                *new.insert(self.handles.len() - 1)
             }
         }
     }
@@ -230,13 +274,8 @@ pub(super) fn import(
         .iter()
         .enumerate()
         .map(|(index, (handle, declared))| {
-            let mapping = IpcMapping::open(&shared.context, handle).map_err(|e| {
-                refused(format!(
-                    "handle {index} could not be opened on this GPU ({e}): it must be a \
-                     cudaIpcGetMemHandle of memory that is still allocated, by a live process \
-                     other than this server, on the GPU the document names"
-                ))
-            })?;
+            let mapping = IpcMapping::open(&shared.context, handle)
+                .map_err(|e| unopened(index, shared.context.ordinal() as u32, e))?;
             if *declared > mapping.bytes() as u64 {
                 return Err(refused(format!(
                     "handle {index} maps an allocation of {} bytes, not the {declared} the \
@@ -255,12 +294,6 @@ pub(super) fn import(
         .map(|&bytes| TrackedAllocation::new(shared, bytes))
         .collect::<Result<Vec<_>, _>>()?;
     let allocated = started.elapsed();
-    let host_bytes = plan.host_bytes();
-    let mut staging = if host_bytes > 0 {
-        Some(shared.pool.lease_for_read(host_bytes)?)
-    } else {
-        None
-    };
     shared.with_stream(|stream| {
         stream.copies(|batch| {
             for planned in &plan.regions {
@@ -279,16 +312,6 @@ pub(super) fn import(
                     planned.region.len,
                 )?;
             }
-            // After the device copies on the same stream: from the server's own copy.
-            if let Some(staging) = staging.as_mut() {
-                let mut rest = staging.buffer_mut().as_mut_slice();
-                for planned in plan.regions.iter().filter(|r| r.host && r.region.len > 0) {
-                    let (target, tail) = std::mem::take(&mut rest).split_at_mut(planned.region.len);
-                    let (allocation, at) = plan.destination(planned);
-                    batch.copy_to_host(target, &allocations[allocation].inner, at)?;
-                    rest = tail;
-                }
-            }
             Ok(())
         })
     })?;
@@ -297,16 +320,8 @@ pub(super) fn import(
     drop(mappings);
     let closed = started.elapsed();
 
-    let host = staging.as_ref().map(|s| s.as_ref().as_slice());
-    let mut taken = 0;
-    let mut bytes = plan.regions.iter().map(|planned| {
-        if !planned.host {
-            return None;
-        }
-        let slice = host.map_or(&[][..], |h| &h[taken..taken + planned.region.len]);
-        taken += planned.region.len;
-        Some(Buffer::from(slice))
-    });
+    let mut bytes = read_back(shared, &plan, &allocations)?.into_iter();
+    let read = started.elapsed();
     let plan_handles = plan.handles.len();
     let ImportPlan {
         columns,
@@ -322,7 +337,6 @@ pub(super) fn import(
         array.shift(at);
         placed.push((allocation, array));
     }
-    drop(staging);
     // The schema's own rules: lengths, types, and no nulls in non-nullable fields.
     RecordBatch::try_new_with_options(
         Arc::clone(&schema),
@@ -343,7 +357,8 @@ pub(super) fn import(
         allocate_ms = ms(allocated - opened),
         copy_ms = ms(copied - allocated),
         close_ms = ms(closed - copied),
-        validate_ms = ms(started.elapsed() - closed),
+        read_back_ms = ms(read - closed),
+        validate_ms = ms(started.elapsed() - read),
         "ipc-import copied"
     );
     let counters = &shared.counters;
@@ -360,6 +375,87 @@ pub(super) fn import(
         schema,
         rows,
     })
+}
+
+/// Pinned staging one round of [`read_back`] takes at most: the bytes validation reads go
+/// through it in pieces, so an import of any size validates with this much pinned memory.
+const READ_BACK_PIECE_BYTES: usize = 64 << 20;
+
+/// The bytes validation reads of each region of `plan` (`None` for the others), copied back
+/// from the server's own `allocations` in rounds through one ordinary staging lease of at most
+/// [`READ_BACK_PIECE_BYTES`], as uploads and concatenations lease theirs: held only for the
+/// copies, so neither capped like a read's nor in the memory budget. The host copies
+/// themselves are ordinary memory, as large as what they hold, kept until validation is done
+/// (a dictionary's for as long as the partition, as an upload's).
+fn read_back(
+    shared: &Arc<Shared>,
+    plan: &ImportPlan,
+    allocations: &[TrackedAllocation],
+) -> Result<Vec<Option<Buffer>>, BackendError> {
+    let mut copies: Vec<Option<Vec<u8>>> = plan
+        .regions
+        .iter()
+        .map(|planned| planned.host.then(|| Vec::with_capacity(planned.region.len)))
+        .collect();
+    let rounds = plan.read_back_rounds(READ_BACK_PIECE_BYTES);
+    if !rounds.is_empty() {
+        let mut staging = shared
+            .pool
+            .lease(plan.host_bytes().min(READ_BACK_PIECE_BYTES))?;
+        for round in &rounds {
+            shared.with_stream(|stream| {
+                stream.copies(|batch| {
+                    let mut rest = staging.buffer_mut().as_mut_slice();
+                    for piece in round {
+                        let (target, tail) = std::mem::take(&mut rest).split_at_mut(piece.len);
+                        let (allocation, at) = plan.destination(&plan.regions[piece.region]);
+                        batch.copy_to_host(
+                            target,
+                            &allocations[allocation].inner,
+                            at + piece.from,
+                        )?;
+                        rest = tail;
+                    }
+                    Ok(())
+                })
+            })?;
+            let mut filled = staging.as_ref().as_slice();
+            for piece in round {
+                let (piece_bytes, tail) = filled.split_at(piece.len);
+                if let Some(copy) = copies[piece.region].as_mut() {
+                    copy.extend_from_slice(piece_bytes);
+                }
+                filled = tail;
+            }
+        }
+    }
+    Ok(copies
+        .into_iter()
+        .map(|copy| copy.map(Buffer::from_vec))
+        .collect())
+}
+
+/// The error for handle `index` of an import that did not open on `device`: the producer's
+/// (INVALID_ARGUMENT) where the handle maps nothing this server may open, the server's
+/// (RESOURCE_EXHAUSTED) where the GPU lacks what a mapping takes now, a device failure
+/// (INTERNAL) otherwise.
+fn unopened(index: usize, device: u32, error: MappingError) -> BackendError {
+    let MappingError { failure, error } = error;
+    match failure {
+        OpenFailure::Handle => refused(format!(
+            "handle {index} could not be opened on this GPU ({error}): it must be a \
+             cudaIpcGetMemHandle of memory that is still allocated, by a live process other \
+             than this server, on the GPU the document names"
+        )),
+        OpenFailure::Exhausted => BackendError::MappingExhausted {
+            device,
+            handle: index,
+            reason: error.to_string(),
+        },
+        OpenFailure::Driver => {
+            BackendError::Device(format!("opening ipc-import handle {index}: {error}"))
+        }
+    }
 }
 
 /// Rebuilds `array` on the host from `bytes` (the host copy of each region in layout order, or
@@ -458,6 +554,31 @@ mod tests {
     }
 
     #[test]
+    fn handles_that_do_not_open_answer_by_whose_failure_it_is() {
+        use tonic::Code;
+        let code = |failure| {
+            let error = unopened(
+                3,
+                1,
+                MappingError {
+                    failure,
+                    error: BackendError::Device("cuIpcOpenMemHandle: the driver's words".into()),
+                },
+            );
+            let status = crate::error::Error::from(error).quiet_status();
+            assert!(status.message().contains("handle 3"), "{status:?}");
+            assert!(
+                status.message().contains("the driver's words"),
+                "{status:?}"
+            );
+            status.code()
+        };
+        assert_eq!(code(OpenFailure::Handle), Code::InvalidArgument);
+        assert_eq!(code(OpenFailure::Exhausted), Code::ResourceExhausted);
+        assert_eq!(code(OpenFailure::Driver), Code::Internal);
+    }
+
+    #[test]
     fn large_columns_get_allocations_of_their_own_and_small_ones_share() {
         let rows = 1 << 20;
         let big = |handle| {
@@ -491,6 +612,151 @@ mod tests {
         assert_eq!(plan.host_bytes(), 0, "fixed-width values need no host copy");
         let (allocation, offset) = plan.destination(&plan.regions[3]);
         assert_eq!((allocation, offset % ALIGNMENT), (2, 0));
+    }
+
+    #[test]
+    fn many_buffers_over_few_handles_name_the_handles_a_plain_search_finds() {
+        // Buffers in their column's allocation, in one of 37 others, and empty ones (nothing
+        // to open), over 13 column handles; declared sizes differ from buffer to buffer.
+        let other = |i: u64| ForeignAllocation {
+            handle: [100 + (i * 7 % 37) as u8; 64],
+            bytes: 4096 + i * 3 % 1000,
+        };
+        let columns: Vec<ExportedColumn> = (0..3000u64)
+            .map(|i| {
+                let mut validity = buffer(BufferKind::Validity, 0, 2);
+                if i % 2 == 0 {
+                    validity.allocation = Some(other(i));
+                }
+                let offsets = buffer(BufferKind::Offsets, 64, 44);
+                let mut values = buffer(BufferKind::Values, 128, if i % 5 == 0 { 0 } else { 9 });
+                if i % 3 == 0 {
+                    values.allocation = Some(other(i + 1));
+                }
+                let mut strings = array(DataType::Utf8, 10, vec![validity, offsets, values]);
+                strings.null_count = 1;
+                column((i % 13) as u8, 1 << 20 | i, strings)
+            })
+            .collect();
+        let plan = ImportPlan::new(&columns).expect("plan");
+
+        // The plain way: each buffer with bytes searches the handles seen so far.
+        let mut handles: Vec<([u8; 64], u64)> = Vec::new();
+        let mut named = Vec::new();
+        for column in &columns {
+            for buffer in &column.array.buffers {
+                if buffer.length == 0 {
+                    named.push(usize::MAX);
+                    continue;
+                }
+                let allocation = buffer.allocation.unwrap_or(ForeignAllocation {
+                    handle: column.handle,
+                    bytes: column.allocation_bytes,
+                });
+                match handles.iter().position(|(h, _)| *h == allocation.handle) {
+                    Some(at) => {
+                        handles[at].1 = handles[at].1.max(allocation.bytes);
+                        named.push(at);
+                    }
+                    None => {
+                        handles.push((allocation.handle, allocation.bytes));
+                        named.push(handles.len() - 1);
+                    }
+                }
+            }
+        }
+        assert_eq!(handles.len(), 13 + 37);
+        assert_eq!(
+            plan.handles, handles,
+            "each once, in order, with its largest size"
+        );
+        let planned: Vec<usize> = plan.regions.iter().map(|r| r.handle).collect();
+        assert_eq!(planned, named, "every buffer names its allocation's handle");
+        let sources: Vec<u64> = plan.regions.iter().map(|r| r.source).collect();
+        let offsets: Vec<u64> = columns
+            .iter()
+            .flat_map(|c| c.array.buffers.iter().map(|b| b.offset))
+            .collect();
+        assert_eq!(sources, offsets);
+    }
+
+    #[test]
+    fn validation_reads_back_every_host_byte_once_in_bounded_rounds() {
+        // 2 GiB of strings next to small ones, bitmaps, offsets and int64s (not read back):
+        // planned, never allocated.
+        let strings = |bytes: u64| {
+            let mut strings = array(
+                DataType::Utf8,
+                1 << 18,
+                vec![
+                    buffer(BufferKind::Validity, 0, 1 << 15),
+                    buffer(BufferKind::Offsets, 0, (1 << 20) + 4),
+                    buffer(BufferKind::Values, 0, bytes),
+                ],
+            );
+            strings.null_count = 1;
+            column(1, 1 << 40, strings)
+        };
+        let ints = column(
+            2,
+            1 << 20,
+            array(
+                DataType::Int64,
+                1000,
+                vec![buffer(BufferKind::Values, 0, 8000)],
+            ),
+        );
+        let plan = |big| {
+            ImportPlan::new(&[strings(big), ints.clone(), strings(5), strings(0)]).expect("plan")
+        };
+        let small = plan(5000);
+        for limit in [1, 100, 4096, 1 << 20, READ_BACK_PIECE_BYTES, usize::MAX] {
+            let plan = &small;
+            let rounds = plan.read_back_rounds(limit);
+            assert!(
+                rounds.iter().all(|round| {
+                    round.iter().map(|p| p.len).sum::<usize>() <= limit
+                        && round.iter().all(|p| p.len > 0)
+                }),
+                "each round fits in {limit} bytes"
+            );
+            let pieces: Vec<Piece> = rounds.into_iter().flatten().collect();
+            // Per region, its pieces in order, from 0 to its end.
+            for (index, planned) in plan.regions.iter().enumerate() {
+                let mut next = 0;
+                for piece in pieces.iter().filter(|p| p.region == index) {
+                    assert!(planned.host, "only what validation reads");
+                    assert_eq!(piece.from, next, "region {index}, limit {limit}");
+                    next += piece.len;
+                }
+                let expected = if planned.host { planned.region.len } else { 0 };
+                assert_eq!(next, expected, "region {index}, limit {limit}");
+            }
+            assert!(
+                pieces.windows(2).all(|w| w[0].region <= w[1].region),
+                "layout order"
+            );
+        }
+        let large = plan(2 << 30);
+        let host = large.host_bytes();
+        assert!(host > 2 << 30);
+        for limit in [1 << 20, READ_BACK_PIECE_BYTES] {
+            let rounds = large.read_back_rounds(limit);
+            assert_eq!(
+                rounds.len(),
+                host.div_ceil(limit),
+                "rounds are full but the last: any size goes"
+            );
+            let read: usize = rounds.iter().flatten().map(|p| p.len).sum();
+            assert_eq!(read, host);
+        }
+        let none = ImportPlan::new(&[column(
+            2,
+            1 << 20,
+            array(DataType::Int64, 10, vec![buffer(BufferKind::Values, 0, 80)]),
+        )])
+        .expect("plan");
+        assert!(none.read_back_rounds(64).is_empty(), "nothing to read back");
     }
 
     #[test]

@@ -49,8 +49,8 @@ use serde_json::{Map, Value, json};
 
 use super::filter::RowFilter;
 use super::{
-    Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, check_rows,
-    downcast_all, downcast_one,
+    Backend, BackendError, DeviceInfo, ExportDevice, ExportedColumn, Partition, PreparedImport,
+    check_rows, downcast_all, downcast_one,
 };
 use concat::{Arrangement, Fragment};
 use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, Stream};
@@ -730,8 +730,9 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
-    fn imported_size(&self, columns: &[ExportedColumn]) -> Result<u64, BackendError> {
-        Ok(ingest::ImportPlan::new(columns)?.allocated_bytes())
+    fn plan_import(&self, columns: &[ExportedColumn]) -> Result<PreparedImport, BackendError> {
+        let plan = ingest::ImportPlan::new(columns)?;
+        Ok(PreparedImport::new(plan.allocated_bytes(), plan))
     }
 
     /// Copies and validates on a blocking thread: the copies take one synchronization.
@@ -740,14 +741,14 @@ impl Backend for CudaBackend {
         device: u32,
         schema: SchemaRef,
         rows: usize,
-        columns: Vec<ExportedColumn>,
+        plan: PreparedImport,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         let shared = match self.gpu(device) {
             Ok(gpu) => Arc::clone(&gpu.shared),
             Err(error) => return futures::future::ready(Err(error)).boxed(),
         };
         let task = tokio::task::spawn_blocking(move || {
-            let plan = ingest::ImportPlan::new(&columns)?;
+            let plan = plan.into_plan::<ingest::ImportPlan>("the cuda backend")?;
             let partition = ingest::import(&shared, plan, schema, rows)?;
             Ok(Arc::new(partition) as Arc<dyn Partition>)
         });
