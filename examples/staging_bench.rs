@@ -18,7 +18,7 @@ use arrow::record_batch::RecordBatch;
 use clap::Parser;
 use futures::TryStreamExt;
 use gpu_flight::arrays::batch_bytes;
-use gpu_flight::backend::{BackendChoice, CudaBackend, GpuSelection, select};
+use gpu_flight::backend::{Backend, BackendChoice, CudaBackend, GpuSelection, select};
 use gpu_flight::store::{PutMode, Store, StoreOptions};
 
 // The allocator the server uses, so that host copies into fresh memory cost what they do there.
@@ -42,6 +42,9 @@ struct Args {
     batch_rows: usize,
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Freed device memory the cuda backend keeps for reuse, MiB (default: its own choice).
+    #[arg(long)]
+    keep_device_mib: Option<u64>,
 }
 
 fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> {
@@ -81,8 +84,14 @@ fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let backend =
-        select(args.backend, &GpuSelection::Ordinals(vec![args.device]), 1).expect("backend");
+    let backend: Arc<dyn Backend> = match (args.backend, args.keep_device_mib) {
+        (BackendChoice::Cuda, Some(mib)) => Arc::new(
+            CudaBackend::open(args.device)
+                .expect("CUDA device")
+                .with_kept_device_memory(mib << 20),
+        ),
+        _ => select(args.backend, &GpuSelection::Ordinals(vec![args.device]), 1).expect("backend"),
+    };
     let store = Store::new(backend, StoreOptions::default());
     println!(
         "{:<8} {:>8} {:>16} {:>16}",

@@ -303,3 +303,75 @@ async fn projected_reads_copy_only_the_chosen_columns_off_the_device() {
     );
     server.shutdown_and_wait().await;
 }
+
+/// Freed device memory is kept for the next allocation of its size, except memory that was
+/// exported: a consumer still mapping it would see the next dataset's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn freed_device_memory_is_reused_unless_it_was_exported() {
+    let server =
+        TestServer::start_with(cuda(), StoreOptions::default(), ServeOptions::default()).await;
+    let mut client = server.client().await;
+    let batches: Vec<_> = (0..4).map(|i| int64_batch(300_000, 4, i)).collect();
+    let kept = |status: &Value| counter(status, "device_kept_bytes");
+
+    // Four uploads, joined at commit: their memory is freed, and kept.
+    put(&mut client, path("a"), batches.clone())
+        .await
+        .expect("put");
+    let after_first = status(&mut client).await;
+    assert!(kept(&after_first) > 0, "{after_first}");
+    // The next put of the same shape takes it instead of asking the driver.
+    put(&mut client, path("b"), batches.clone())
+        .await
+        .expect("put");
+    let after_second = status(&mut client).await;
+    assert!(
+        counter(&after_second, "device_reused_allocations")
+            >= counter(&after_first, "device_reused_allocations") + 4,
+        "{after_second}"
+    );
+    assert_same_data(&batches, &get_all(&mut client, "b").await.expect("get"));
+
+    // Dropping a dataset nobody exported keeps its memory...
+    let before = kept(&status(&mut client).await);
+    action(&mut client, "drop", serde_json::json!({"name": "b"}))
+        .await
+        .expect("drop");
+    let after_plain_drop = kept(&status(&mut client).await);
+    assert!(after_plain_drop > before, "{before} -> {after_plain_drop}");
+
+    // ...but an exported one's memory goes back to the driver.
+    let export = action(&mut client, "ipc-export", serde_json::json!({"name": "a"}))
+        .await
+        .expect("export");
+    let lease = export["lease"].as_str().expect("lease").to_owned();
+    action(
+        &mut client,
+        "ipc-release",
+        serde_json::json!({"lease": lease}),
+    )
+    .await
+    .expect("release");
+    action(&mut client, "drop", serde_json::json!({"name": "a"}))
+        .await
+        .expect("drop");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = status(&mut client).await;
+        if counter(&now, "device_allocated_bytes") == 0 {
+            assert_eq!(
+                kept(&now),
+                after_plain_drop,
+                "exported memory was kept: {now}"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "memory still held: {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.shutdown_and_wait().await;
+}

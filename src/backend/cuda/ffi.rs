@@ -280,6 +280,23 @@ impl DeviceAllocation {
         self.bytes
     }
 
+    /// Moves the memory out, leaving an empty allocation whose drop frees nothing: how a
+    /// holder that hands its memory on when dropped does so.
+    pub(super) fn take(&mut self) -> Self {
+        Self {
+            ptr: std::mem::take(&mut self.ptr),
+            bytes: std::mem::take(&mut self.bytes),
+            context: Arc::clone(&self.context),
+            pooled: self.pooled.take(),
+        }
+    }
+
+    /// Whether this holds memory from `cuMemAlloc` ([`DeviceAllocation::new`]), not from a
+    /// stream's pool.
+    pub(super) fn is_exportable(&self) -> bool {
+        self.pooled.is_none() && self.ptr != 0
+    }
+
     /// The device address of the first byte, for kernel task tables.
     pub(super) fn address(&self) -> u64 {
         self.ptr
@@ -314,6 +331,9 @@ impl DeviceAllocation {
 
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
+        if self.ptr == 0 {
+            return; // moved out by `take`
+        }
         let freed = self.context.bind().and_then(|()| {
             if let Some(stream) = &self.pooled {
                 // SAFETY: `ptr` came from cuMemAllocAsync on `stream` in this context, which

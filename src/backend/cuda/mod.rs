@@ -34,6 +34,7 @@ mod import;
 mod ingest;
 mod layout;
 mod read;
+mod reuse;
 mod staging;
 
 pub use import::{DeviceMemory, ImportDevice, ImportedAllocation, ProducerAllocation};
@@ -64,6 +65,8 @@ const FILTER_PTX: &str = include_str!("../../../kernels/filter.ptx");
 
 /// Pinned memory kept for reuse between transfers.
 const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
+/// Freed device memory kept for reuse: at most this fraction of the GPU's memory.
+const KEPT_DEVICE_FRACTION: u64 = 32;
 
 /// Pinned memory leased at once per GPU beyond which reads (chunks in flight and those their
 /// readers have not taken yet) are refused: 256 reads of 16 MiB chunks.
@@ -110,6 +113,8 @@ struct Shared {
     /// How `ipc-export` consumers recognise this GPU.
     identity: ExportDevice,
     pool: Arc<PinnedPool>,
+    /// Freed device memory kept for the next allocation of its size.
+    reuse: reuse::Reuse,
     streams: Mutex<Vec<Stream>>,
     /// `None` where the driver could not load the PTX (it then says why in the log).
     concat_kernel: Option<Kernel>,
@@ -276,6 +281,7 @@ impl Gpu {
                 context,
                 identity,
                 pool,
+                reuse: reuse::Reuse::new(total_bytes / KEPT_DEVICE_FRACTION),
                 streams: Mutex::new(Vec::new()),
                 concat_kernel,
                 filter_kernels,
@@ -289,6 +295,15 @@ impl Gpu {
 }
 
 impl CudaBackend {
+    /// Sets how much freed device memory each GPU keeps for reuse (default a 32nd of its
+    /// memory; 0: none, every allocation goes to the driver and every free back to it).
+    pub fn with_kept_device_memory(self, bytes: u64) -> Self {
+        for gpu in &self.devices {
+            gpu.shared.reuse.set_limit(bytes);
+        }
+        self
+    }
+
     /// Caps the pinned staging memory leased at once on each GPU, past which reads are
     /// refused (default [`MAX_LEASED_PINNED_BYTES`]).
     pub fn with_pinned_limit(self, bytes: u64) -> Self {
@@ -849,6 +864,9 @@ impl Shared {
         let free = self.context.memory_info().map(|(free, _)| free).ok();
         let counters = json!({
             "device_allocated_bytes": c.device_bytes.load(Ordering::Acquire),
+            "device_kept_bytes": self.reuse.kept_bytes(),
+            "device_reused_allocations": self.reuse.hits.load(Ordering::Relaxed),
+            "device_new_allocations": self.reuse.misses.load(Ordering::Relaxed),
             "device_free_bytes": free,
             "pinned_leased_bytes": self.pool.leased_bytes(),
             "pinned_cached_bytes": self.pool.cached_bytes(),
@@ -900,11 +918,11 @@ struct TrackedAllocation {
 
 impl TrackedAllocation {
     fn new(shared: &Arc<Shared>, bytes: usize) -> Result<Self, BackendError> {
-        let inner = DeviceAllocation::new(&shared.context, bytes)?;
+        let inner = shared.reuse.allocate(&shared.context, bytes)?;
         shared
             .counters
             .device_bytes
-            .fetch_add(bytes as u64, Ordering::AcqRel);
+            .fetch_add(inner.bytes() as u64, Ordering::AcqRel);
         Ok(Self {
             inner,
             shared: Arc::clone(shared),
@@ -927,6 +945,8 @@ impl Drop for TrackedAllocation {
             .counters
             .device_bytes
             .fetch_sub(self.inner.bytes() as u64, Ordering::AcqRel);
+        let exported = self.ipc_handle.get().is_some();
+        self.shared.reuse.give_back(self.inner.take(), exported);
     }
 }
 
