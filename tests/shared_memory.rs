@@ -206,9 +206,9 @@ async fn rows_match_do_get_and_the_file_is_sealed_and_released() {
     assert_eq!(file.metadata().expect("stat").len(), bytes);
     let whole = do_get_all(&mut client, path("t")).await;
     same_rows(&read_file(&file), &whole);
-    // Sealed: not even the holder of a writable descriptor can change it.
+    // Sealed: not even the holder of a writable descriptor can change its bytes or grow it.
     assert!(file.write_all(b"x").is_err(), "the file is sealed");
-    assert!(file.set_len(0).is_err(), "the file cannot shrink");
+    assert!(file.set_len(bytes + 1).is_err(), "the file cannot grow");
 
     // Used once.
     let (again, none) = claim(&socket, reply["token"].as_str().expect("token")).await;
@@ -517,5 +517,151 @@ async fn reading_in_shared_memory_needs_the_read_role() {
     );
     let (answer, _) = claim(&socket, reply["token"].as_str().expect("token")).await;
     assert!(answer.starts_with("ok "), "{answer}");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_released_file_is_revoked_from_consumers_that_keep_it() {
+    let scratch = TempDataDir::new("shm_revoked");
+    let ttl = Duration::from_secs(30);
+    let (server, socket) = start(&scratch, limits(16, None, ttl), Auth::Off).await;
+    let mut client = server.client().await;
+    put_dataset(&mut client, "t").await;
+    let baseline = used(&server);
+
+    // Released: the consumer keeps its descriptor, but not the pages.
+    let reply = shm_read(&mut client, json!({"name": "t"}))
+        .await
+        .expect("shm-read");
+    let bytes = reply["bytes"].as_u64().expect("bytes");
+    let (answer, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    assert!(answer.starts_with("ok "), "{answer}");
+    let file = file.expect("a descriptor");
+    assert_eq!(file.metadata().expect("fstat").len(), bytes);
+    action(&mut client, "ipc-release", json!({"lease": reply["lease"]}))
+        .await
+        .expect("release");
+    assert_eq!(
+        file.metadata().expect("fstat").len(),
+        0,
+        "the kept descriptor's file is empty: its pages are freed"
+    );
+    assert_eq!(used(&server), baseline);
+
+    // Expired: the same.
+    let reply = shm_read(&mut client, json!({"name": "t", "lease_seconds": 1}))
+        .await
+        .expect("shm-read");
+    let (_, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    let file = file.expect("a descriptor");
+    assert!(file.metadata().expect("fstat").len() > 0);
+    leases_end(&server).await;
+    assert_eq!(file.metadata().expect("fstat").len(), 0, "expired: revoked");
+    assert_eq!(used(&server), baseline);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_lease_is_renewed_by_its_owner_only() {
+    let scratch = TempDataDir::new("shm_renew");
+    let (reader, digest) = new_token().expect("token");
+    let (other, other_digest) = new_token().expect("token");
+    let file = scratch.write(
+        "tokens.toml",
+        &format!(
+            "[[tokens]]\nprincipal = \"reader\"\nrole = \"write\"\nsha256 = \"{digest}\"\n\
+             [[tokens]]\nprincipal = \"other\"\nrole = \"read\"\nsha256 = \"{other_digest}\"\n"
+        ),
+    );
+    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("token file");
+    let (server, socket) = start(
+        &scratch,
+        SharedLimits::default(),
+        Auth::Tokens(Arc::new(authenticator)),
+    )
+    .await;
+    let mut client = server.client().await;
+    client
+        .add_header("authorization", &format!("Bearer {reader}"))
+        .expect("header");
+    let mut stranger = server.client().await;
+    stranger
+        .add_header("authorization", &format!("Bearer {other}"))
+        .expect("header");
+    put_dataset(&mut client, "t").await;
+    let baseline = used(&server);
+    let reply = shm_read(&mut client, json!({"name": "t", "lease_seconds": 1}))
+        .await
+        .expect("shm-read");
+    let lease = reply["lease"].as_str().expect("lease").to_owned();
+    let (answer, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    assert!(answer.starts_with("ok "), "{answer}");
+    let file = file.expect("a descriptor");
+
+    let listed: Vec<_> = client
+        .list_actions()
+        .await
+        .expect("actions")
+        .try_collect()
+        .await
+        .expect("actions");
+    assert!(listed.iter().any(|a| a.r#type == "lease-renew"));
+
+    // Renewed for its term (a second) and then for three: it outlives its first second.
+    let renewed = action(&mut client, "lease-renew", json!({"lease": lease}))
+        .await
+        .expect("renew");
+    assert_eq!(renewed["lease"], lease.as_str());
+    assert!(
+        renewed["expires_at"]
+            .as_str()
+            .expect("expires_at")
+            .ends_with('Z')
+    );
+    action(
+        &mut client,
+        "lease-renew",
+        json!({"lease": lease, "lease_seconds": 3}),
+    )
+    .await
+    .expect("renew");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(server.store.status().leases.len(), 1, "renewed: still held");
+    assert!(file.metadata().expect("fstat").len() > 0, "and not revoked");
+
+    // Another principal may not; unknown leases and bad bodies are refused.
+    assert_eq!(
+        action(&mut stranger, "lease-renew", json!({"lease": lease})).await,
+        Err(Code::PermissionDenied)
+    );
+    for (body, code) in [
+        (json!({"lease": "0".repeat(32)}), Code::NotFound),
+        (
+            json!({"lease": lease, "lease_seconds": 0}),
+            Code::InvalidArgument,
+        ),
+        (
+            json!({"lease": lease, "lease_seconds": 86_401}),
+            Code::InvalidArgument,
+        ),
+        (json!({"lease": "../x"}), Code::InvalidArgument),
+        (json!({"lease": lease, "seconds": 1}), Code::InvalidArgument),
+    ] {
+        assert_eq!(
+            action(&mut client, "lease-renew", body.clone()).await,
+            Err(code),
+            "{body}"
+        );
+    }
+    // Once it ends, NOT_FOUND.
+    action(&mut client, "ipc-release", json!({"lease": lease}))
+        .await
+        .expect("release");
+    assert_eq!(
+        action(&mut client, "lease-renew", json!({"lease": lease})).await,
+        Err(Code::NotFound)
+    );
+    assert_eq!(file.metadata().expect("fstat").len(), 0, "revoked");
+    assert_eq!(used(&server), baseline);
     server.shutdown_and_wait().await;
 }

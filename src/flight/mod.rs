@@ -11,7 +11,7 @@
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`,
-//!   `shm-read`, `ipc-import`, `move`, `copy`).
+//!   `lease-renew`, `shm-read`, `ipc-import`, `move`, `copy`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse), and the one
 //!   `ipc-import` takes; `ipc_import`: a producer's GPU columns committed as a put.
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
@@ -509,6 +509,22 @@ impl Service {
                     "ipc-import committed"
                 );
                 action::to_value(&summary)
+            }
+            ActionRequest::LeaseRenew {
+                lease,
+                lease_seconds,
+            } => {
+                let duration = lease_seconds.map(std::time::Duration::from_secs);
+                let renewed = self.store.renew_lease(&lease, &caller.name, duration)?;
+                tracing::debug!(
+                    lease = action::lease_prefix(&lease),
+                    dataset = ?renewed.dataset.name(),
+                    "lease renewed"
+                );
+                action::to_value(&action::RenewResult {
+                    lease,
+                    expires_at: ipc_export::rfc3339(renewed.expires_at),
+                })
             }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;

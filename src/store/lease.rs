@@ -30,6 +30,9 @@ pub struct Lease {
     /// (enforced).
     pub expires_at: SystemTime,
     deadline: Instant,
+    /// How long it was last granted or renewed for: what a renewal that names no length
+    /// extends it by.
+    term: Duration,
 }
 
 /// What a lease exports.
@@ -82,12 +85,14 @@ impl Lease {
             owner,
             expires_at: SystemTime::now() + duration,
             deadline: Instant::now() + duration,
+            term: duration,
         }
     }
 
     fn renew(&mut self, duration: Duration) {
         self.expires_at = SystemTime::now() + duration;
         self.deadline = Instant::now() + duration;
+        self.term = duration;
     }
 }
 
@@ -134,6 +139,26 @@ impl Leases {
         duration: Duration,
         check: impl FnOnce(&Lease) -> Result<(), StoreError>,
     ) -> Result<Lease, StoreError> {
+        self.extend(id, Some(duration), |lease| {
+            if lease.dataset.name() != name {
+                return Err(StoreError::LeaseMismatch {
+                    lease: id.to_owned(),
+                    leased: lease.dataset.name().to_owned(),
+                    requested: name.to_owned(),
+                });
+            }
+            check(lease)
+        })
+    }
+
+    /// Extends lease `id`, which must pass `check`, to end `duration` from now (`None`: its
+    /// last term). A lease that fails `check` is left as it was.
+    pub(crate) fn extend(
+        &self,
+        id: &str,
+        duration: Option<Duration>,
+        check: impl FnOnce(&Lease) -> Result<(), StoreError>,
+    ) -> Result<Lease, StoreError> {
         let mut leases = self.lock();
         let not_found = || StoreError::LeaseNotFound {
             lease: id.to_owned(),
@@ -142,19 +167,12 @@ impl Leases {
         if lease.deadline <= Instant::now() {
             let expired = leases.remove(id);
             drop(leases);
-            // Its memory (a replica's, too) is freed here, outside the lock.
+            // Its memory (a replica's, a file's) is freed here, outside the lock.
             drop(expired);
             return Err(not_found());
         }
-        if lease.dataset.name() != name {
-            return Err(StoreError::LeaseMismatch {
-                lease: id.to_owned(),
-                leased: lease.dataset.name().to_owned(),
-                requested: name.to_owned(),
-            });
-        }
         check(lease)?;
-        lease.renew(duration);
+        lease.renew(duration.unwrap_or(lease.term));
         Ok(lease.clone())
     }
 
@@ -264,5 +282,24 @@ mod tests {
         assert_ne!(other.id, lease.id);
         assert_eq!(leases.release(&other.id).map(|l| l.id), Some(other.id));
         assert!(leases.list().is_empty());
+    }
+
+    #[test]
+    fn an_extension_keeps_the_term_unless_it_names_one() {
+        let leases = Leases::default();
+        let lease = grant(&leases, "a");
+        let same = leases.extend(&lease.id, None, |_| Ok(())).expect("extend");
+        assert_eq!(same.term, Duration::from_secs(10));
+        let longer = leases
+            .extend(&lease.id, Some(Duration::from_secs(60)), |_| Ok(()))
+            .expect("extend");
+        assert!(longer.expires_at > same.expires_at);
+        let refused = leases.extend(&lease.id, Some(Duration::from_secs(1)), |l| {
+            Err(StoreError::LeaseNotYours {
+                lease: l.id.clone(),
+            })
+        });
+        assert!(matches!(refused, Err(StoreError::LeaseNotYours { .. })));
+        assert_eq!(leases.list()[0].term, Duration::from_secs(60), "unchanged");
     }
 }

@@ -1,6 +1,11 @@
 //! Sealed memory files: an Arrow IPC file written into an anonymous memory file (Linux
 //! `memfd`), paid for before each byte is written, then sealed so that nobody, the server
-//! included, can change it under a consumer's mapping. `shared` hands them out.
+//! included, can change its bytes under a consumer's mapping. `shared` hands them out.
+//!
+//! The seals leave one thing open: shrinking. When a [`StagedFile`] goes (its lease ended) it
+//! truncates the file to nothing, which frees the pages whoever else still holds the
+//! descriptor or a mapping (their reads then fault): memory the budget no longer pays for
+//! cannot outlive its charge in another process.
 //!
 //! Every byte is paid for twice before it is written: on the memory budget (a
 //! [`Reservation`] the caller chose) and on its principal's quota of files and bytes
@@ -15,6 +20,7 @@ use std::time::Duration;
 use arrow::datatypes::Schema;
 use arrow::ipc::writer::{FileWriter, IpcWriteOptions};
 use arrow::record_batch::RecordBatch;
+use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 
@@ -187,7 +193,15 @@ impl Write for ChargedFile {
             self.refused = Some(error);
             return Err(std::io::Error::other(message));
         }
-        let written = self.file.write(buf)?;
+        let written = match self.file.write(buf) {
+            Ok(written) => written,
+            Err(error) => {
+                let refused = io_failure("writing the file", &error);
+                let message = refused.to_string();
+                self.refused = Some(refused);
+                return Err(std::io::Error::new(error.kind(), message));
+            }
+        };
         self.written += written as u64;
         Ok(written)
     }
@@ -225,7 +239,7 @@ impl SharedFileWriter {
             c"gpu-flight-shm-read",
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
-        .map_err(|e| StoreError::SharedMemory(format!("memfd_create: {e}")))?;
+        .map_err(|e| os_failure("memfd_create", e))?;
         let charged = ChargedFile {
             file: std::fs::File::from(fd),
             written: 0,
@@ -255,14 +269,15 @@ impl SharedFileWriter {
             .into_inner()
             .map_err(|e| StoreError::SharedMemory(format!("ending the file: {e}")))?
             .into_inner()
-            .map_err(|e| StoreError::SharedMemory(format!("ending the file: {}", e.error())))?;
+            .map_err(|e| {
+                let error = io_failure("ending the file", e.error());
+                e.into_inner().get_mut().refused.take().unwrap_or(error)
+            })?;
         fcntl(
             &charged.file,
+            // Not F_SEAL_SHRINK: the server truncates the file when its lease ends.
             FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_WRITE
-                    | SealFlag::F_SEAL_SHRINK
-                    | SealFlag::F_SEAL_GROW
-                    | SealFlag::F_SEAL_SEAL,
+                SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
             ),
         )
         .map_err(|e| StoreError::SharedMemory(format!("sealing the file: {e}")))?;
@@ -310,6 +325,55 @@ impl StagedFile {
     pub(crate) fn share(&self) -> Result<OwnedFd, StoreError> {
         self.fd
             .try_clone()
-            .map_err(|e| StoreError::SharedMemory(format!("duplicating the descriptor: {e}")))
+            .map_err(|e| io_failure("duplicating the descriptor", &e))
+    }
+}
+
+impl Drop for StagedFile {
+    /// Revokes the file: its pages go now, whoever else holds the descriptor or maps it.
+    fn drop(&mut self) {
+        if let Err(error) = nix::unistd::ftruncate(&self.fd, 0) {
+            tracing::warn!(%error, bytes = self.bytes, "a shared-memory file could not be revoked");
+        }
+    }
+}
+
+/// What the OS refusing `what` with `errno` is: out of memory or descriptors is a resource
+/// running out, anything else a failure.
+fn os_failure(what: &str, errno: Errno) -> StoreError {
+    let message = format!("{what}: {errno}");
+    match errno {
+        Errno::ENOMEM | Errno::ENOSPC | Errno::EMFILE | Errno::ENFILE => {
+            StoreError::SharedMemoryExhausted(message)
+        }
+        _ => StoreError::SharedMemory(message),
+    }
+}
+
+fn io_failure(what: &str, error: &std::io::Error) -> StoreError {
+    match error.raw_os_error() {
+        Some(code) => os_failure(what, Errno::from_raw(code)),
+        None => StoreError::SharedMemory(format!("{what}: {error}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_out_of_memory_or_descriptors_is_exhaustion() {
+        for errno in [Errno::ENOMEM, Errno::ENOSPC, Errno::EMFILE, Errno::ENFILE] {
+            let error = io_failure(
+                "memfd_create",
+                &std::io::Error::from_raw_os_error(errno as i32),
+            );
+            assert!(
+                matches!(error, StoreError::SharedMemoryExhausted(_)),
+                "{errno}: {error}"
+            );
+        }
+        let other = os_failure("sealing the file", Errno::EINVAL);
+        assert!(matches!(other, StoreError::SharedMemory(_)), "{other}");
     }
 }

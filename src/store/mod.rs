@@ -386,6 +386,24 @@ impl Store {
         self.shared.claim(token, uid)
     }
 
+    /// Extends lease `id`, which `owner` must hold, to end `duration` from now (`None`: as
+    /// long as it was last granted for).
+    pub fn renew_lease(
+        &self,
+        id: &str,
+        owner: &str,
+        duration: Option<Duration>,
+    ) -> Result<Lease, StoreError> {
+        self.leases.extend(id, duration, |lease| {
+            if lease.owner != owner {
+                return Err(StoreError::LeaseNotYours {
+                    lease: id.to_owned(),
+                });
+            }
+            Ok(())
+        })
+    }
+
     /// Ends lease `id`. Memory that only the lease held is freed.
     pub fn release(&self, id: &str) -> Result<Lease, StoreError> {
         self.leases

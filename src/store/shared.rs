@@ -6,7 +6,8 @@
 //! read it is decided by who holds a token, not by file permissions.
 //!
 //! The file lives under a lease in the store's [`Leases`], like an `ipc-export`'s memory, and
-//! goes with it: on `ipc-release`, or on expiry. Until its token is claimed the lease runs only
+//! goes with it: on `ipc-release`, or on expiry (`lease-renew` extends it), and is revoked then
+//! (`memfile`). Until its token is claimed the lease runs only
 //! as long as the token is valid, so a file nobody comes for is freed when its token expires;
 //! a claim extends it to the lease the caller asked for.
 

@@ -5,6 +5,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 
 import gpu_flight
 import numpy as np
@@ -106,6 +107,47 @@ def test_a_server_without_the_socket_refuses(server):
         client.put(name, pa.table({"a": [1, 2, 3]}))
         with pytest.raises(pa.ArrowException, match="--shm-socket"):
             client.read_shared(name)
+
+
+def test_a_table_outlives_a_short_lease_because_it_is_renewed(shared):
+    table = pa.table({"a": np.arange(100_000), "b": np.arange(100_000) * 0.5})
+    with gpu_flight.connect(shared.location) as client:
+        name = unique()
+        client.put(name, table)
+        baseline = shared.used_bytes()
+        got = client.read_shared(name, lease_seconds=2)
+        charged = leases(shared)[0]["staged_bytes"]
+        assert charged > 0
+        time.sleep(5)
+        # Checked before the table is read: a revoked file's pages fault (SIGBUS) when read.
+        held = leases(shared)
+        assert len(held) == 1, "renewed past its two seconds"
+        assert held[0]["staged_bytes"] == charged
+        assert shared.used_bytes() >= baseline + charged, "still charged"
+        assert got.equals(table)
+        del got
+        settle(shared, baseline)
+        assert mapped_ranges() == []
+
+
+def test_a_lease_is_renewed_only_while_held(tmp_path):
+    from gpu_flight import _lease
+
+    renewals = []
+    lease = _lease._Lease(lambda _lease: None, "l" * 32)
+    lease.keep_renewed(lambda lease_id, seconds: renewals.append((lease_id, seconds)), 2)
+    lease.renew_if_due(time.monotonic())
+    assert renewals == [], "not due before half its term"
+    lease.renew_if_due(time.monotonic() + 1.1)
+    assert renewals == [("l" * 32, 2)]
+
+    def gone(lease_id, seconds):
+        raise KeyError(lease_id)
+
+    lease.keep_renewed(gone, 2)
+    lease.renew_if_due(time.monotonic() + 5)
+    assert lease.renewal_due() is None, "NOT_FOUND stops the renewals"
+    lease.end_at_exit()
 
 
 CONSUMER = """

@@ -8,8 +8,10 @@ the table's buffers point into that mapping.
 
 Lifetime. The lease ends (`ipc-release`, on the package's lease thread) once nothing taken from
 the table is alive: the mapping's buffer holds the lease as a user (`_lease._Held`), and every
-buffer of the table holds the mapping. The server bounds it all: after `lease_seconds` it
-forgets the file (the mapping stays readable: pages stay until they are unmapped).
+buffer of the table holds the mapping. Until then the lease thread renews it (`lease-renew`)
+each time about half of `lease_seconds` has passed: the server revokes the file when the lease
+ends, and a mapping of a revoked file faults (SIGBUS) when read. A process that dies or hangs
+stops renewing, so its file goes at most `lease_seconds` later.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import pyarrow as pa
 
 from ._documents import parse
-from ._lease import _Held, _Lease, _release, _start_lease_thread, end_pending
+from ._lease import _Held, _Lease, _release, _renew, _start_lease_thread, end_pending
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -114,6 +116,7 @@ def read_shared(
         holder = _Mapping(lease, mapped, whole)
         shared = pa.foreign_buffer(whole.address, whole.size, base=holder)
         table = pa.ipc.open_file(shared).read_all()
+        lease.keep_renewed(functools.partial(_renew, client), int(document["lease_seconds"]))
     finally:
         lease.release()  # this call's own use; the mapping's, if any, keeps the lease
     return table
