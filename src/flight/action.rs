@@ -56,9 +56,11 @@ pub const ACTIONS: &[(&str, &str)] = &[
          node to map without a copy (needs --shm-socket). Body: JSON {\"name\", \"columns\" \
          (optional), \"where\" (optional SQL predicate), \"compression\" (optional), \
          \"lease_seconds\" (optional, default 300)}. Result: JSON {\"lease\", \"token\", \
-         \"socket\", \"bytes\", \"num_rows\", \"token_expires_at\", \"lease_seconds\"}: send \
-         the token on the Unix socket to receive the file's descriptor (see docs/protocol.md). \
-         The file stays until ipc-release or expiry.",
+         \"socket\", \"bytes\", \"num_rows\", \"files\": [{\"bytes\", \"num_rows\"}], \
+         \"order\": \"round-robin\" (batch i is in file i % files), \"token_expires_at\", \
+         \"lease_seconds\"}: send the token on the Unix socket to receive the files' \
+         descriptors (see docs/protocol.md). The files stay until ipc-release or expiry \
+         (lease-renew extends it), and are revoked then.",
     ),
     (
         "lease-renew",

@@ -62,6 +62,7 @@ use descriptor::ReadOptions;
 pub use lifecycle::{Lifecycle, StreamGuard};
 use prost::Message;
 pub(crate) use put::Inbound;
+pub use shared::{MAX_SHARED_FILES, default_writers};
 use ticket::{DatasetMetadata, EndpointMetadata};
 
 /// The Flight specification's actions on a `FlightInfo`'s endpoints.
@@ -116,6 +117,9 @@ pub struct SharedMemoryOptions {
     /// the server fills in once it listens there; `None`: the server offers no shared memory.
     pub socket: Option<std::path::PathBuf>,
     pub limits: SharedLimits,
+    /// Files a read is written as at most, at once (`--shm-writers`, hidden); `None`: as
+    /// [`shared::default_writers`] says.
+    pub writers: Option<usize>,
 }
 
 impl Default for FlightOptions {

@@ -50,9 +50,9 @@ pub struct LeaseTerms {
     /// Per partition of the dataset, its replica on the consumer's device, if one was made:
     /// held by the lease alone, so its memory returns when the lease ends.
     pub(crate) replicas: Arc<Vec<Option<StoredPartition>>>,
-    /// A shared-memory read's file (`shm-read`), held by the lease alone: its memory returns
-    /// when the lease ends (a consumer's mapping keeps its pages until it unmaps them).
-    pub(crate) staged: Option<Arc<StagedFile>>,
+    /// A shared-memory read's files (`shm-read`), held by the lease alone: their memory
+    /// returns when the lease ends, and they are revoked then (emptied, whoever maps them).
+    pub(crate) staged: Option<Arc<Vec<StagedFile>>>,
 }
 
 impl LeaseTerms {
@@ -65,9 +65,11 @@ impl LeaseTerms {
             .sum()
     }
 
-    /// Bytes of the lease's shared-memory file, if it has one.
+    /// Bytes of the lease's shared-memory files, if it has any.
     pub fn staged_bytes(&self) -> u64 {
-        self.staged.as_ref().map_or(0, |staged| staged.bytes)
+        self.staged
+            .as_ref()
+            .map_or(0, |staged| staged.iter().map(|file| file.bytes).sum())
     }
 }
 

@@ -38,7 +38,8 @@ const WRITE_BUFFER_BYTES: usize = 1 << 20;
 /// What one principal may hold in shared-memory files, and how long a token lasts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedLimits {
-    /// Files held at once (`--shm-max-files`).
+    /// `shm-read`s held at once (`--shm-max-files`), each one set of files however many
+    /// it is written as.
     pub max_files: u32,
     /// Bytes held at once (`--shm-max-bytes`); `None`: only the memory budget bounds them.
     pub max_bytes: Option<u64>,
@@ -56,7 +57,7 @@ impl Default for SharedLimits {
     }
 }
 
-/// What each principal holds now: files and bytes.
+/// What each principal holds now: file sets (one a `shm-read`) and bytes.
 #[derive(Debug, Default)]
 pub(crate) struct Quotas {
     held: Mutex<HashMap<String, (u32, u64)>>,
@@ -66,19 +67,45 @@ impl Quotas {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u32, u64)>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Forgets `owner` once it holds nothing.
+    fn tidy(held: &mut HashMap<String, (u32, u64)>, owner: &str) {
+        if held.get(owner) == Some(&(0, 0)) {
+            held.remove(owner);
+        }
+    }
 }
 
-/// One file's share of its principal's quota, returned on drop.
+/// One set of files on its principal's quota (the files of one `shm-read`), returned when the
+/// last file of the set goes.
 #[derive(Debug)]
-pub(crate) struct QuotaCharge {
+struct SetCharge {
     quotas: Arc<Quotas>,
     owner: String,
+}
+
+impl Drop for SetCharge {
+    fn drop(&mut self) {
+        let mut held = self.quotas.lock();
+        if let Some(entry) = held.get_mut(&self.owner) {
+            entry.0 = entry.0.saturating_sub(1);
+        }
+        Quotas::tidy(&mut held, &self.owner);
+    }
+}
+
+/// One file's share of its principal's quota: its bytes, and its set's place among the sets.
+/// Returned on drop.
+#[derive(Debug)]
+pub(crate) struct QuotaCharge {
+    set: Arc<SetCharge>,
     bytes: u64,
     max_bytes: Option<u64>,
 }
 
 impl QuotaCharge {
-    /// A new file for `owner`, or an error where it holds `limits.max_files` already.
+    /// The first file of a new set for `owner`, or an error where it holds
+    /// `limits.max_files` sets already.
     pub(crate) fn open(
         quotas: &Arc<Quotas>,
         owner: &str,
@@ -88,34 +115,49 @@ impl QuotaCharge {
         let entry = held.entry(owner.to_owned()).or_default();
         if entry.0 >= limits.max_files {
             let files = entry.0;
-            if files == 0 {
-                held.remove(owner);
-            }
+            Quotas::tidy(&mut held, owner);
             return Err(StoreError::SharedMemoryLimit {
                 owner: owner.to_owned(),
-                what: format!("{} files (the limit is {})", files + 1, limits.max_files),
+                what: format!(
+                    "{} shared-memory reads (the limit is {})",
+                    files + 1,
+                    limits.max_files
+                ),
                 flag: "--shm-max-files",
             });
         }
         entry.0 += 1;
-        Ok(Self {
+        let set = SetCharge {
             quotas: Arc::clone(quotas),
             owner: owner.to_owned(),
+        };
+        Ok(Self {
+            set: Arc::new(set),
             bytes: 0,
             max_bytes: limits.max_bytes,
         })
     }
 
+    /// Another file of the same set, holding no bytes yet.
+    pub(crate) fn another(&self) -> Self {
+        Self {
+            set: Arc::clone(&self.set),
+            bytes: 0,
+            max_bytes: self.max_bytes,
+        }
+    }
+
     /// Adds `bytes`, or fails leaving the charge as it was.
     fn try_grow(&mut self, bytes: u64) -> Result<(), StoreError> {
-        let mut held = self.quotas.lock();
-        let entry = held.entry(self.owner.clone()).or_default();
+        let owner = &self.set.owner;
+        let mut held = self.set.quotas.lock();
+        let entry = held.entry(owner.clone()).or_default();
         let wanted = entry.1.saturating_add(bytes);
         if let Some(limit) = self.max_bytes
             && wanted > limit
         {
             return Err(StoreError::SharedMemoryLimit {
-                owner: self.owner.clone(),
+                owner: owner.clone(),
                 what: format!("{wanted} bytes (the limit is {limit})"),
                 flag: "--shm-max-bytes",
             });
@@ -128,24 +170,18 @@ impl QuotaCharge {
     /// Gives back `bytes` of the charge.
     fn shrink_by(&mut self, bytes: u64) {
         let freed = bytes.min(self.bytes);
-        let mut held = self.quotas.lock();
-        if let Some(entry) = held.get_mut(&self.owner) {
+        let mut held = self.set.quotas.lock();
+        if let Some(entry) = held.get_mut(&self.set.owner) {
             entry.1 = entry.1.saturating_sub(freed);
         }
+        Quotas::tidy(&mut held, &self.set.owner);
         self.bytes -= freed;
     }
 }
 
 impl Drop for QuotaCharge {
     fn drop(&mut self) {
-        let mut held = self.quotas.lock();
-        if let Some(entry) = held.get_mut(&self.owner) {
-            entry.0 = entry.0.saturating_sub(1);
-            entry.1 = entry.1.saturating_sub(self.bytes);
-            if entry.0 == 0 {
-                held.remove(&self.owner);
-            }
-        }
+        self.shrink_by(self.bytes);
     }
 }
 

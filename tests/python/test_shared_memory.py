@@ -26,7 +26,10 @@ def settle(server, baseline):
 
 @pytest.fixture
 def shared(make_server, tmp_path):
-    return make_server("--shm-socket", str(tmp_path / "shm.sock"))
+    # Reads of more than 1,000 rows come in several batches, so in several files (up to 3).
+    return make_server(
+        "--shm-socket", str(tmp_path / "shm.sock"), "--shm-writers", "3", "--rows-per-endpoint", "1000"
+    )
 
 
 def mapped_ranges():
@@ -68,6 +71,7 @@ def test_rows_match_get_and_lie_in_the_mapping(shared):
         assert got.equals(client.get(name))
         assert got.equals(table)
         assert_zero_copy(got)
+        assert len(mapped_ranges()) == 3, "five batches in three files"
         assert len(leases(shared)) == 1
         assert leases(shared)[0]["staged_bytes"] > 0
         # A column taken from the table keeps the mapping and the lease.
@@ -194,10 +198,12 @@ def fake_side_channel(path, answers):
                 with connection:
                     received.append(connection.recv(128))
                     if answer.startswith("ok"):
-                        read, write = os.pipe()
-                        socket.send_fds(connection, [answer.encode() + b"\n"], [read])
-                        os.close(read)
-                        os.close(write)
+                        words = answer.split()
+                        pipes = [os.pipe() for _ in range(int(words[2]) if len(words) == 3 else 1)]
+                        socket.send_fds(connection, [answer.encode() + b"\n"], [r for r, _ in pipes])
+                        for pipe in pipes:
+                            os.close(pipe[0])
+                            os.close(pipe[1])
                     else:
                         connection.sendall(answer.encode() + b"\n")
 
@@ -211,13 +217,21 @@ def test_a_busy_side_channel_is_asked_again_and_a_refusal_is_not(tmp_path):
 
     busy = "error busy: too many connections at once; try again"
     thread, received = fake_side_channel(str(tmp_path / "a.sock"), [busy, busy, "ok 3"])
-    fd = _shared._receive_fd(str(tmp_path / "a.sock"), "t" * 64)
-    os.close(fd)
+    fds = _shared._receive_fds(str(tmp_path / "a.sock"), "t" * 64)
+    assert len(fds) == 1
+    os.close(fds[0])
     thread.join(5)
     assert received == [b"t" * 64 + b"\n"] * 3
 
+    thread, received = fake_side_channel(str(tmp_path / "c.sock"), ["ok 6 2"])
+    fds = _shared._receive_fds(str(tmp_path / "c.sock"), "v" * 64)
+    assert len(fds) == 2, "every file's descriptor"
+    for fd in fds:
+        os.close(fd)
+    thread.join(5)
+
     thread, received = fake_side_channel(str(tmp_path / "b.sock"), ["error no such token"])
     with pytest.raises(pa.ArrowInvalid, match="no such token"):
-        _shared._receive_fd(str(tmp_path / "b.sock"), "u" * 64)
+        _shared._receive_fds(str(tmp_path / "b.sock"), "u" * 64)
     thread.join(5)
     assert len(received) == 1
