@@ -169,7 +169,8 @@ fn store_code(error: &StoreError) -> Code {
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
         StoreError::SharedMemoryLimit { .. } => Code::ResourceExhausted,
         StoreError::SharedMemory(_) => Code::Internal,
-        StoreError::TokenRejected(_) => Code::PermissionDenied,
+        StoreError::SharedMemoryExhausted(_) => Code::ResourceExhausted,
+        StoreError::TokenRejected(_) | StoreError::LeaseNotYours { .. } => Code::PermissionDenied,
         StoreError::DiskFull(_) => Code::ResourceExhausted,
         StoreError::Persist(_) => Code::Internal,
         StoreError::Corrupt(_) | StoreError::Damaged { .. } => Code::DataLoss,
@@ -220,4 +221,17 @@ fn bounded(mut message: String) -> String {
         message.push_str("...");
     }
     message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_out_of_resources_is_resource_exhausted() {
+        let exhausted = Error::Store(StoreError::SharedMemoryExhausted("memfd_create".into()));
+        assert_eq!(Status::from(exhausted).code(), Code::ResourceExhausted);
+        let failed = Error::Store(StoreError::SharedMemory("sealing".into()));
+        assert_eq!(Status::from(failed).code(), Code::Internal);
+    }
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::io::{IoSliceMut, Read, Write};
+use std::io::{IoSliceMut, Read, Seek, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -35,7 +35,19 @@ fn limits(max_files: u32, max_bytes: Option<u64>, token_ttl: Duration) -> Shared
     }
 }
 
+/// Files a read is written as at most in these tests: more than one, whatever the machine.
+const WRITERS: usize = 3;
+
 async fn start(scratch: &TempDataDir, limits: SharedLimits, auth: Auth) -> (TestServer, PathBuf) {
+    start_with_writers(scratch, limits, auth, WRITERS).await
+}
+
+async fn start_with_writers(
+    scratch: &TempDataDir,
+    limits: SharedLimits,
+    auth: Auth,
+    writers: usize,
+) -> (TestServer, PathBuf) {
     std::fs::create_dir_all(scratch.path()).expect("scratch directory");
     let socket = scratch.path().join("shm.sock");
     let mut options = ServeOptions {
@@ -45,7 +57,10 @@ async fn start(scratch: &TempDataDir, limits: SharedLimits, auth: Auth) -> (Test
     options.flight.shared_memory = SharedMemoryOptions {
         socket: None,
         limits,
+        writers: Some(writers),
     };
+    // Reads of a few hundred kilobytes come in several batches, so in several files.
+    options.flight.read_chunk_bytes = 128 << 10;
     let server = TestServer::start_with_shared_memory(
         Arc::new(HostBackend::new()),
         StoreOptions {
@@ -71,15 +86,15 @@ async fn shm_read(client: &mut FlightClient, body: Value) -> Result<Value, tonic
     Ok(serde_json::from_slice(&results[0]).expect("JSON"))
 }
 
-/// What the side channel answers `line`: its text, and the file it passed, if any.
-async fn exchange(socket: &Path, line: Vec<u8>) -> (String, Option<std::fs::File>) {
+/// What the side channel answers `line`: its text, and the files it passed, if any.
+async fn exchange(socket: &Path, line: Vec<u8>) -> (String, Option<Files>) {
     let socket = socket.to_owned();
     tokio::task::spawn_blocking(move || {
         let mut stream = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
         // A server that stopped reading a line too long may have closed the connection.
         let _ = stream.write_all(&line);
         let mut buffer = [0u8; 1024];
-        let mut space = nix::cmsg_space!([RawFd; 1]);
+        let mut space = nix::cmsg_space!([RawFd; 16]);
         let mut iov = [IoSliceMut::new(&mut buffer)];
         let message = match recvmsg::<()>(
             stream.as_raw_fd(),
@@ -107,25 +122,57 @@ async fn exchange(socket: &Path, line: Vec<u8>) -> (String, Option<std::fs::File
         }
         // Opened by path, as pyarrow maps it (no unsafe here to own the raw descriptor,
         // which this test process keeps).
-        let file = fds.first().map(|fd| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(format!("/proc/self/fd/{fd}"))
-                .expect("open the passed descriptor")
-        });
-        (text, file)
+        let files: Vec<_> = fds
+            .iter()
+            .map(|fd| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(format!("/proc/self/fd/{fd}"))
+                    .expect("open the passed descriptor")
+            })
+            .collect();
+        (text, (!files.is_empty()).then_some(Files(files)))
     })
     .await
     .expect("exchange")
 }
 
-async fn claim(socket: &Path, token: &str) -> (String, Option<std::fs::File>) {
+/// The files a claim passed, in order.
+struct Files(Vec<std::fs::File>);
+
+impl Files {
+    /// Their sizes, by `fstat`.
+    fn sizes(&self) -> Vec<u64> {
+        self.0
+            .iter()
+            .map(|file| file.metadata().expect("fstat").len())
+            .collect()
+    }
+
+    fn len(&self) -> u64 {
+        self.sizes().iter().sum()
+    }
+
+    /// The read's batches: batch `i` is in file `i % K`.
+    fn batches(&self) -> Vec<RecordBatch> {
+        let mut each: Vec<std::collections::VecDeque<RecordBatch>> =
+            self.0.iter().map(|file| read_file(file).into()).collect();
+        let total: usize = each.iter().map(std::collections::VecDeque::len).sum();
+        let files = each.len();
+        (0..total)
+            .map(|i| each[i % files].pop_front().expect("round-robin"))
+            .collect()
+    }
+}
+
+async fn claim(socket: &Path, token: &str) -> (String, Option<Files>) {
     exchange(socket, format!("{token}\n").into_bytes()).await
 }
 
 fn read_file(mut file: &std::fs::File) -> Vec<RecordBatch> {
     let mut bytes = Vec::new();
+    file.seek(std::io::SeekFrom::Start(0)).expect("seek");
     file.read_to_end(&mut bytes).expect("read");
     arrow::ipc::reader::FileReader::try_new(std::io::Cursor::new(bytes), None)
         .expect("an Arrow IPC file")
@@ -200,15 +247,36 @@ async fn rows_match_do_get_and_the_file_is_sealed_and_released() {
     let lease = &server.store.status().leases[0];
     assert_eq!(lease.staged_bytes, bytes);
 
-    let (answer, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
-    assert_eq!(answer, format!("ok {bytes}\n"));
-    let mut file = file.expect("a descriptor");
-    assert_eq!(file.metadata().expect("stat").len(), bytes);
+    let files = reply["files"].as_array().expect("files");
+    assert_eq!(files.len(), WRITERS, "four batches, three files");
+    assert_eq!(reply["order"], "round-robin");
+    let sizes: Vec<u64> = files
+        .iter()
+        .map(|f| f["bytes"].as_u64().expect("bytes"))
+        .collect();
+    assert_eq!(sizes.iter().sum::<u64>(), bytes);
+    let rows: u64 = files
+        .iter()
+        .map(|f| f["num_rows"].as_u64().expect("rows"))
+        .sum();
+    assert_eq!(rows, 20_000);
+    let (answer, claimed) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    assert_eq!(answer, format!("ok {bytes} {WRITERS}\n"));
+    let claimed = claimed.expect("descriptors");
+    assert_eq!(claimed.sizes(), sizes, "in the document's order");
     let whole = do_get_all(&mut client, path("t")).await;
-    same_rows(&read_file(&file), &whole);
-    // Sealed: not even the holder of a writable descriptor can change it.
-    assert!(file.write_all(b"x").is_err(), "the file is sealed");
-    assert!(file.set_len(0).is_err(), "the file cannot shrink");
+    assert_eq!(
+        claimed.batches().len(),
+        whole.len(),
+        "the read's batches, each whole"
+    );
+    same_rows(&claimed.batches(), &whole);
+    // Sealed: not even the holder of a writable descriptor can change its bytes or grow it.
+    for mut file in &claimed.0 {
+        assert!(file.write_all(b"x").is_err(), "the file is sealed");
+        let size = file.metadata().expect("fstat").len();
+        assert!(file.set_len(size + 1).is_err(), "the file cannot grow");
+    }
 
     // Used once.
     let (again, none) = claim(&socket, reply["token"].as_str().expect("token")).await;
@@ -221,7 +289,7 @@ async fn rows_match_do_get_and_the_file_is_sealed_and_released() {
     let (_, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
     let descriptor = arrow_flight::FlightDescriptor::new_cmd(body.to_string());
     let expected = do_get_all(&mut client, descriptor).await;
-    let staged = read_file(&file.expect("a descriptor"));
+    let staged = file.expect("descriptors").batches();
     let expected_rows: usize = expected.iter().map(RecordBatch::num_rows).sum();
     assert!(expected_rows > 0 && expected_rows < 20_000);
     assert_eq!(reply["num_rows"], expected_rows);
@@ -333,7 +401,7 @@ async fn a_token_for_another_user_is_spent_and_its_file_freed() {
     // What a call over a Unix socket from user 12345 would be granted.
     let dataset = server.store.get("t").expect("dataset");
     let limits = SharedLimits::default();
-    let mut writer = server
+    let files = server
         .store
         .shared_writer(
             "anonymous",
@@ -342,8 +410,9 @@ async fn a_token_for_another_user_is_spent_and_its_file_freed() {
             &limits,
         )
         .expect("writer");
+    let mut writer = files.file().expect("a file");
     writer.write(&int64_batch(10, 3, 0)).expect("write");
-    let staged = writer.finish().expect("finish");
+    let staged = vec![writer.finish().expect("finish")];
     let terms = ShareTerms {
         owner: "anonymous".to_owned(),
         columns: vec![],
@@ -517,5 +586,181 @@ async fn reading_in_shared_memory_needs_the_read_role() {
     );
     let (answer, _) = claim(&socket, reply["token"].as_str().expect("token")).await;
     assert!(answer.starts_with("ok "), "{answer}");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_released_file_is_revoked_from_consumers_that_keep_it() {
+    let scratch = TempDataDir::new("shm_revoked");
+    let ttl = Duration::from_secs(30);
+    let (server, socket) = start(&scratch, limits(16, None, ttl), Auth::Off).await;
+    let mut client = server.client().await;
+    put_dataset(&mut client, "t").await;
+    let baseline = used(&server);
+
+    // Released: the consumer keeps its descriptor, but not the pages.
+    let reply = shm_read(&mut client, json!({"name": "t"}))
+        .await
+        .expect("shm-read");
+    let bytes = reply["bytes"].as_u64().expect("bytes");
+    let (answer, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    assert!(answer.starts_with("ok "), "{answer}");
+    let file = file.expect("descriptors");
+    assert_eq!(file.len(), bytes);
+    action(&mut client, "ipc-release", json!({"lease": reply["lease"]}))
+        .await
+        .expect("release");
+    assert!(file.0.len() > 1, "several files");
+    assert_eq!(
+        file.sizes(),
+        vec![0; file.0.len()],
+        "the kept descriptors' files are empty: their pages are freed"
+    );
+    assert_eq!(used(&server), baseline);
+
+    // Expired: the same.
+    let reply = shm_read(&mut client, json!({"name": "t", "lease_seconds": 1}))
+        .await
+        .expect("shm-read");
+    let (_, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    let file = file.expect("descriptors");
+    assert!(file.len() > 0);
+    leases_end(&server).await;
+    assert_eq!(file.len(), 0, "expired: revoked");
+    assert_eq!(used(&server), baseline);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_lease_is_renewed_by_its_owner_only() {
+    let scratch = TempDataDir::new("shm_renew");
+    let (reader, digest) = new_token().expect("token");
+    let (other, other_digest) = new_token().expect("token");
+    let file = scratch.write(
+        "tokens.toml",
+        &format!(
+            "[[tokens]]\nprincipal = \"reader\"\nrole = \"write\"\nsha256 = \"{digest}\"\n\
+             [[tokens]]\nprincipal = \"other\"\nrole = \"read\"\nsha256 = \"{other_digest}\"\n"
+        ),
+    );
+    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("token file");
+    let (server, socket) = start(
+        &scratch,
+        SharedLimits::default(),
+        Auth::Tokens(Arc::new(authenticator)),
+    )
+    .await;
+    let mut client = server.client().await;
+    client
+        .add_header("authorization", &format!("Bearer {reader}"))
+        .expect("header");
+    let mut stranger = server.client().await;
+    stranger
+        .add_header("authorization", &format!("Bearer {other}"))
+        .expect("header");
+    put_dataset(&mut client, "t").await;
+    let baseline = used(&server);
+    let reply = shm_read(&mut client, json!({"name": "t", "lease_seconds": 1}))
+        .await
+        .expect("shm-read");
+    let lease = reply["lease"].as_str().expect("lease").to_owned();
+    let (answer, file) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    assert!(answer.starts_with("ok "), "{answer}");
+    let file = file.expect("descriptors");
+
+    let listed: Vec<_> = client
+        .list_actions()
+        .await
+        .expect("actions")
+        .try_collect()
+        .await
+        .expect("actions");
+    assert!(listed.iter().any(|a| a.r#type == "lease-renew"));
+
+    // Renewed for its term (a second) and then for three: it outlives its first second.
+    let renewed = action(&mut client, "lease-renew", json!({"lease": lease}))
+        .await
+        .expect("renew");
+    assert_eq!(renewed["lease"], lease.as_str());
+    assert!(
+        renewed["expires_at"]
+            .as_str()
+            .expect("expires_at")
+            .ends_with('Z')
+    );
+    action(
+        &mut client,
+        "lease-renew",
+        json!({"lease": lease, "lease_seconds": 3}),
+    )
+    .await
+    .expect("renew");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(server.store.status().leases.len(), 1, "renewed: still held");
+    assert!(file.len() > 0, "and not revoked");
+
+    // Another principal may not; unknown leases and bad bodies are refused.
+    assert_eq!(
+        action(&mut stranger, "lease-renew", json!({"lease": lease})).await,
+        Err(Code::PermissionDenied)
+    );
+    for (body, code) in [
+        (json!({"lease": "0".repeat(32)}), Code::NotFound),
+        (
+            json!({"lease": lease, "lease_seconds": 0}),
+            Code::InvalidArgument,
+        ),
+        (
+            json!({"lease": lease, "lease_seconds": 86_401}),
+            Code::InvalidArgument,
+        ),
+        (json!({"lease": "../x"}), Code::InvalidArgument),
+        (json!({"lease": lease, "seconds": 1}), Code::InvalidArgument),
+    ] {
+        assert_eq!(
+            action(&mut client, "lease-renew", body.clone()).await,
+            Err(code),
+            "{body}"
+        );
+    }
+    // Once it ends, NOT_FOUND.
+    action(&mut client, "ipc-release", json!({"lease": lease}))
+        .await
+        .expect("release");
+    assert_eq!(
+        action(&mut client, "lease-renew", json!({"lease": lease})).await,
+        Err(Code::NotFound)
+    );
+    assert_eq!(file.len(), 0, "revoked");
+    assert_eq!(used(&server), baseline);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
+async fn a_read_of_one_batch_is_one_file_and_of_none_one_empty_file() {
+    let scratch = TempDataDir::new("shm_one_file");
+    let (server, socket) = start(&scratch, SharedLimits::default(), Auth::Off).await;
+    let mut client = server.client().await;
+    put(&mut client, path("one"), vec![int64_batch(1_000, 2, 0)])
+        .await
+        .expect("put");
+    let reply = shm_read(&mut client, json!({"name": "one"}))
+        .await
+        .expect("shm-read");
+    assert_eq!(reply["files"].as_array().expect("files").len(), 1);
+    let (answer, files) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    assert_eq!(answer, format!("ok {} 1\n", reply["bytes"]));
+    let whole = do_get_all(&mut client, path("one")).await;
+    same_rows(&files.expect("a descriptor").batches(), &whole);
+
+    // No rows: one file, with the schema and no batches.
+    let reply = shm_read(&mut client, json!({"name": "one", "where": "c0 < 0"}))
+        .await
+        .expect("shm-read");
+    assert_eq!(reply["num_rows"], 0);
+    assert_eq!(reply["files"].as_array().expect("files").len(), 1);
+    let (_, files) = claim(&socket, reply["token"].as_str().expect("token")).await;
+    let files = files.expect("a descriptor");
+    assert!(files.batches().is_empty());
     server.shutdown_and_wait().await;
 }

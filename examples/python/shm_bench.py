@@ -1,7 +1,9 @@
 """Shared-memory reads against DoGet: a dataset of 8 int64 columns made visible to a co-located
-pyarrow process as a Table, by `Client.read_shared` (shm-read: staged once into a sealed memory
-file, mapped without a copy) and by `Client.get` (DoGet over gRPC), from the same server in the
-same run. Each read runs in a fresh process (spawned, never forked after gRPC started), timed
+pyarrow process as a Table, by `Client.read_shared` (shm-read: staged once into sealed memory
+files, several written at once, mapped without a copy) and by `Client.get` (DoGet over gRPC),
+from the same server in the same run. `--shm-writers N` sets how many files a read is written as
+at most (the server's hidden flag; default: half its CPUs, at most 8). Each read runs in a fresh
+process (spawned, never forked after gRPC started), timed
 from the request to the Table in hand; the figure is the median of `--runs`.
 
     python examples/python/shm_bench.py --binary target/release/gpu-flight --gib 1 --runs 5
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import re
 import statistics
 import subprocess
@@ -59,13 +62,16 @@ def main() -> None:
     parser.add_argument("--backend", default="host")
     parser.add_argument("--gib", type=float, default=1.0, help="dataset size in GiB")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--shm-writers", type=int, default=None, help="files a read is written as at most")
     args = parser.parse_args()
+    writers = [] if args.shm_writers is None else ["--shm-writers", str(args.shm_writers)]
 
     rows = int(args.gib * (1 << 30)) // (8 * COLUMNS)
     with tempfile.TemporaryDirectory() as scratch:
         socket = str(Path(scratch) / "shm.sock")
         server = subprocess.Popen(
-            [args.binary, "serve", "--listen", "127.0.0.1:0", "--backend", args.backend, "--shm-socket", socket],
+            [args.binary, "serve", "--listen", "127.0.0.1:0", "--backend", args.backend, "--shm-socket", socket]
+            + writers,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -96,6 +102,8 @@ def main() -> None:
         "columns": COLUMNS,
         "bytes": nbytes,
         "runs": args.runs,
+        "shm_writers": args.shm_writers or "default",
+        "cpus": os.cpu_count(),
         "doget_seconds": doget,
         "shm_seconds": shm,
         "doget_median_s": statistics.median(doget),

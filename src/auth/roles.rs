@@ -55,6 +55,8 @@ pub enum Action {
         copy: bool,
     },
     IpcRelease,
+    /// `lease-renew`: extends a lease the caller holds.
+    LeaseRenew,
     /// `shm-read`: a read, staged in shared memory.
     ShmRead,
     /// Writes a dataset, as a put does.
@@ -78,6 +80,7 @@ impl Action {
             Self::Status => "status",
             Self::IpcExport { .. } => "ipc-export",
             Self::IpcRelease => "ipc-release",
+            Self::LeaseRenew => "lease-renew",
             Self::ShmRead => "shm-read",
             Self::IpcImport => "ipc-import",
             Self::Move => "move",
@@ -128,6 +131,7 @@ pub fn required_role(operation: Operation) -> Option<Role> {
             A::Status
             | A::IpcExport { copy: false }
             | A::IpcRelease
+            | A::LeaseRenew
             | A::ShmRead
             | A::PreparedStatements
             | A::FlightInfo,
@@ -189,6 +193,7 @@ mod tests {
             (Action::IpcExport { copy: false }, Role::Read),
             (Action::IpcExport { copy: true }, Role::Write),
             (Action::IpcRelease, Role::Read),
+            (Action::LeaseRenew, Role::Read),
             (Action::ShmRead, Role::Read),
             (Action::IpcImport, Role::Write),
             (Action::Status, Role::Read),

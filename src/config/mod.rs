@@ -262,7 +262,8 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_SHM_SOCKET", value_name = "PATH|auto")]
     pub shm_socket: Option<std::path::PathBuf>,
 
-    /// Shared-memory files one principal may hold at once (`shm-read`).
+    /// Shared-memory reads (`shm-read`) one principal may hold at once, each a set of up to
+    /// 8 files.
     #[arg(long, env = "GPU_FLIGHT_SHM_MAX_FILES", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub shm_max_files: u32,
@@ -271,6 +272,12 @@ pub struct ServeArgs {
     /// memory budget bounds them.
     #[arg(long, env = "GPU_FLIGHT_SHM_MAX_BYTES", value_parser = size)]
     pub shm_max_bytes: Option<ByteSize>,
+
+    /// Files a shared-memory read is written as at most, each by its own thread (1 to 8).
+    /// Hidden: the default (half the CPUs, at most 8) is for measuring against.
+    #[arg(long, hide = true, env = "GPU_FLIGHT_SHM_WRITERS",
+          value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub shm_writers: Option<u64>,
 
     /// Seconds between progress lines of a long DoPut or DoGet.
     #[arg(long, env = "GPU_FLIGHT_PROGRESS_SECONDS", default_value_t = 5,
@@ -332,6 +339,7 @@ impl ServeArgs {
                     max_bytes: self.shm_max_bytes.map(|b| b.as_u64()),
                     ..crate::store::SharedLimits::default()
                 },
+                writers: self.shm_writers.map(|n| n as usize),
             },
             ..FlightOptions::default()
         }

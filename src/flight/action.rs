@@ -56,9 +56,17 @@ pub const ACTIONS: &[(&str, &str)] = &[
          node to map without a copy (needs --shm-socket). Body: JSON {\"name\", \"columns\" \
          (optional), \"where\" (optional SQL predicate), \"compression\" (optional), \
          \"lease_seconds\" (optional, default 300)}. Result: JSON {\"lease\", \"token\", \
-         \"socket\", \"bytes\", \"num_rows\", \"token_expires_at\", \"lease_seconds\"}: send \
-         the token on the Unix socket to receive the file's descriptor (see docs/protocol.md). \
-         The file stays until ipc-release or expiry.",
+         \"socket\", \"bytes\", \"num_rows\", \"files\": [{\"bytes\", \"num_rows\"}], \
+         \"order\": \"round-robin\" (batch i is in file i % files), \"token_expires_at\", \
+         \"lease_seconds\"}: send the token on the Unix socket to receive the files' \
+         descriptors (see docs/protocol.md). The files stay until ipc-release or expiry \
+         (lease-renew extends it), and are revoked then.",
+    ),
+    (
+        "lease-renew",
+        "Extend a lease you hold (a shm-read's or an ipc-export's) without asking again. Body: \
+         JSON {\"lease\", \"lease_seconds\" (optional: as long as it was last granted \
+         for)}. Result: JSON {\"lease\", \"expires_at\"}; NOT_FOUND if it has ended.",
     ),
     (
         "ipc-import",
@@ -104,6 +112,11 @@ pub enum ActionRequest {
     IpcRelease {
         lease: String,
     },
+    /// `lease-renew`: lease `lease` extended, by `lease_seconds` or its last term.
+    LeaseRenew {
+        lease: String,
+        lease_seconds: Option<u64>,
+    },
     /// `shm-read`: a read command (the GetFlightInfo CMD document) staged in shared memory.
     ShmRead {
         read: ReadCommand,
@@ -132,6 +145,7 @@ impl ActionRequest {
             Self::Status => auth::Action::Status,
             Self::IpcExport { copy, .. } => auth::Action::IpcExport { copy: *copy },
             Self::IpcRelease { .. } => auth::Action::IpcRelease,
+            Self::LeaseRenew { .. } => auth::Action::LeaseRenew,
             Self::ShmRead { .. } => auth::Action::ShmRead,
             Self::IpcImport { .. } => auth::Action::IpcImport,
             Self::Move { .. } => auth::Action::Move,
@@ -146,6 +160,7 @@ impl ActionRequest {
             Self::Status => "status".to_owned(),
             Self::IpcExport { name, .. } => format!("ipc-export {name}"),
             Self::IpcRelease { .. } => "ipc-release".to_owned(),
+            Self::LeaseRenew { .. } => "lease-renew".to_owned(),
             Self::ShmRead { read, .. } => format!("shm-read {}", read.name),
             Self::IpcImport { document } => format!("ipc-import {}", document.name),
             Self::Move { name, .. } => format!("move {name}"),
@@ -204,11 +219,7 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                 ));
             }
             let lease_seconds = body.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS);
-            if !(1..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
-                return Err(Error::InvalidCommand(format!(
-                    "lease_seconds must be 1..={MAX_LEASE_SECONDS}, not {lease_seconds}"
-                )));
-            }
+            check_lease_seconds(lease_seconds)?;
             Ok(ActionRequest::IpcExport {
                 name: parse_name(body.name.as_bytes())?,
                 columns: body.columns,
@@ -233,6 +244,26 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                 lease: parse_lease(&body.lease)?,
             })
         }
+        "lease-renew" => {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct RenewBody {
+                lease: String,
+                lease_seconds: Option<u64>,
+            }
+            let body: RenewBody = parse_json_object(
+                &action.body,
+                "lease-renew takes a JSON object {\"lease\": \"...\", \"lease_seconds\": N} \
+                 (lease_seconds optional)",
+            )?;
+            if let Some(seconds) = body.lease_seconds {
+                check_lease_seconds(seconds)?;
+            }
+            Ok(ActionRequest::LeaseRenew {
+                lease: parse_lease(&body.lease)?,
+                lease_seconds: body.lease_seconds,
+            })
+        }
         "shm-read" => {
             #[derive(serde::Deserialize)]
             #[serde(deny_unknown_fields)]
@@ -251,11 +282,7 @@ pub fn parse(action: &Action) -> Result<ActionRequest, Error> {
                  \"lease_seconds\": N} (all but name optional)",
             )?;
             let lease_seconds = body.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS);
-            if !(1..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
-                return Err(Error::InvalidCommand(format!(
-                    "lease_seconds must be 1..={MAX_LEASE_SECONDS}, not {lease_seconds}"
-                )));
-            }
+            check_lease_seconds(lease_seconds)?;
             Ok(ActionRequest::ShmRead {
                 read: ReadCommand {
                     name: parse_name(body.name.as_bytes())?,
@@ -340,6 +367,16 @@ pub fn copy_device(device: Option<DeviceRef>, devices: usize) -> Result<DeviceRe
     }
 }
 
+/// Leases last 1 s to [`MAX_LEASE_SECONDS`].
+fn check_lease_seconds(lease_seconds: u64) -> Result<(), Error> {
+    if !(1..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
+        return Err(Error::InvalidCommand(format!(
+            "lease_seconds must be 1..={MAX_LEASE_SECONDS}, not {lease_seconds}"
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a lease id's shape: the server issues 32 hex digits, so anything else cannot name a
 /// lease, and never reaches a log line or an error message unchecked.
 fn parse_lease(lease: &str) -> Result<String, Error> {
@@ -381,6 +418,14 @@ pub struct DropResult {
 pub struct ReleaseResult {
     pub lease: String,
     pub name: String,
+}
+
+/// The `lease-renew` action's result.
+#[derive(Debug, serde::Serialize)]
+pub struct RenewResult {
+    pub lease: String,
+    /// RFC 3339, UTC.
+    pub expires_at: String,
 }
 
 /// An action's result as JSON.

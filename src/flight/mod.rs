@@ -11,7 +11,7 @@
 //! - [`descriptor`]: dataset names and `DoPut` commands.
 //! - [`ticket`]: the tickets `GetFlightInfo` issues and `DoGet` reads.
 //! - [`action`]: the custom actions (`drop`, `status`, `ipc-export`, `ipc-release`,
-//!   `shm-read`, `ipc-import`, `move`, `copy`).
+//!   `lease-renew`, `shm-read`, `ipc-import`, `move`, `copy`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse), and the one
 //!   `ipc-import` takes; `ipc_import`: a producer's GPU columns committed as a put.
 //! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
@@ -62,6 +62,7 @@ use descriptor::ReadOptions;
 pub use lifecycle::{Lifecycle, StreamGuard};
 use prost::Message;
 pub(crate) use put::Inbound;
+pub use shared::{MAX_SHARED_FILES, default_writers};
 use ticket::{DatasetMetadata, EndpointMetadata};
 
 /// The Flight specification's actions on a `FlightInfo`'s endpoints.
@@ -116,6 +117,9 @@ pub struct SharedMemoryOptions {
     /// the server fills in once it listens there; `None`: the server offers no shared memory.
     pub socket: Option<std::path::PathBuf>,
     pub limits: SharedLimits,
+    /// Files a read is written as at most, at once (`--shm-writers`, hidden); `None`: as
+    /// [`shared::default_writers`] says.
+    pub writers: Option<usize>,
 }
 
 impl Default for FlightOptions {
@@ -509,6 +513,22 @@ impl Service {
                     "ipc-import committed"
                 );
                 action::to_value(&summary)
+            }
+            ActionRequest::LeaseRenew {
+                lease,
+                lease_seconds,
+            } => {
+                let duration = lease_seconds.map(std::time::Duration::from_secs);
+                let renewed = self.store.renew_lease(&lease, &caller.name, duration)?;
+                tracing::debug!(
+                    lease = action::lease_prefix(&lease),
+                    dataset = ?renewed.dataset.name(),
+                    "lease renewed"
+                );
+                action::to_value(&action::RenewResult {
+                    lease,
+                    expires_at: ipc_export::rfc3339(renewed.expires_at),
+                })
             }
             ActionRequest::IpcRelease { lease } => {
                 let released = self.store.release(&lease)?;

@@ -2,8 +2,9 @@
 //! `shm-read` gave it for the descriptor of its memory file, passed with `SCM_RIGHTS`.
 //!
 //! The exchange is one line each way. The consumer sends its token and a newline; the server
-//! answers `ok <bytes>` with the descriptor attached, or `error <why>` without one, and
-//! closes the connection. The store decides whether the token opens anything: once, in time,
+//! answers `ok <bytes> <files>` with the files' descriptors attached, in order, in one message
+//! (at most `flight::MAX_SHARED_FILES`, far below the kernel's 253), or `error <why>` without
+//! one, and closes the connection. The store decides whether the token opens anything: once, in time,
 //! and, where the `shm-read` call came over a Unix socket, only for the same user, which the
 //! kernel reports for this connection (`SO_PEERCRED`).
 //!
@@ -133,11 +134,13 @@ async fn exchange(stream: &UnixStream, store: &Store) -> io::Result<()> {
             tracing::debug!(
                 lease = file.lease.get(..8).unwrap_or(""),
                 bytes = file.bytes,
+                files = file.fds.len(),
                 pid = ?credentials.and_then(|c| c.pid()),
                 ?uid,
-                "shared-memory file handed over"
+                "shared-memory files handed over"
             );
-            send_with_fd(stream, format!("ok {}\n", file.bytes).as_bytes(), &file.fd).await
+            let answer = format!("ok {} {}\n", file.bytes, file.fds.len());
+            send_with_fds(stream, answer.as_bytes(), &file.fds).await
         }
         Err(error) => {
             tracing::info!(
@@ -178,10 +181,10 @@ async fn read_line(stream: &UnixStream) -> io::Result<Vec<u8>> {
     }
 }
 
-/// Sends `message` with `fd` attached (`SCM_RIGHTS`), then whatever of `message` the first
+/// Sends `message` with `fds` attached (`SCM_RIGHTS`), then whatever of `message` the first
 /// send left.
-async fn send_with_fd(stream: &UnixStream, message: &[u8], fd: &OwnedFd) -> io::Result<()> {
-    let fds = [fd.as_raw_fd()];
+async fn send_with_fds(stream: &UnixStream, message: &[u8], fds: &[OwnedFd]) -> io::Result<()> {
+    let fds: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     let sent = loop {
         stream.writable().await?;
         let sent = stream.try_io(Interest::WRITABLE, || {

@@ -134,6 +134,8 @@ pub enum StoreError {
     RenewalChangesTerms { lease: String },
     #[error("lease '{lease}' does not exist: it expired, was released, or was never granted")]
     LeaseNotFound { lease: String },
+    #[error("lease '{lease}' was granted to another principal: only its owner renews it")]
+    LeaseNotYours { lease: String },
     #[error("lease '{lease}' is for dataset '{leased}', not '{requested}'")]
     LeaseMismatch {
         lease: String,
@@ -151,6 +153,12 @@ pub enum StoreError {
     },
     #[error("staging rows in shared memory failed: {0}")]
     SharedMemory(String),
+    /// The OS ran out of what shared-memory files take: memory, or descriptors.
+    #[error(
+        "staging rows in shared memory failed, the node is out of memory or descriptors: {0}; \
+         retry later, or read fewer rows"
+    )]
+    SharedMemoryExhausted(String),
     /// A shared-memory token that opens nothing: unknown, used, expired, or presented by
     /// another user than the one who asked for it.
     #[error("{0}")]

@@ -30,6 +30,9 @@ pub struct Lease {
     /// (enforced).
     pub expires_at: SystemTime,
     deadline: Instant,
+    /// How long it was last granted or renewed for: what a renewal that names no length
+    /// extends it by.
+    term: Duration,
 }
 
 /// What a lease exports.
@@ -47,9 +50,9 @@ pub struct LeaseTerms {
     /// Per partition of the dataset, its replica on the consumer's device, if one was made:
     /// held by the lease alone, so its memory returns when the lease ends.
     pub(crate) replicas: Arc<Vec<Option<StoredPartition>>>,
-    /// A shared-memory read's file (`shm-read`), held by the lease alone: its memory returns
-    /// when the lease ends (a consumer's mapping keeps its pages until it unmaps them).
-    pub(crate) staged: Option<Arc<StagedFile>>,
+    /// A shared-memory read's files (`shm-read`), held by the lease alone: their memory
+    /// returns when the lease ends, and they are revoked then (emptied, whoever maps them).
+    pub(crate) staged: Option<Arc<Vec<StagedFile>>>,
 }
 
 impl LeaseTerms {
@@ -62,9 +65,11 @@ impl LeaseTerms {
             .sum()
     }
 
-    /// Bytes of the lease's shared-memory file, if it has one.
+    /// Bytes of the lease's shared-memory files, if it has any.
     pub fn staged_bytes(&self) -> u64 {
-        self.staged.as_ref().map_or(0, |staged| staged.bytes)
+        self.staged
+            .as_ref()
+            .map_or(0, |staged| staged.iter().map(|file| file.bytes).sum())
     }
 }
 
@@ -82,12 +87,14 @@ impl Lease {
             owner,
             expires_at: SystemTime::now() + duration,
             deadline: Instant::now() + duration,
+            term: duration,
         }
     }
 
     fn renew(&mut self, duration: Duration) {
         self.expires_at = SystemTime::now() + duration;
         self.deadline = Instant::now() + duration;
+        self.term = duration;
     }
 }
 
@@ -134,6 +141,26 @@ impl Leases {
         duration: Duration,
         check: impl FnOnce(&Lease) -> Result<(), StoreError>,
     ) -> Result<Lease, StoreError> {
+        self.extend(id, Some(duration), |lease| {
+            if lease.dataset.name() != name {
+                return Err(StoreError::LeaseMismatch {
+                    lease: id.to_owned(),
+                    leased: lease.dataset.name().to_owned(),
+                    requested: name.to_owned(),
+                });
+            }
+            check(lease)
+        })
+    }
+
+    /// Extends lease `id`, which must pass `check`, to end `duration` from now (`None`: its
+    /// last term). A lease that fails `check` is left as it was.
+    pub(crate) fn extend(
+        &self,
+        id: &str,
+        duration: Option<Duration>,
+        check: impl FnOnce(&Lease) -> Result<(), StoreError>,
+    ) -> Result<Lease, StoreError> {
         let mut leases = self.lock();
         let not_found = || StoreError::LeaseNotFound {
             lease: id.to_owned(),
@@ -142,19 +169,12 @@ impl Leases {
         if lease.deadline <= Instant::now() {
             let expired = leases.remove(id);
             drop(leases);
-            // Its memory (a replica's, too) is freed here, outside the lock.
+            // Its memory (a replica's, a file's) is freed here, outside the lock.
             drop(expired);
             return Err(not_found());
         }
-        if lease.dataset.name() != name {
-            return Err(StoreError::LeaseMismatch {
-                lease: id.to_owned(),
-                leased: lease.dataset.name().to_owned(),
-                requested: name.to_owned(),
-            });
-        }
         check(lease)?;
-        lease.renew(duration);
+        lease.renew(duration.unwrap_or(lease.term));
         Ok(lease.clone())
     }
 
@@ -264,5 +284,24 @@ mod tests {
         assert_ne!(other.id, lease.id);
         assert_eq!(leases.release(&other.id).map(|l| l.id), Some(other.id));
         assert!(leases.list().is_empty());
+    }
+
+    #[test]
+    fn an_extension_keeps_the_term_unless_it_names_one() {
+        let leases = Leases::default();
+        let lease = grant(&leases, "a");
+        let same = leases.extend(&lease.id, None, |_| Ok(())).expect("extend");
+        assert_eq!(same.term, Duration::from_secs(10));
+        let longer = leases
+            .extend(&lease.id, Some(Duration::from_secs(60)), |_| Ok(()))
+            .expect("extend");
+        assert!(longer.expires_at > same.expires_at);
+        let refused = leases.extend(&lease.id, Some(Duration::from_secs(1)), |l| {
+            Err(StoreError::LeaseNotYours {
+                lease: l.id.clone(),
+            })
+        });
+        assert!(matches!(refused, Err(StoreError::LeaseNotYours { .. })));
+        assert_eq!(leases.list()[0].term, Duration::from_secs(60), "unchanged");
     }
 }

@@ -1,6 +1,11 @@
 //! Sealed memory files: an Arrow IPC file written into an anonymous memory file (Linux
 //! `memfd`), paid for before each byte is written, then sealed so that nobody, the server
-//! included, can change it under a consumer's mapping. `shared` hands them out.
+//! included, can change its bytes under a consumer's mapping. `shared` hands them out.
+//!
+//! The seals leave one thing open: shrinking. When a [`StagedFile`] goes (its lease ended) it
+//! truncates the file to nothing, which frees the pages whoever else still holds the
+//! descriptor or a mapping (their reads then fault): memory the budget no longer pays for
+//! cannot outlive its charge in another process.
 //!
 //! Every byte is paid for twice before it is written: on the memory budget (a
 //! [`Reservation`] the caller chose) and on its principal's quota of files and bytes
@@ -15,6 +20,7 @@ use std::time::Duration;
 use arrow::datatypes::Schema;
 use arrow::ipc::writer::{FileWriter, IpcWriteOptions};
 use arrow::record_batch::RecordBatch;
+use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 
@@ -32,7 +38,8 @@ const WRITE_BUFFER_BYTES: usize = 1 << 20;
 /// What one principal may hold in shared-memory files, and how long a token lasts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedLimits {
-    /// Files held at once (`--shm-max-files`).
+    /// `shm-read`s held at once (`--shm-max-files`), each one set of files however many
+    /// it is written as.
     pub max_files: u32,
     /// Bytes held at once (`--shm-max-bytes`); `None`: only the memory budget bounds them.
     pub max_bytes: Option<u64>,
@@ -50,7 +57,7 @@ impl Default for SharedLimits {
     }
 }
 
-/// What each principal holds now: files and bytes.
+/// What each principal holds now: file sets (one a `shm-read`) and bytes.
 #[derive(Debug, Default)]
 pub(crate) struct Quotas {
     held: Mutex<HashMap<String, (u32, u64)>>,
@@ -60,19 +67,45 @@ impl Quotas {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u32, u64)>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Forgets `owner` once it holds nothing.
+    fn tidy(held: &mut HashMap<String, (u32, u64)>, owner: &str) {
+        if held.get(owner) == Some(&(0, 0)) {
+            held.remove(owner);
+        }
+    }
 }
 
-/// One file's share of its principal's quota, returned on drop.
+/// One set of files on its principal's quota (the files of one `shm-read`), returned when the
+/// last file of the set goes.
 #[derive(Debug)]
-pub(crate) struct QuotaCharge {
+struct SetCharge {
     quotas: Arc<Quotas>,
     owner: String,
+}
+
+impl Drop for SetCharge {
+    fn drop(&mut self) {
+        let mut held = self.quotas.lock();
+        if let Some(entry) = held.get_mut(&self.owner) {
+            entry.0 = entry.0.saturating_sub(1);
+        }
+        Quotas::tidy(&mut held, &self.owner);
+    }
+}
+
+/// One file's share of its principal's quota: its bytes, and its set's place among the sets.
+/// Returned on drop.
+#[derive(Debug)]
+pub(crate) struct QuotaCharge {
+    set: Arc<SetCharge>,
     bytes: u64,
     max_bytes: Option<u64>,
 }
 
 impl QuotaCharge {
-    /// A new file for `owner`, or an error where it holds `limits.max_files` already.
+    /// The first file of a new set for `owner`, or an error where it holds
+    /// `limits.max_files` sets already.
     pub(crate) fn open(
         quotas: &Arc<Quotas>,
         owner: &str,
@@ -82,34 +115,49 @@ impl QuotaCharge {
         let entry = held.entry(owner.to_owned()).or_default();
         if entry.0 >= limits.max_files {
             let files = entry.0;
-            if files == 0 {
-                held.remove(owner);
-            }
+            Quotas::tidy(&mut held, owner);
             return Err(StoreError::SharedMemoryLimit {
                 owner: owner.to_owned(),
-                what: format!("{} files (the limit is {})", files + 1, limits.max_files),
+                what: format!(
+                    "{} shared-memory reads (the limit is {})",
+                    files + 1,
+                    limits.max_files
+                ),
                 flag: "--shm-max-files",
             });
         }
         entry.0 += 1;
-        Ok(Self {
+        let set = SetCharge {
             quotas: Arc::clone(quotas),
             owner: owner.to_owned(),
+        };
+        Ok(Self {
+            set: Arc::new(set),
             bytes: 0,
             max_bytes: limits.max_bytes,
         })
     }
 
+    /// Another file of the same set, holding no bytes yet.
+    pub(crate) fn another(&self) -> Self {
+        Self {
+            set: Arc::clone(&self.set),
+            bytes: 0,
+            max_bytes: self.max_bytes,
+        }
+    }
+
     /// Adds `bytes`, or fails leaving the charge as it was.
     fn try_grow(&mut self, bytes: u64) -> Result<(), StoreError> {
-        let mut held = self.quotas.lock();
-        let entry = held.entry(self.owner.clone()).or_default();
+        let owner = &self.set.owner;
+        let mut held = self.set.quotas.lock();
+        let entry = held.entry(owner.clone()).or_default();
         let wanted = entry.1.saturating_add(bytes);
         if let Some(limit) = self.max_bytes
             && wanted > limit
         {
             return Err(StoreError::SharedMemoryLimit {
-                owner: self.owner.clone(),
+                owner: owner.clone(),
                 what: format!("{wanted} bytes (the limit is {limit})"),
                 flag: "--shm-max-bytes",
             });
@@ -122,24 +170,18 @@ impl QuotaCharge {
     /// Gives back `bytes` of the charge.
     fn shrink_by(&mut self, bytes: u64) {
         let freed = bytes.min(self.bytes);
-        let mut held = self.quotas.lock();
-        if let Some(entry) = held.get_mut(&self.owner) {
+        let mut held = self.set.quotas.lock();
+        if let Some(entry) = held.get_mut(&self.set.owner) {
             entry.1 = entry.1.saturating_sub(freed);
         }
+        Quotas::tidy(&mut held, &self.set.owner);
         self.bytes -= freed;
     }
 }
 
 impl Drop for QuotaCharge {
     fn drop(&mut self) {
-        let mut held = self.quotas.lock();
-        if let Some(entry) = held.get_mut(&self.owner) {
-            entry.0 = entry.0.saturating_sub(1);
-            entry.1 = entry.1.saturating_sub(self.bytes);
-            if entry.0 == 0 {
-                held.remove(&self.owner);
-            }
-        }
+        self.shrink_by(self.bytes);
     }
 }
 
@@ -187,7 +229,15 @@ impl Write for ChargedFile {
             self.refused = Some(error);
             return Err(std::io::Error::other(message));
         }
-        let written = self.file.write(buf)?;
+        let written = match self.file.write(buf) {
+            Ok(written) => written,
+            Err(error) => {
+                let refused = io_failure("writing the file", &error);
+                let message = refused.to_string();
+                self.refused = Some(refused);
+                return Err(std::io::Error::new(error.kind(), message));
+            }
+        };
         self.written += written as u64;
         Ok(written)
     }
@@ -225,7 +275,7 @@ impl SharedFileWriter {
             c"gpu-flight-shm-read",
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
-        .map_err(|e| StoreError::SharedMemory(format!("memfd_create: {e}")))?;
+        .map_err(|e| os_failure("memfd_create", e))?;
         let charged = ChargedFile {
             file: std::fs::File::from(fd),
             written: 0,
@@ -255,14 +305,15 @@ impl SharedFileWriter {
             .into_inner()
             .map_err(|e| StoreError::SharedMemory(format!("ending the file: {e}")))?
             .into_inner()
-            .map_err(|e| StoreError::SharedMemory(format!("ending the file: {}", e.error())))?;
+            .map_err(|e| {
+                let error = io_failure("ending the file", e.error());
+                e.into_inner().get_mut().refused.take().unwrap_or(error)
+            })?;
         fcntl(
             &charged.file,
+            // Not F_SEAL_SHRINK: the server truncates the file when its lease ends.
             FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_WRITE
-                    | SealFlag::F_SEAL_SHRINK
-                    | SealFlag::F_SEAL_GROW
-                    | SealFlag::F_SEAL_SEAL,
+                SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
             ),
         )
         .map_err(|e| StoreError::SharedMemory(format!("sealing the file: {e}")))?;
@@ -310,6 +361,55 @@ impl StagedFile {
     pub(crate) fn share(&self) -> Result<OwnedFd, StoreError> {
         self.fd
             .try_clone()
-            .map_err(|e| StoreError::SharedMemory(format!("duplicating the descriptor: {e}")))
+            .map_err(|e| io_failure("duplicating the descriptor", &e))
+    }
+}
+
+impl Drop for StagedFile {
+    /// Revokes the file: its pages go now, whoever else holds the descriptor or maps it.
+    fn drop(&mut self) {
+        if let Err(error) = nix::unistd::ftruncate(&self.fd, 0) {
+            tracing::warn!(%error, bytes = self.bytes, "a shared-memory file could not be revoked");
+        }
+    }
+}
+
+/// What the OS refusing `what` with `errno` is: out of memory or descriptors is a resource
+/// running out, anything else a failure.
+fn os_failure(what: &str, errno: Errno) -> StoreError {
+    let message = format!("{what}: {errno}");
+    match errno {
+        Errno::ENOMEM | Errno::ENOSPC | Errno::EMFILE | Errno::ENFILE => {
+            StoreError::SharedMemoryExhausted(message)
+        }
+        _ => StoreError::SharedMemory(message),
+    }
+}
+
+fn io_failure(what: &str, error: &std::io::Error) -> StoreError {
+    match error.raw_os_error() {
+        Some(code) => os_failure(what, Errno::from_raw(code)),
+        None => StoreError::SharedMemory(format!("{what}: {error}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_out_of_memory_or_descriptors_is_exhaustion() {
+        for errno in [Errno::ENOMEM, Errno::ENOSPC, Errno::EMFILE, Errno::ENFILE] {
+            let error = io_failure(
+                "memfd_create",
+                &std::io::Error::from_raw_os_error(errno as i32),
+            );
+            assert!(
+                matches!(error, StoreError::SharedMemoryExhausted(_)),
+                "{errno}: {error}"
+            );
+        }
+        let other = os_failure("sealing the file", Errno::EINVAL);
+        assert!(matches!(other, StoreError::SharedMemory(_)), "{other}");
     }
 }

@@ -77,7 +77,7 @@ pub use options::{Durability, PutMode, StoreOptions, default_host_memory_limit};
 pub use progress::PutProgress;
 pub use put::{PendingPut, PutSummary, Upload};
 pub use relocate::{CopySummary, MoveSummary};
-pub use shared::{ClaimedFile, ShareTerms, SharedGrant};
+pub use shared::{ClaimedFile, FileSetWriter, ShareTerms, SharedGrant};
 pub use slot::{StoredPartition, Tier};
 pub use status::{DeviceStatus, LeaseStatus, PersistenceStatus, StoreStatus, TierStatus};
 
@@ -379,24 +379,24 @@ impl Store {
         self.exporter.export(request).await
     }
 
-    /// A new shared-memory file for `owner`'s rows of `schema` (`shm-read`), paid for as it
-    /// is written; fails where `owner` holds `limits.max_files` already.
+    /// A new set of shared-memory files for `owner`'s rows of `schema` (`shm-read`), each
+    /// paid for as it is written; fails where `owner` holds `limits.max_files` sets already.
     pub fn shared_writer(
         &self,
         owner: &str,
         schema: &arrow::datatypes::Schema,
         options: arrow::ipc::writer::IpcWriteOptions,
         limits: &SharedLimits,
-    ) -> Result<SharedFileWriter, StoreError> {
+    ) -> Result<FileSetWriter, StoreError> {
         self.shared.writer(owner, schema, options, limits)
     }
 
-    /// Grants `staged` (rows of `dataset`) as `terms` say, under a lease and a one-time
-    /// token that must be claimed within `limits.token_ttl`.
+    /// Grants `staged` (rows of `dataset`, in files read in this order) as `terms` say, under
+    /// a lease and a one-time token that must be claimed within `limits.token_ttl`.
     pub fn grant_shared(
         &self,
         dataset: &Dataset,
-        staged: StagedFile,
+        staged: Vec<StagedFile>,
         terms: ShareTerms,
         limits: &SharedLimits,
     ) -> Result<SharedGrant, StoreError> {
@@ -406,6 +406,24 @@ impl Store {
     /// The shared-memory file `token` opens for user `uid`, once.
     pub fn claim_shared(&self, token: &str, uid: Option<u32>) -> Result<ClaimedFile, StoreError> {
         self.shared.claim(token, uid)
+    }
+
+    /// Extends lease `id`, which `owner` must hold, to end `duration` from now (`None`: as
+    /// long as it was last granted for).
+    pub fn renew_lease(
+        &self,
+        id: &str,
+        owner: &str,
+        duration: Option<Duration>,
+    ) -> Result<Lease, StoreError> {
+        self.leases.extend(id, duration, |lease| {
+            if lease.owner != owner {
+                return Err(StoreError::LeaseNotYours {
+                    lease: id.to_owned(),
+                });
+            }
+            Ok(())
+        })
     }
 
     /// Ends lease `id`. Memory that only the lease held is freed.

@@ -6,7 +6,8 @@
 //! read it is decided by who holds a token, not by file permissions.
 //!
 //! The file lives under a lease in the store's [`Leases`], like an `ipc-export`'s memory, and
-//! goes with it: on `ipc-release`, or on expiry. Until its token is claimed the lease runs only
+//! goes with it: on `ipc-release`, or on expiry (`lease-renew` extends it), and is revoked then
+//! (`memfile`). Until its token is claimed the lease runs only
 //! as long as the token is valid, so a file nobody comes for is freed when its token expires;
 //! a claim extends it to the lease the caller asked for.
 
@@ -62,12 +63,41 @@ pub struct SharedGrant {
     pub rows: u64,
 }
 
-/// A claimed token: the file's descriptor and its lease.
+/// A claimed token: the descriptors of its files, in order, and its lease.
 #[derive(Debug)]
 pub struct ClaimedFile {
-    pub fd: OwnedFd,
+    pub fds: Vec<OwnedFd>,
     pub lease: String,
+    /// The files' sizes, together.
     pub bytes: u64,
+}
+
+/// The writers of one `shm-read`'s files: one set on its principal's quota (`--shm-max-files`
+/// counts reads, not files), each file on the memory budget as it is written.
+pub struct FileSetWriter {
+    tiers: Arc<Tiers>,
+    quota: QuotaCharge,
+    schema: Schema,
+    options: IpcWriteOptions,
+}
+
+impl std::fmt::Debug for FileSetWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileSetWriter").finish_non_exhaustive()
+    }
+}
+
+impl FileSetWriter {
+    /// A new file of the set.
+    pub fn file(&self) -> Result<SharedFileWriter, StoreError> {
+        let reservation = self.tiers.reserve_host_copy(0)?;
+        SharedFileWriter::create(
+            reservation,
+            self.quota.another(),
+            &self.schema,
+            self.options.clone(),
+        )
+    }
 }
 
 /// The shared-memory files of a store: the quotas, and the tokens not yet claimed.
@@ -94,25 +124,29 @@ impl SharedFiles {
         self.tokens.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A new file for `owner`'s rows of `schema`, written as `options` say; fails where
-    /// `owner` holds `limits.max_files` already.
+    /// A new set of files for `owner`'s rows of `schema`, written as `options` say; fails
+    /// where `owner` holds `limits.max_files` sets already.
     pub(crate) fn writer(
         &self,
         owner: &str,
         schema: &Schema,
         options: IpcWriteOptions,
         limits: &SharedLimits,
-    ) -> Result<SharedFileWriter, StoreError> {
-        let quota = QuotaCharge::open(&self.quotas, owner, limits)?;
-        let reservation = self.tiers.reserve_host_copy(0)?;
-        SharedFileWriter::create(reservation, quota, schema, options)
+    ) -> Result<FileSetWriter, StoreError> {
+        Ok(FileSetWriter {
+            tiers: Arc::clone(&self.tiers),
+            quota: QuotaCharge::open(&self.quotas, owner, limits)?,
+            schema: schema.clone(),
+            options,
+        })
     }
 
-    /// Grants `staged` (rows of `dataset`) as `terms` say, under a lease and a new token.
+    /// Grants `staged` (rows of `dataset`, in files read in this order) as `terms` say, under
+    /// a lease and a new token.
     pub(crate) fn grant(
         &self,
         dataset: &Dataset,
-        staged: StagedFile,
+        staged: Vec<StagedFile>,
         terms: ShareTerms,
         limits: &SharedLimits,
     ) -> Result<SharedGrant, StoreError> {
@@ -126,7 +160,8 @@ impl SharedFiles {
         getrandom::fill(&mut token)
             .map_err(|e| StoreError::SharedMemory(format!("no randomness for the token: {e}")))?;
         let token = hex::encode(token);
-        let (bytes, rows) = (staged.bytes, staged.rows);
+        let bytes = staged.iter().map(|file| file.bytes).sum();
+        let rows = staged.iter().map(|file| file.rows).sum();
         let ttl = limits.token_ttl.min(lease_duration);
         let terms = LeaseTerms {
             columns,
@@ -200,9 +235,12 @@ impl SharedFiles {
             .map_err(|_| unknown())?;
         let staged = lease.terms.staged.as_ref().ok_or_else(unknown)?;
         Ok(ClaimedFile {
-            fd: staged.share()?,
+            fds: staged
+                .iter()
+                .map(StagedFile::share)
+                .collect::<Result<_, _>>()?,
             lease: lease.id.clone(),
-            bytes: staged.bytes,
+            bytes: lease.terms.staged_bytes(),
         })
     }
 }

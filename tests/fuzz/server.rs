@@ -80,6 +80,8 @@ pub(crate) fn serve_options() -> ServeOptions {
                     token_ttl: Duration::from_millis(200),
                     ..SharedLimits::default()
                 },
+                // Several files a read, whatever the machine.
+                writers: Some(3),
             },
             ..FlightOptions::default()
         },

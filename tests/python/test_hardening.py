@@ -727,6 +727,7 @@ def test_json_arrays_are_not_objects(make_server):
             ("drop", b'["t"]'),
             ("ipc-export", b'["t"]'),
             ("ipc-release", b'["lease"]'),
+            ("lease-renew", b'["lease"]'),
         ]:
             with raises_code("INVALID_ARGUMENT", JSON_SHAPE):
                 list(client.do_action(flight.Action(action_type, body)))

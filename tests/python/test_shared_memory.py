@@ -5,6 +5,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 
 import gpu_flight
 import numpy as np
@@ -25,7 +26,10 @@ def settle(server, baseline):
 
 @pytest.fixture
 def shared(make_server, tmp_path):
-    return make_server("--shm-socket", str(tmp_path / "shm.sock"))
+    # Reads of more than 1,000 rows come in several batches, so in several files (up to 3).
+    return make_server(
+        "--shm-socket", str(tmp_path / "shm.sock"), "--shm-writers", "3", "--rows-per-endpoint", "1000"
+    )
 
 
 def mapped_ranges():
@@ -67,6 +71,7 @@ def test_rows_match_get_and_lie_in_the_mapping(shared):
         assert got.equals(client.get(name))
         assert got.equals(table)
         assert_zero_copy(got)
+        assert len(mapped_ranges()) == 3, "five batches in three files"
         assert len(leases(shared)) == 1
         assert leases(shared)[0]["staged_bytes"] > 0
         # A column taken from the table keeps the mapping and the lease.
@@ -106,6 +111,47 @@ def test_a_server_without_the_socket_refuses(server):
         client.put(name, pa.table({"a": [1, 2, 3]}))
         with pytest.raises(pa.ArrowException, match="--shm-socket"):
             client.read_shared(name)
+
+
+def test_a_table_outlives_a_short_lease_because_it_is_renewed(shared):
+    table = pa.table({"a": np.arange(100_000), "b": np.arange(100_000) * 0.5})
+    with gpu_flight.connect(shared.location) as client:
+        name = unique()
+        client.put(name, table)
+        baseline = shared.used_bytes()
+        got = client.read_shared(name, lease_seconds=2)
+        charged = leases(shared)[0]["staged_bytes"]
+        assert charged > 0
+        time.sleep(5)
+        # Checked before the table is read: a revoked file's pages fault (SIGBUS) when read.
+        held = leases(shared)
+        assert len(held) == 1, "renewed past its two seconds"
+        assert held[0]["staged_bytes"] == charged
+        assert shared.used_bytes() >= baseline + charged, "still charged"
+        assert got.equals(table)
+        del got
+        settle(shared, baseline)
+        assert mapped_ranges() == []
+
+
+def test_a_lease_is_renewed_only_while_held(tmp_path):
+    from gpu_flight import _lease
+
+    renewals = []
+    lease = _lease._Lease(lambda _lease: None, "l" * 32)
+    lease.keep_renewed(lambda lease_id, seconds: renewals.append((lease_id, seconds)), 2)
+    lease.renew_if_due(time.monotonic())
+    assert renewals == [], "not due before half its term"
+    lease.renew_if_due(time.monotonic() + 1.1)
+    assert renewals == [("l" * 32, 2)]
+
+    def gone(lease_id, seconds):
+        raise KeyError(lease_id)
+
+    lease.keep_renewed(gone, 2)
+    lease.renew_if_due(time.monotonic() + 5)
+    assert lease.renewal_due() is None, "NOT_FOUND stops the renewals"
+    lease.end_at_exit()
 
 
 CONSUMER = """
@@ -152,10 +198,12 @@ def fake_side_channel(path, answers):
                 with connection:
                     received.append(connection.recv(128))
                     if answer.startswith("ok"):
-                        read, write = os.pipe()
-                        socket.send_fds(connection, [answer.encode() + b"\n"], [read])
-                        os.close(read)
-                        os.close(write)
+                        words = answer.split()
+                        pipes = [os.pipe() for _ in range(int(words[2]) if len(words) == 3 else 1)]
+                        socket.send_fds(connection, [answer.encode() + b"\n"], [r for r, _ in pipes])
+                        for pipe in pipes:
+                            os.close(pipe[0])
+                            os.close(pipe[1])
                     else:
                         connection.sendall(answer.encode() + b"\n")
 
@@ -169,13 +217,21 @@ def test_a_busy_side_channel_is_asked_again_and_a_refusal_is_not(tmp_path):
 
     busy = "error busy: too many connections at once; try again"
     thread, received = fake_side_channel(str(tmp_path / "a.sock"), [busy, busy, "ok 3"])
-    fd = _shared._receive_fd(str(tmp_path / "a.sock"), "t" * 64)
-    os.close(fd)
+    fds = _shared._receive_fds(str(tmp_path / "a.sock"), "t" * 64)
+    assert len(fds) == 1
+    os.close(fds[0])
     thread.join(5)
     assert received == [b"t" * 64 + b"\n"] * 3
 
+    thread, received = fake_side_channel(str(tmp_path / "c.sock"), ["ok 6 2"])
+    fds = _shared._receive_fds(str(tmp_path / "c.sock"), "v" * 64)
+    assert len(fds) == 2, "every file's descriptor"
+    for fd in fds:
+        os.close(fd)
+    thread.join(5)
+
     thread, received = fake_side_channel(str(tmp_path / "b.sock"), ["error no such token"])
     with pytest.raises(pa.ArrowInvalid, match="no such token"):
-        _shared._receive_fd(str(tmp_path / "b.sock"), "u" * 64)
+        _shared._receive_fds(str(tmp_path / "b.sock"), "u" * 64)
     thread.join(5)
     assert len(received) == 1

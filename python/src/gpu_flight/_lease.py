@@ -7,6 +7,10 @@ a consumer's release callback, which may come in the middle of anything, the pac
 locks included), but on a lease thread of its own, or at once in `Export.close()` and
 `Client.export()`. At interpreter exit every lease still held is released; a forked child
 leaves its parent's alone.
+
+A lease may also be kept renewed while it is held (`_Lease.keep_renewed`): a shared-memory
+read's file is revoked by the server when its lease ends, so a table still alive must not
+outlive it. The same thread renews such leases once about half their term has passed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -31,6 +36,16 @@ log = logging.getLogger("gpu_flight")
 RELEASE_SECONDS = 5.0
 """The longest an `ipc-release` may take: it runs at exit and on the lease thread, where a
 server that does not answer must not hold the process (the lease then expires)."""
+
+
+def _renew(client: Client, lease: str, seconds: int) -> None:
+    """Extends `lease` by `seconds`; `KeyError` where it has ended (NOT_FOUND)."""
+    try:
+        client._action(
+            "lease-renew", {"lease": lease, "lease_seconds": seconds}, timeout=RELEASE_SECONDS, reconnect=True
+        )
+    except pa.ArrowKeyError as error:
+        raise KeyError(lease) from error
 
 
 def _release(client: Client, lease: str) -> None:
@@ -61,7 +76,44 @@ class _Lease:
         self.done = threading.Event()  # set once end() has run
         self.mappings: list[tuple[bytes, int]] = []
         self.events: dict[int, _cuda.Event] = {}
+        # Renewal (`keep_renewed`): how, for how long each time, and when next (monotonic).
+        self._renew: Optional[Callable[[str, int], None]] = None
+        self.term = 0
+        self.renew_at = 0.0
         _live_leases.add(self)
+
+    def keep_renewed(self, renew: Callable[[str, int], None], term: int) -> None:
+        """Has the lease thread renew the lease by `term` seconds, once about half of it has
+        passed each time, for as long as it is held."""
+        self._renew = renew
+        self.term = term
+        self.renew_at = time.monotonic() + term / 2
+        _ending.put(None)  # wakes the lease thread to plan the renewal
+
+    def renew_if_due(self, now: float) -> None:
+        """Renews the lease if it is kept renewed, held, and due; stops renewing it once the
+        server says it has ended."""
+        renew = self._renew
+        if renew is None or self.ended or now < self.renew_at or os.getpid() != self._pid:
+            return
+        try:
+            renew(self.lease, self.term)
+        except KeyError:
+            if not self.ended:
+                log.warning("lease %s ended on the server while held; no longer renewed", self.lease)
+            self._renew = None
+            return
+        except pa.ArrowException as error:
+            log.warning("lease %s was not renewed (%s); trying again", self.lease, error)
+            self.renew_at = time.monotonic() + max(self.term / 8, 0.25)
+            return
+        self.renew_at = now + self.term / 2
+
+    def renewal_due(self) -> Optional[float]:
+        """When the lease is next to be renewed (monotonic), if it is kept renewed."""
+        if self._renew is None or self.ended or os.getpid() != self._pid:
+            return None
+        return self.renew_at
 
     def acquire(self) -> None:
         with self._lock:
@@ -130,7 +182,8 @@ class _Lease:
 
 
 _live_leases: weakref.WeakSet[_Lease] = weakref.WeakSet()
-_ending: queue.SimpleQueue[_Lease] = queue.SimpleQueue()
+_ending: queue.SimpleQueue[Optional[_Lease]] = queue.SimpleQueue()
+"""Leases to end; `None` only wakes the lease thread (a renewal to plan)."""
 _ender: Optional[threading.Thread] = None
 _ender_pid = 0
 
@@ -142,12 +195,34 @@ def end_pending() -> None:
             lease = _ending.get_nowait()
         except queue.Empty:
             return
-        lease.end()
+        if lease is not None:
+            lease.end()
+
+
+def _renew_due() -> Optional[float]:
+    """Renews the leases that are due; returns the seconds until the next is, if any is kept
+    renewed."""
+    now = time.monotonic()
+    upcoming = []
+    for lease in list(_live_leases):
+        try:
+            lease.renew_if_due(now)
+        except Exception:  # the thread must outlive any one lease
+            log.exception("renewing lease %s", lease.lease)
+        due = lease.renewal_due()
+        if due is not None:
+            upcoming.append(due)
+    return max(min(upcoming) - time.monotonic(), 0.0) if upcoming else None
 
 
 def _end_leases_forever() -> None:
     while True:
-        lease = _ending.get()
+        try:
+            lease = _ending.get(timeout=_renew_due())
+        except queue.Empty:
+            continue
+        if lease is None:
+            continue
         try:
             lease.end()
         except Exception:  # the thread must outlive any one lease
@@ -167,9 +242,11 @@ def _start_lease_thread() -> None:
 def _release_leases_at_exit() -> None:
     while True:  # leases queued to end: released only; the mappings die with the process
         try:
-            _ending.get_nowait().end(unmap=False)
+            lease = _ending.get_nowait()
         except queue.Empty:
             break
+        if lease is not None:
+            lease.end(unmap=False)
     for lease in list(_live_leases):
         lease.end_at_exit()
 

@@ -1,15 +1,19 @@
 """Shared-memory reads (`Client.read_shared`): a dataset's rows as an Arrow IPC file in the
 server's shared memory, mapped into this process without a copy.
 
-The server's `shm-read` action stages the rows in a sealed memory file and answers a one-time
-token and the path of its side-channel socket (docs/protocol.md). The token, sent there, brings
-back the file's descriptor (`SCM_RIGHTS`), which is mapped read-only with `pyarrow.memory_map`;
-the table's buffers point into that mapping.
+The server's `shm-read` action stages the rows in sealed memory files (several, written at once:
+batch `i` of the read is in file `i % K`) and answers a one-time token and the path of its
+side-channel socket (docs/protocol.md). The token, sent there, brings back the files'
+descriptors (`SCM_RIGHTS`), each mapped read-only with `pyarrow.memory_map`; the table's batches
+are those of the files, interleaved back into the read's order, their buffers pointing into the
+mappings.
 
 Lifetime. The lease ends (`ipc-release`, on the package's lease thread) once nothing taken from
 the table is alive: the mapping's buffer holds the lease as a user (`_lease._Held`), and every
-buffer of the table holds the mapping. The server bounds it all: after `lease_seconds` it
-forgets the file (the mapping stays readable: pages stay until they are unmapped).
+buffer of the table holds the mapping. Until then the lease thread renews it (`lease-renew`)
+each time about half of `lease_seconds` has passed: the server revokes the file when the lease
+ends, and a mapping of a revoked file faults (SIGBUS) when read. A process that dies or hangs
+stops renewing, so its file goes at most `lease_seconds` later.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import pyarrow as pa
 
 from ._documents import parse
-from ._lease import _Held, _Lease, _release, _start_lease_thread, end_pending
+from ._lease import _Held, _Lease, _release, _renew, _start_lease_thread, end_pending
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -33,10 +37,13 @@ DEFAULT_LEASE_SECONDS = 300
 SIDE_CHANNEL_SECONDS = 10.0
 """The longest the side channel's exchange may take."""
 MAX_ANSWER_BYTES = 4096
+MAX_FILES = 64
+"""The most descriptors a claim may bring (the server sends at most 8)."""
 
 
 class _Mapping(_Held):
-    """A shared-memory file mapped here: keeps the lease while any buffer of it is alive."""
+    """A shared-memory file mapped here: keeps the lease while any buffer of it is alive (and
+    the lease thread renews it meanwhile)."""
 
     def __init__(self, lease: _Lease, mapped: pa.MemoryMappedFile, whole: pa.Buffer) -> None:
         super().__init__(lease)
@@ -49,21 +56,22 @@ BUSY_RETRIES = 20
 time: its connections time out after 2 s, well inside a token's life."""
 
 
-def _receive_fd(path: str, token: str) -> int:
-    """Trades `token` for the file's descriptor on the side channel at `path`, trying again
-    while the channel is busy (a busy answer does not spend the token)."""
+def _receive_fds(path: str, token: str) -> list[int]:
+    """Trades `token` for the files' descriptors on the side channel at `path`, in order,
+    trying again while the channel is busy (a busy answer does not spend the token)."""
     for attempt in range(BUSY_RETRIES):
-        text, fd = _exchange(path, token)
-        if fd is not None:
-            return fd
+        text, fds = _exchange(path, token)
+        if fds is not None:
+            return fds
         if not text.startswith("error busy"):
             break
         time.sleep(0.1 * (attempt + 1))
     raise pa.ArrowInvalid(f"the server's shared-memory side channel refused: {text or 'no answer'}")
 
 
-def _exchange(path: str, token: str) -> tuple[str, Optional[int]]:
-    """One exchange on the side channel: its answer, and the descriptor where it sent one."""
+def _exchange(path: str, token: str) -> tuple[str, Optional[list[int]]]:
+    """One exchange on the side channel: its answer, and the descriptors where it sent them
+    (`ok <bytes> <files>`, as many as it says)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as side:
         side.settimeout(SIDE_CHANNEL_SECONDS)
         side.connect(path)
@@ -71,17 +79,19 @@ def _exchange(path: str, token: str) -> tuple[str, Optional[int]]:
         answer = b""
         fds: list[int] = []
         while not answer.endswith(b"\n") and len(answer) < MAX_ANSWER_BYTES:
-            data, received, _flags, _address = socket.recv_fds(side, MAX_ANSWER_BYTES, 1)
+            data, received, _flags, _address = socket.recv_fds(side, MAX_ANSWER_BYTES, MAX_FILES)
             fds.extend(received)
             if not data:
                 break
             answer += data
     text = answer.decode(errors="replace").strip()
-    if not text.startswith("ok ") or len(fds) != 1:
+    words = text.split()
+    files = int(words[2]) if len(words) == 3 and words[2].isdigit() else 1
+    if words[:1] != ["ok"] or not fds or len(fds) != files:
         for fd in fds:
             os.close(fd)
         return text, None
-    return text, fds[0]
+    return text, fds
 
 
 def read_shared(
@@ -104,16 +114,43 @@ def read_shared(
     document = parse(client._action("shm-read", body), "shm-read")
     lease = _Lease(functools.partial(_release, client), document["lease"])
     try:
-        fd = _receive_fd(document["socket"], document["token"])
+        fds = _receive_fds(document["socket"], document["token"])
         try:
-            mapped = pa.memory_map(f"/proc/self/fd/{fd}", "r")
+            files = [_read_file(lease, fd) for fd in fds]
         finally:
-            os.close(fd)
-        whole = mapped.read_buffer()
-        # The table's buffers are slices of this one, whose base keeps the mapping and the lease.
-        holder = _Mapping(lease, mapped, whole)
-        shared = pa.foreign_buffer(whole.address, whole.size, base=holder)
-        table = pa.ipc.open_file(shared).read_all()
+            for fd in fds:
+                os.close(fd)
+        schema = files[0].schema
+        readers = [iter(file) for file in files]
+        count = sum(len(file) for file in files)
+        # Batch i of the read is batch i // K of file i % K (`order`: round-robin).
+        batches = [next(readers[i % len(readers)]) for i in range(count)]
+        table = pa.Table.from_batches(batches, schema=schema)
+        lease.keep_renewed(functools.partial(_renew, client), int(document["lease_seconds"]))
     finally:
         lease.release()  # this call's own use; the mapping's, if any, keeps the lease
     return table
+
+
+class _File:
+    """The batches of one shared-memory file, mapped here."""
+
+    def __init__(self, reader: pa.ipc.RecordBatchFileReader) -> None:
+        self.schema = reader.schema
+        self.batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        return iter(self.batches)
+
+
+def _read_file(lease: _Lease, fd: int) -> _File:
+    """Maps the file `fd` opens, read-only, and reads its batches without a copy."""
+    mapped = pa.memory_map(f"/proc/self/fd/{fd}", "r")
+    whole = mapped.read_buffer()
+    # The batches' buffers are slices of this one, whose base keeps the mapping and the lease.
+    holder = _Mapping(lease, mapped, whole)
+    shared = pa.foreign_buffer(whole.address, whole.size, base=holder)
+    return _File(pa.ipc.open_file(shared))

@@ -276,6 +276,7 @@ impl UnaryRig {
             "ipc-export",
             "ipc-export",
             "ipc-release",
+            "lease-renew",
             "shm-read",
             "shm-read",
             "ipc-import",
