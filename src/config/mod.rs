@@ -375,7 +375,6 @@ impl ServeArgs {
                     ..crate::store::SharedLimits::default()
                 },
             },
-            ..FlightOptions::default()
         }
     }
 
