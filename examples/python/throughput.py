@@ -12,7 +12,7 @@ Arrow bytes all clients moved divided by the time from the first start to the la
 GB/s (1e9 bytes), best of `--repeat`. DoGet: every client reads the whole dataset (`--mib`) in
 one stream. DoPut: every client puts its own table of `--mib`. The raw ceiling moves `--mib`
 per connection through a bare socket (one write and one read copy, no framing): the most any
-server could do with these clients. The last column is the CPU each client process and the
+server could do with these clients. The CPU columns are what each client process and the
 server kept busy during the best run, in cores (from /proc): a client near 1.0 is its own
 limit, whatever the server does. Nothing else should run on the machine meanwhile.
 
@@ -24,6 +24,21 @@ so one run measures both side by side; puts go to the first encoder's server onl
 
     python3 examples/python/throughput.py --backends host,cuda --clients 8,16 --mib 1024 \
         --ops get --doget-encoders framed,plain
+
+`--server-variants` starts one server per backend and variant, the variants differing only in
+extra flags (the hidden tuning flags: `--h2-max-frame-bytes`, `--h2-stream-window-bytes`,
+`--h2-connection-window-bytes`, `--h2-adaptive-window`, `--read-chunk-bytes`,
+`--read-prefetch`, `--doget-encode-ahead`, `--put-pipeline-depth`) and leading `NAME=value`
+environment settings (`TOKIO_WORKER_THREADS=8`), so that one run A/Bs them all:
+
+    python3 examples/python/throughput.py --backends host,cuda --clients 8,16 --mib 1024 \
+        --server-variants 'base=;prefetch4=--read-prefetch 4;w8=TOKIO_WORKER_THREADS=8'
+
+Every server is a row of its own: GB/s, and its ratio to pyarrow's; the CPU cores each client
+and the server kept busy; the server's CPU seconds per GB, and their ratio to pyarrow's; and,
+for gpu-flight, where its streams' time went per GB (the `stages` of its `status`: for DoGet
+waiting for the backend's chunks, encoding, waiting for the client; for DoPut waiting for the
+client's messages, decoding, uploading), summed over the streams, in seconds per GB.
 """
 
 import argparse
@@ -48,8 +63,9 @@ ROOT = HERE.parents[1]
 class Process:
     """A child that announces itself on its first line of standard output."""
 
-    def __init__(self, argv, pattern):
-        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv, pattern, env=None):
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, **env} if env else None)
         line = self.process.stdout.readline()
         match = re.search(pattern, line)
         if not match:
@@ -94,15 +110,17 @@ class Rate(float):
         return self
 
 
-def run_together(argvs, server_pid):
+def run_together(argvs, server_pid, probe=None):
     """Starts every process, waits until all are ready, says go, and returns the aggregate
-    GB/s from their reports, with the CPU the clients and the server used meanwhile."""
+    GB/s from their reports, with the CPU the clients and the server used meanwhile and, given a
+    `probe` (a function returning a dict of counters), how much each counter grew per GB."""
     processes = [subprocess.Popen(a, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for a in argvs]
     try:
         for p in processes:
             line = p.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"a client said {line!r} instead of ready: {' '.join(argvs[0])}")
+        counted = probe() if probe else {}
         client_cpu = [cpu_seconds(p.pid) for p in processes]
         server_cpu = cpu_seconds(server_pid)
         for p in processes:
@@ -116,13 +134,33 @@ def run_together(argvs, server_pid):
                 raise RuntimeError(f"a client failed: {' '.join(argvs[0])}")
             reports.append(json.loads(line))
         server_cpu = cpu_seconds(server_pid) - server_cpu
+        if probe:
+            counted = {k: v - counted.get(k, 0) for k, v in probe().items()}
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
     seconds = max(r["end"] for r in reports) - min(r["start"] for r in reports)
-    return Rate(sum(r["bytes"] for r in reports) / seconds / 1e9,
-                sum(client_cpu) / seconds / len(processes), server_cpu / seconds)
+    gb = sum(r["bytes"] for r in reports) / 1e9
+    rate = Rate(gb / seconds, sum(client_cpu) / seconds / len(processes), server_cpu / seconds)
+    rate.per_gb = {k: v / gb for k, v in counted.items()}
+    return rate
+
+
+STAGES = {"get": ("doget", ["staging", "encode", "send_wait"]),
+          "put": ("put", ["receive_wait", "decode", "upload"])}
+
+
+def stage_probe(location, op):
+    """Reads the stage seconds of `op` from a gpu-flight server's `status`."""
+    key, names = STAGES[op]
+
+    def probe():
+        with connect(location) as client:
+            document = json.loads(next(iter(client.do_action(flight.Action("status", b"")))).body.to_pybytes())
+        stages = document.get("stages", {}).get(key, {})
+        return {name: stages.get(f"{name}_seconds", float("nan")) for name in names}
+    return probe
 
 
 def best(args, measure):
@@ -146,6 +184,9 @@ def main():
     parser.add_argument("--server", default=str(ROOT / "target" / "release" / "gpu-flight"))
     parser.add_argument("--rust-client", default=str(ROOT / "target" / "release" / "examples" / "flight_client"))
     parser.add_argument("--server-args", default="", help="more gpu-flight flags, e.g. '--max-message-bytes 8MiB'")
+    parser.add_argument("--server-variants", default="", metavar="NAME=FLAGS[;NAME=FLAGS...]",
+                        help="one server per backend and variant, each with these extra flags (and leading "
+                             "VAR=value environment settings), e.g. 'base=;big=--h2-max-frame-bytes 4MiB'")
     parser.add_argument("--compare", metavar="BINARY[,BINARY...]", default="",
                         help="other gpu-flight builds (e.g. an earlier commit's) to run beside --server, "
                              "TCP only, each labelled with its file name")
@@ -154,28 +195,35 @@ def main():
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="gpu-flight-bench-"))
 
     encoders = args.doget_encoders.split(",")
+    variants = [v.split("=", 1) for v in args.server_variants.split(";") if v.strip()] or [["", ""]]
     # targets: (label, location, is gpu-flight, server pid, takes puts)
     servers, targets = [], []
     try:
-        builds = [("", args.server, encoder) for encoder in encoders]
-        builds += [(f" ({pathlib.Path(b).name})", b, None) for b in args.compare.split(",") if b]
+        # (label suffix, binary, encoder, extra argv, extra environment, takes puts)
+        builds = []
+        for name, flags in variants:
+            env, extra = {}, shlex.split(flags)
+            while extra and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", extra[0]):
+                key, value = extra.pop(0).split("=", 1)
+                env[key] = value
+            for encoder in encoders:
+                suffix = (f" {name.strip()}" if name.strip() else "") + (f" {encoder}" if len(encoders) > 1 else "")
+                builds.append((suffix, args.server, encoder, extra, env, encoder == encoders[0]))
+        builds += [(f" ({pathlib.Path(b).name})", b, None, [], {}, True) for b in args.compare.split(",") if b]
         for backend in args.backends.split(","):
-            for suffix, binary, encoder in builds:
+            for suffix, binary, encoder, extra, env, puts in builds:
                 sock = scratch / f"{backend}{len(servers)}.sock"
                 chosen = ["--doget-encoder", encoder] if encoder else []
                 server = Process([binary, "serve", "--backend", backend, "--listen", "127.0.0.1:0",
                                   "--listen", f"unix://{sock}", "--max-put-message-bytes", "2GiB",
-                                  *chosen, *shlex.split(args.server_args)],
-                                 r"serving on (grpc://\S+) \(backend: (\w+)\)")
+                                  *chosen, *shlex.split(args.server_args), *extra],
+                                 r"serving on (grpc://\S+) \(backend: (\w+)\)", env=env)
                 if server.match.group(2) != backend:
                     raise SystemExit(f"asked for backend {backend}, got {server.match.group(2)}")
                 servers.append(server)
-                if encoder and len(encoders) > 1:
-                    suffix = f" {encoder}"
-                puts = encoder in (None, encoders[0])
                 targets.append((f"gpu-flight {backend}{suffix}", server.match.group(1), True, server.process.pid,
                                 puts))
-                if not args.no_uds and encoder == encoders[0]:
+                if not args.no_uds and encoder == encoders[0] and suffix == builds[0][0]:
                     targets.append((f"gpu-flight {backend}{suffix} uds", f"grpc+unix://{sock}", True,
                                     server.process.pid, True))
         baseline = Process([sys.executable, str(ROOT / "examples" / "pyarrow_server.py")], r"serving on (grpc://\S+)")
@@ -186,11 +234,11 @@ def main():
               f"{args.mib} MiB per client, best of {args.repeat}; GB/s = 1e9 Arrow bytes/s; "
               f"server {args.server} {args.server_args}".rstrip()
               + (f"; compare {args.compare}" if args.compare else "")
+              + (f"; variants {args.server_variants}" if args.server_variants else "")
               + f"; DoGet encoders {args.doget_encoders}", flush=True)
-        print("| table | op | clients | " + " | ".join(t[0] for t in targets)
-              + " | raw TCP | raw UDS | gpu-flight (TCP) / pyarrow, / raw TCP "
-              + "| CPU cores busy: each client / server | server CPU s/GB |")
-        print("|" + " --- |" * (len(targets) + 8))
+        print("| table | op | clients | server | GB/s | GB/s / pyarrow | GB/s / raw TCP | CPU cores: each client | "
+              "server cores | server CPU s/GB | s/GB / pyarrow | stages, s/GB |")
+        print("|" + " --- |" * 12, flush=True)
         raw = {}
         for table in args.tables.split(","):
             for _, location, _, pid, _ in targets:  # the dataset every DoGet client reads, once a server
@@ -200,17 +248,18 @@ def main():
                 for n in clients:
                     figures = []
                     for label, location, ours, pid, puts in targets:
+                        probe = stage_probe(location, op) if ours else None
                         if op == "put" and not puts:
                             figures.append(None)  # the same server as the first encoder's
                         elif op == "get":
                             argvs = [client_argv(args.client, "get", location, f"bench-{table}", args, table)] * n
-                            figures.append(best(args, lambda: run_together(argvs, pid)))
+                            figures.append(best(args, lambda: run_together(argvs, pid, probe)))
                         else:
                             names = [f"put-{i}" for i in range(n)]
 
                             def put_all():
                                 rate = run_together([client_argv(args.client, "put", location, name, args, table)
-                                                     for name in names], pid)
+                                                     for name in names], pid, probe)
                                 drop_names(location, names, ours)
                                 return rate
                             figures.append(best(args, put_all))
@@ -220,25 +269,21 @@ def main():
                             ("127.0.0.1:0", f"unix://{scratch / 'raw.sock'}")]
                     tcp, uds = raw[n]
                     pyarrow = figures[-1]
-                    measured = [(t, f) for t, f in zip(targets, figures) if f is not None]
-                    ratios = "; ".join(f"{label.removeprefix('gpu-flight ')} {f / pyarrow:.2f}x"
-                                       + (f", {f / tcp:.0%}" if tcp else "")
-                                       for (label, location, ours, *_), f in measured
-                                       if ours and not location.startswith("grpc+unix"))
-                    cores = "; ".join(f"{label.removeprefix('gpu-flight ')} {f.client_cores:.2f} / {f.server_cores:.1f}"
-                                      for (label, *_), f in [*measured, *([(("raw TCP",), tcp)] if tcp else [])])
-                    per_gb = "; ".join(f"{label.removeprefix('gpu-flight ')} {f.server_cores / f:.2f}"
-                                       for (label, *_), f in measured)
-                    print(f"| {table} | {op} | {n} | " + " | ".join(number(f) for f in figures)
-                          + f" | {number(tcp)} | {number(uds)} | {ratios} | {cores} | {per_gb} |", flush=True)
+                    rows = [(label, f) for (label, *_), f in zip(targets, figures) if f is not None]
+                    rows += [(name, f) for name, f in (("raw TCP", tcp), ("raw UDS", uds)) if f is not None]
+                    for label, f in rows:
+                        stages = ", ".join(f"{k} {v:.3f}" for k, v in getattr(f, "per_gb", {}).items())
+                        # A tiny run can end within one clock tick of the server's CPU time.
+                        cpu_ratio = (f"{(f.server_cores / f) / (pyarrow.server_cores / pyarrow):.2f}x"
+                                     if pyarrow.server_cores > 0 else "-")
+                        print(f"| {table} | {op} | {n} | {label} | {f:.2f} | {f / pyarrow:.2f}x | "
+                              + (f"{f / tcp:.0%}" if tcp else "-")
+                              + f" | {f.client_cores:.2f} | {f.server_cores:.2f} | {f.server_cores / f:.3f} | "
+                              + f"{cpu_ratio} | " + (stages or "-") + " |", flush=True)
     finally:
         for server in servers:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def number(rate):
-    return "-" if rate is None else f"{rate:.2f}"
 
 
 def drop_names(location, names, ours):

@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::auth::Role;
 use crate::backend::{BackendChoice, GpuSelection};
 use crate::flight::FlightOptions;
-use crate::server::{ConnectionLimits, DoGetEncoder, ServeOptions};
+use crate::server::{ConnectionLimits, DoGetEncoder, Http2Settings, ServeOptions};
 use crate::store::{Durability, StoreOptions};
 
 mod checks;
@@ -295,6 +295,44 @@ pub struct ServeArgs {
     /// measuring one against the other.
     #[arg(long, hide = true, value_enum, default_value = "device")]
     pub filter_on: FilterOn,
+
+    /// Hidden, for measuring the network path: the HTTP/2 settings the server advertises and
+    /// the read pipeline's depths. The worker threads are tokio's `TOKIO_WORKER_THREADS`.
+    #[command(flatten)]
+    pub tuning: TuningArgs,
+}
+
+/// Knobs of the network path, hidden from `--help`: for same-run A/B measurements
+/// (examples/python/throughput.py `--server-variants`), never needed otherwise.
+#[derive(Debug, Clone, Args)]
+pub struct TuningArgs {
+    /// The largest HTTP/2 frame clients may send (SETTINGS_MAX_FRAME_SIZE): 16KiB to 16MiB-1.
+    #[arg(long, hide = true, default_value = "1MiB", value_parser = frame_size)]
+    pub h2_max_frame_bytes: ByteSize,
+    /// Each stream's HTTP/2 receive window (at most 2GiB-1).
+    #[arg(long, hide = true, default_value = "16MiB", value_parser = window_size)]
+    pub h2_stream_window_bytes: ByteSize,
+    /// The connection's HTTP/2 receive window (at most 2GiB-1).
+    #[arg(long, hide = true, default_value = "64MiB", value_parser = window_size)]
+    pub h2_connection_window_bytes: ByteSize,
+    /// hyper's adaptive (BDP-estimating) receive windows instead of the fixed ones.
+    #[arg(long, hide = true)]
+    pub h2_adaptive_window: bool,
+    /// Bytes a DoGet reads from the backend at a time (one device-to-host copy).
+    #[arg(long, hide = true, default_value = "16MiB", value_parser = size)]
+    pub read_chunk_bytes: ByteSize,
+    /// Chunk reads a DoGet keeps in flight ahead of its encoder.
+    #[arg(long, hide = true, default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub read_prefetch: u32,
+    /// DoGet messages encoded ahead of the connection.
+    #[arg(long, hide = true, default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub doget_encode_ahead: u32,
+    /// DoPut batches being uploaded while more are received.
+    #[arg(long, hide = true, default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub put_pipeline_depth: u32,
 }
 
 /// Where filters run (`--filter-on`).
@@ -331,6 +369,10 @@ impl ServeArgs {
             max_request_bytes: bytes(self.max_request_bytes),
             progress_interval: Duration::from_secs(self.progress_seconds),
             filter_on_device: self.filter_on == FilterOn::Device,
+            read_chunk_bytes: self.tuning.read_chunk_bytes.as_u64().max(1),
+            read_prefetch: self.tuning.read_prefetch as usize,
+            doget_encode_ahead: self.tuning.doget_encode_ahead as usize,
+            put_pipeline_depth: self.tuning.put_pipeline_depth as usize,
             // The socket is filled in once the server listens on it (`server::run`).
             shared_memory: crate::flight::SharedMemoryOptions {
                 socket: None,
@@ -341,7 +383,6 @@ impl ServeArgs {
                 },
                 writers: self.shm_writers.map(|n| n as usize),
             },
-            ..FlightOptions::default()
         }
     }
 
@@ -364,6 +405,12 @@ impl ServeArgs {
             keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),
             keepalive_timeout: Duration::from_secs(self.keepalive_timeout_seconds),
             doget_encoder: self.doget_encoder,
+            http2: Http2Settings {
+                stream_window_bytes: window(self.tuning.h2_stream_window_bytes),
+                connection_window_bytes: window(self.tuning.h2_connection_window_bytes),
+                max_frame_bytes: window(self.tuning.h2_max_frame_bytes),
+                adaptive_window: self.tuning.h2_adaptive_window,
+            },
             // Files and the token file are read by `launch::credentials`, which reports their errors.
             ..ServeOptions::default()
         }
@@ -377,6 +424,29 @@ fn size(text: &str) -> Result<ByteSize, String> {
          GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
             .to_owned()
     })
+}
+
+/// An HTTP/2 frame size: what SETTINGS_MAX_FRAME_SIZE may say (RFC 9113, 6.5.2).
+fn frame_size(text: &str) -> Result<ByteSize, String> {
+    let parsed = size(text)?;
+    if !(1 << 14..1 << 24).contains(&parsed.as_u64()) {
+        return Err("an HTTP/2 frame size is 16KiB to 16MiB less one byte".to_owned());
+    }
+    Ok(parsed)
+}
+
+/// An HTTP/2 flow-control window: at most 2^31-1 bytes.
+fn window_size(text: &str) -> Result<ByteSize, String> {
+    let parsed = size(text)?;
+    if parsed.as_u64() > (1 << 31) - 1 {
+        return Err("an HTTP/2 window is at most 2GiB less one byte".to_owned());
+    }
+    Ok(parsed)
+}
+
+/// A size its parser has bounded to 32 bits.
+fn window(size: ByteSize) -> u32 {
+    u32::try_from(size.as_u64()).unwrap_or(u32::MAX)
 }
 
 /// gRPC messages are at most 4 GiB (a 32-bit length prefix).
@@ -402,6 +472,64 @@ mod tests {
         assert_eq!(serve.flight.max_request_bytes, 64 << 10);
         assert_eq!(serve.connections.max_connections, 1000);
         assert_eq!(serve.keepalive_interval, Duration::from_secs(20));
+    }
+
+    #[test]
+    fn hidden_tuning_flags_reach_the_options_and_default_to_the_constants() {
+        let defaults = Cli::parse_from(["gpu-flight"])
+            .into_serve_args()
+            .expect("serve");
+        assert_eq!(defaults.serve_options().http2, Http2Settings::default());
+        let flight = FlightOptions::default();
+        let parsed = defaults.flight_options();
+        assert_eq!(
+            (parsed.read_chunk_bytes, parsed.read_prefetch),
+            (flight.read_chunk_bytes, flight.read_prefetch)
+        );
+        assert_eq!(
+            (parsed.doget_encode_ahead, parsed.put_pipeline_depth),
+            (flight.doget_encode_ahead, flight.put_pipeline_depth)
+        );
+
+        let args = Cli::parse_from([
+            "gpu-flight",
+            "--h2-max-frame-bytes",
+            "4MiB",
+            "--h2-stream-window-bytes",
+            "32MiB",
+            "--h2-connection-window-bytes",
+            "1GiB",
+            "--h2-adaptive-window",
+            "--read-chunk-bytes",
+            "4MiB",
+            "--read-prefetch",
+            "6",
+            "--doget-encode-ahead",
+            "16",
+        ])
+        .into_serve_args()
+        .expect("serve");
+        let http2 = args.serve_options().http2;
+        assert_eq!(http2.max_frame_bytes, 4 << 20);
+        assert_eq!(http2.stream_window_bytes, 32 << 20);
+        assert_eq!(http2.connection_window_bytes, 1 << 30);
+        assert!(http2.adaptive_window);
+        let flight = args.flight_options();
+        assert_eq!(
+            (flight.read_chunk_bytes, flight.read_prefetch),
+            (4 << 20, 6)
+        );
+        assert_eq!(flight.doget_encode_ahead, 16);
+
+        for refused in [
+            ["--h2-max-frame-bytes", "16MiB"],
+            ["--h2-max-frame-bytes", "1KiB"],
+            ["--h2-stream-window-bytes", "2GiB"],
+            ["--read-prefetch", "0"],
+        ] {
+            let parsed = Cli::try_parse_from(["gpu-flight", refused[0], refused[1]]);
+            assert!(parsed.is_err(), "{refused:?}");
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::descriptor::{Compression, DeviceRef, ReadCommand, parse_json_object, parse_name};
 use super::ipc_export::{self, ImportDocument};
+use super::stages::StagesDocument;
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
 use crate::store::{PersistenceStatus, PutMode, StoreStatus, TierStatus};
@@ -461,6 +462,8 @@ pub struct StatusDocument {
     /// Under `--data-dir`; absent otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub persistence: Option<PersistenceStatus>,
+    /// Where streaming time went since the server started (`stages`).
+    pub stages: StagesDocument,
 }
 
 /// How the devices reach each other: the first rung of the transfer-cost hierarchy (same
@@ -523,7 +526,11 @@ pub struct PutDocument {
 }
 
 /// The `status` action's JSON document, as `viewer` may see it.
-pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value, Error> {
+pub fn status_document(
+    status: &StoreStatus,
+    stages: StagesDocument,
+    viewer: &Principal,
+) -> Result<Value, Error> {
     let document = StatusDocument {
         version: env!("CARGO_PKG_VERSION"),
         backend: status.backend,
@@ -586,6 +593,7 @@ pub fn status_document(status: &StoreStatus, viewer: &Principal) -> Result<Value
         },
         tiers: status.tiers.clone(),
         persistence: status.persistence.clone(),
+        stages,
     };
     to_value(&document)
 }
@@ -763,7 +771,12 @@ mod tests {
             role,
         };
         let ids = |viewer: Principal| -> Vec<Value> {
-            let document = status_document(&status, &viewer).expect("document");
+            let document = status_document(
+                &status,
+                crate::flight::stages::Stages::default().document(),
+                &viewer,
+            )
+            .expect("document");
             document["leases"]
                 .as_array()
                 .expect("leases")

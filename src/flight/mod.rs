@@ -21,6 +21,8 @@
 //! - [`sql`]: Flight SQL (ADBC): the catalog, SELECT statements, bulk ingestion.
 //! - `lifecycle`: shutdown, and the streams it waits for.
 //! - `call`: each call's log line, progress and metrics.
+//! - `stages`: where streaming time goes (staging, encoding, waiting for the client), as
+//!   `status` shows it.
 
 pub mod action;
 mod call;
@@ -34,6 +36,7 @@ mod put;
 mod read;
 mod shared;
 pub mod sql;
+mod stages;
 pub mod ticket;
 
 use std::ops::Range;
@@ -63,6 +66,7 @@ pub use lifecycle::{Lifecycle, StreamGuard};
 use prost::Message;
 pub(crate) use put::Inbound;
 pub use shared::{MAX_SHARED_FILES, default_writers};
+pub use stages::{DoGetStages, PutStages, StagesDocument};
 use ticket::{DatasetMetadata, EndpointMetadata};
 
 /// The Flight specification's actions on a `FlightInfo`'s endpoints.
@@ -95,6 +99,8 @@ pub struct FlightOptions {
     pub read_chunk_bytes: u64,
     /// Chunk reads kept in flight ahead of the encoder.
     pub read_prefetch: usize,
+    /// `DoGet` messages encoded ahead of the connection (the framed reply).
+    pub doget_encode_ahead: usize,
     /// `DoPut` batches being uploaded while more are received.
     pub put_pipeline_depth: usize,
     /// Largest `DoPut` message accepted (`--max-put-message-bytes`).
@@ -130,6 +136,7 @@ impl Default for FlightOptions {
             max_message_bytes: 2 << 20,
             read_chunk_bytes: 16 << 20,
             read_prefetch: 2,
+            doget_encode_ahead: 4,
             put_pipeline_depth: 4,
             max_put_message_bytes: 1 << 30,
             max_request_bytes: 64 << 10,
@@ -149,6 +156,7 @@ pub(crate) struct Service {
     lifecycle: Lifecycle,
     auth: Auth,
     prepared: sql::Prepared,
+    stages: Arc<stages::Stages>,
 }
 
 /// Refuses `what` unless the call came from this node: over a Unix socket, or from a loopback
@@ -175,6 +183,7 @@ impl Service {
             lifecycle,
             auth,
             prepared: sql::Prepared::default(),
+            stages: Arc::default(),
         }
     }
 }
@@ -417,7 +426,9 @@ impl Service {
                     bytes: dropped.bytes,
                 })
             }
-            ActionRequest::Status => action::status_document(&self.store.status(), caller),
+            ActionRequest::Status => {
+                action::status_document(&self.store.status(), self.stages.document(), caller)
+            }
             ActionRequest::Move { name, device } => {
                 let device = put::resolve_device(&self.store, device)?;
                 let summary = self.store.move_dataset(&name, device).await?;

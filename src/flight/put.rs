@@ -20,6 +20,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use arrow_flight::FlightData;
 use futures::stream::FuturesOrdered;
@@ -30,6 +31,7 @@ use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
 use super::sql::{self, IngestCheck, SqlPut};
+use super::stages::Stages;
 use super::{FlightOptions, Service};
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
@@ -212,6 +214,8 @@ pub(crate) async fn receive(
     // Dictionaries stay referenced by the decoder until the put ends; so do their charges.
     let mut dictionary_charges = Vec::new();
     let mut next = Some((first, first_charge));
+    let stages = &service.stages;
+    let mut started = Instant::now();
     loop {
         let (message, mut charge) = match next.take() {
             Some(message) => message,
@@ -226,6 +230,12 @@ pub(crate) async fn receive(
                 }
             },
         };
+        started = Stages::lap(&stages.put_receive_wait_nanos, started);
+        Stages::add(&stages.put_messages, 1);
+        Stages::add(
+            &stages.put_bytes,
+            (message.data_header.len() + message.data_body.len()) as u64,
+        );
         // A compressed message also pays, before it is decompressed, for what it decompresses
         // to; that charge follows its batch until uploaded, like the message's own.
         let decoded = decoder.decode(&message, |bytes| {
@@ -235,6 +245,7 @@ pub(crate) async fn receive(
             }
             Ok(())
         })?;
+        started = Stages::lap(&stages.put_decode_nanos, started);
         match decoded {
             Decoded::Schema(schema) => pending.declare_schema(schema)?,
             Decoded::Batch(batch) => {
@@ -254,6 +265,7 @@ pub(crate) async fn receive(
                         pending.add(uploaded?);
                     }
                 }
+                started = Stages::lap(&stages.put_upload_nanos, started);
             }
             Decoded::Dictionary => dictionary_charges.extend(charge),
             Decoded::Nothing => {}
@@ -264,6 +276,7 @@ pub(crate) async fn receive(
     while let Some(uploaded) = uploads.next().await {
         pending.add(uploaded?);
     }
+    Stages::lap(&stages.put_upload_nanos, started);
     drop(decoder);
     drop(dictionary_charges);
     let summary = pending.commit().await?;

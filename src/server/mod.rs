@@ -93,6 +93,8 @@ pub struct ServeOptions {
     pub metrics: Option<Arc<Metrics>>,
     /// How `DoGet` replies are encoded (`--doget-encoder`, hidden: for measuring).
     pub doget_encoder: DoGetEncoder,
+    /// HTTP/2 windows and frame size.
+    pub http2: Http2Settings,
 }
 
 impl Default for ServeOptions {
@@ -108,6 +110,7 @@ impl Default for ServeOptions {
             auth: Auth::Off,
             metrics: None,
             doget_encoder: DoGetEncoder::default(),
+            http2: Http2Settings::default(),
         }
     }
 }
@@ -117,8 +120,30 @@ impl Default for ServeOptions {
 const STREAM_WINDOW_BYTES: u32 = 16 << 20;
 const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
 /// Largest HTTP/2 frame clients may send us. The default, 16 KiB, splits an 8 MiB record
-/// batch into 512 frames, each parsed, queued and copied on its own.
+/// batch into 512 frames, each parsed, queued and copied on its own. (What we send is bounded
+/// by the client's own setting: pyarrow's gRPC advertises 4 MiB.)
 const MAX_FRAME_BYTES: u32 = 1 << 20;
+
+/// The HTTP/2 settings the server advertises (hidden `--h2-*` flags, for measuring).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Http2Settings {
+    pub stream_window_bytes: u32,
+    pub connection_window_bytes: u32,
+    pub max_frame_bytes: u32,
+    /// hyper's BDP-estimating window instead of the fixed ones.
+    pub adaptive_window: bool,
+}
+
+impl Default for Http2Settings {
+    fn default() -> Self {
+        Self {
+            stream_window_bytes: STREAM_WINDOW_BYTES,
+            connection_window_bytes: CONNECTION_WINDOW_BYTES,
+            max_frame_bytes: MAX_FRAME_BYTES,
+            adaptive_window: false,
+        }
+    }
+}
 /// Time clients get to read the end of their replies before connections close at shutdown.
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
 /// How often expired `ipc-export` leases are looked for: a lease ends at most this late.
@@ -195,9 +220,10 @@ pub async fn run(
             let _ = stop.wait_for(|stop| *stop).await;
         };
         let router = Server::builder()
-            .initial_stream_window_size(STREAM_WINDOW_BYTES)
-            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-            .max_frame_size(MAX_FRAME_BYTES)
+            .initial_stream_window_size(options.http2.stream_window_bytes)
+            .initial_connection_window_size(options.http2.connection_window_bytes)
+            .max_frame_size(options.http2.max_frame_bytes)
+            .http2_adaptive_window(Some(options.http2.adaptive_window))
             .max_concurrent_streams(options.max_streams_per_connection)
             // Pings find clients that vanished or froze without closing their connection (a
             // dead node, a stopped process), so their puts are abandoned and what their

@@ -18,6 +18,8 @@
 //! task fails or panics, the client gets the error: a reply stream never just stops short.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
 
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use arrow::ipc::CompressionType;
@@ -33,31 +35,32 @@ use super::message::{IpcMessage, IpcMessageEncoder};
 use crate::arrays;
 use crate::arrays::batch_bytes;
 use crate::error::Error;
+use crate::flight::stages::Stages;
 use crate::task::panic_message;
-
-/// Messages encoded ahead of the connection task.
-const ENCODE_AHEAD: usize = 4;
 
 /// Smallest body budget: below this, headers dominate and splitting further helps nobody.
 const MIN_BODY_BYTES: usize = 16 * 1024;
 
 /// Encodes a stream of batches as IPC messages, each at most `max_message_bytes` unless a
-/// single row (or a dictionary) is larger than that on its own.
+/// single row (or a dictionary) is larger than that on its own, up to `ahead` messages ahead
+/// of the connection; the time each stage takes is added to `stages`.
 pub(crate) fn encode(
     batches: BoxStream<'static, Result<RecordBatch, Error>>,
     schema: SchemaRef,
     max_message_bytes: usize,
     compression: Option<CompressionType>,
+    ahead: usize,
+    stages: Arc<Stages>,
 ) -> BoxStream<'static, Result<IpcMessage, Status>> {
     let budget = body_budget(&schema, max_message_bytes);
-    let (sender, receiver) = tokio::sync::mpsc::channel(ENCODE_AHEAD);
+    let (sender, receiver) = tokio::sync::mpsc::channel(ahead.max(1));
     tokio::spawn(async move {
         let limits = Limits {
             budget,
             max_message_bytes,
             compression,
         };
-        let produced = AssertUnwindSafe(produce(batches, &schema, limits, &sender))
+        let produced = AssertUnwindSafe(produce(batches, &schema, limits, &sender, &stages))
             .catch_unwind()
             .await;
         let status = match produced {
@@ -92,20 +95,27 @@ async fn produce(
     schema: &SchemaRef,
     limits: Limits,
     sender: &Sender<Result<IpcMessage, Status>>,
+    stages: &Stages,
 ) -> Result<(), Status> {
     let mut encoder = IpcMessageEncoder::new(schema, limits.compression).map_err(encoding_error)?;
     let mut messages = Vec::new();
     let mut first = true;
+    let mut started = Instant::now();
     while let Some(batch) = batches.next().await {
+        started = Stages::lap(&stages.doget_staging_nanos, started);
         let batch = batch.map_err(Status::from)?;
         for piece in split_to_size(batch, limits.budget) {
             let piece = compact_views(piece)?;
             encode_within(&mut encoder, piece, limits, &mut first, &mut messages)?;
+            started = Stages::lap(&stages.doget_encode_nanos, started);
             for message in messages.drain(..) {
+                Stages::add(&stages.doget_messages, 1);
+                Stages::add(&stages.doget_bytes, message.encoded_len() as u64);
                 if sender.send(Ok(message)).await.is_err() {
                     return Ok(()); // the client went away
                 }
             }
+            started = Stages::lap(&stages.doget_send_wait_nanos, started);
         }
     }
     for message in encoder.finish().map_err(encoding_error)? {

@@ -75,6 +75,8 @@ pub(crate) async fn respond(
         schema,
         service.options.max_message_bytes,
         compression,
+        service.options.doget_encode_ahead,
+        Arc::clone(&service.stages),
     )
     // The reply counts as running until its last message: shutdown waits for it.
     .inspect(move |_| {
