@@ -45,6 +45,9 @@ struct Args {
     /// Freed device memory the cuda backend keeps for reuse, MiB (default: its own choice).
     #[arg(long)]
     keep_device_mib: Option<u64>,
+    /// Uploads the cuda backend runs at once (default: its own choice).
+    #[arg(long)]
+    uploads_at_once: Option<usize>,
 }
 
 fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> {
@@ -84,13 +87,18 @@ fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let backend: Arc<dyn Backend> = match (args.backend, args.keep_device_mib) {
-        (BackendChoice::Cuda, Some(mib)) => Arc::new(
-            CudaBackend::open(args.device)
-                .expect("CUDA device")
-                .with_kept_device_memory(mib << 20),
-        ),
-        _ => select(args.backend, &GpuSelection::Ordinals(vec![args.device]), 1).expect("backend"),
+    let tuned = args.keep_device_mib.is_some() || args.uploads_at_once.is_some();
+    let backend: Arc<dyn Backend> = if args.backend == BackendChoice::Cuda && tuned {
+        let mut cuda = CudaBackend::open(args.device).expect("CUDA device");
+        if let Some(mib) = args.keep_device_mib {
+            cuda = cuda.with_kept_device_memory(mib << 20);
+        }
+        if let Some(uploads) = args.uploads_at_once {
+            cuda = cuda.with_uploads_at_once(uploads);
+        }
+        Arc::new(cuda)
+    } else {
+        select(args.backend, &GpuSelection::Ordinals(vec![args.device]), 1).expect("backend")
     };
     let store = Store::new(backend, StoreOptions::default());
     println!(

@@ -67,6 +67,8 @@ const FILTER_PTX: &str = include_str!("../../../kernels/filter.ptx");
 const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
 /// Freed device memory kept for reuse: at most this fraction of the GPU's memory.
 const KEPT_DEVICE_FRACTION: u64 = 32;
+/// Uploads run at once per GPU (see `Shared::upload_permits`).
+pub const UPLOADS_AT_ONCE: usize = 4;
 
 /// Pinned memory leased at once per GPU beyond which reads (chunks in flight and those their
 /// readers have not taken yet) are refused: 256 reads of 16 MiB chunks.
@@ -115,6 +117,10 @@ struct Shared {
     pool: Arc<PinnedPool>,
     /// Freed device memory kept for the next allocation of its size.
     reuse: reuse::Reuse,
+    /// Uploads running at once. Each copies on several cores and keeps the copy engine busy
+    /// alone; more at once only hold more pinned staging (past what the pool keeps, pinning
+    /// anew costs more than the copy) and queue on the same engine.
+    upload_permits: Arc<tokio::sync::Semaphore>,
     streams: Mutex<Vec<Stream>>,
     /// `None` where the driver could not load the PTX (it then says why in the log).
     concat_kernel: Option<Kernel>,
@@ -130,8 +136,9 @@ struct Counters {
     device_bytes: AtomicU64,
     uploads: AtomicU64,
     upload_syncs: AtomicU64,
-    /// Time uploads spent, summed over those running at once: allocating device memory,
-    /// copying into pinned staging, and the host-to-device copy (queued to synchronized).
+    /// Time uploads spent, summed over those running at once: allocating device memory and
+    /// leasing pinned staging, copying into it, and the host-to-device copy (queued to
+    /// synchronized).
     upload_allocate_ns: AtomicU64,
     upload_fill_ns: AtomicU64,
     upload_copy_ns: AtomicU64,
@@ -147,8 +154,10 @@ struct Counters {
     /// launch + sync.
     concat_last_total_ns: AtomicU64,
     concat_last_allocate_ns: AtomicU64,
-    /// The last concatenation's planning on the host (fragments, tasks, arrangement).
+    /// The last concatenation's planning on the host (fragments, tasks, arrangement), and
+    /// its task table's preparation (allocated on the device, written into pinned staging).
     concat_last_plan_ns: AtomicU64,
+    concat_last_table_ns: AtomicU64,
     concat_last_kernel_ns: AtomicU64,
     /// Chunks filtered on this GPU, the rows they held and the rows they kept.
     filtered_chunks: AtomicU64,
@@ -282,6 +291,7 @@ impl Gpu {
                 identity,
                 pool,
                 reuse: reuse::Reuse::new(total_bytes / KEPT_DEVICE_FRACTION),
+                upload_permits: Arc::new(tokio::sync::Semaphore::new(UPLOADS_AT_ONCE)),
                 streams: Mutex::new(Vec::new()),
                 concat_kernel,
                 filter_kernels,
@@ -300,6 +310,21 @@ impl CudaBackend {
     pub fn with_kept_device_memory(self, bytes: u64) -> Self {
         for gpu in &self.devices {
             gpu.shared.reuse.set_limit(bytes);
+        }
+        self
+    }
+
+    /// For benchmarks, on a backend nothing has uploaded to yet: how many uploads run at
+    /// once on each GPU (default [`UPLOADS_AT_ONCE`]; at least 1).
+    pub fn with_uploads_at_once(self, uploads: usize) -> Self {
+        let uploads = uploads.max(1);
+        for gpu in &self.devices {
+            let permits = &gpu.shared.upload_permits;
+            if uploads > UPLOADS_AT_ONCE {
+                permits.add_permits(uploads - UPLOADS_AT_ONCE);
+            } else {
+                permits.forget_permits(UPLOADS_AT_ONCE - uploads);
+            }
         }
         self
     }
@@ -466,8 +491,8 @@ impl Shared {
         let bytes = plan.allocation_bytes();
         let started = std::time::Instant::now();
         let allocation = TrackedAllocation::new(self, bytes)?;
-        let allocated = std::time::Instant::now();
         let mut staging = self.pool.lease(plan.used_bytes)?;
+        let allocated = std::time::Instant::now();
         layout::fill_staging(&plan, &mut staging);
         let filled = std::time::Instant::now();
         self.with_stream(|stream| {
@@ -611,6 +636,7 @@ impl Shared {
             .collect();
         let destinations: Vec<&DeviceAllocation> = allocations.iter().map(|a| &a.inner).collect();
         let launched = std::time::Instant::now();
+        let tabled = launched - allocating - allocated;
         self.with_stream(|stream| {
             stream.copies(|batch| {
                 batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
@@ -649,6 +675,10 @@ impl Shared {
         );
         counters.concat_last_plan_ns.store(
             u64::try_from(planned.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        counters.concat_last_table_ns.store(
+            u64::try_from(tabled.as_nanos()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
         let rows = partitions.iter().map(|p| p.rows).sum();
@@ -741,8 +771,16 @@ impl Backend for CudaBackend {
             Ok(gpu) => Arc::clone(&gpu.shared),
             Err(error) => return futures::future::ready(Err(error)).boxed(),
         };
-        let task = tokio::task::spawn_blocking(move || shared.upload(batch));
-        task.map(flatten_join).boxed()
+        async move {
+            let permits = Arc::clone(&shared.upload_permits);
+            // Never closed: `Shared` owns the semaphore.
+            let _permit = permits
+                .acquire_owned()
+                .await
+                .map_err(|e| BackendError::Device(format!("waiting to upload: {e}")))?;
+            flatten_join(tokio::task::spawn_blocking(move || shared.upload(batch)).await)
+        }
+        .boxed()
     }
 
     fn plan_import(&self, columns: &[ExportedColumn]) -> Result<PreparedImport, BackendError> {
@@ -884,6 +922,7 @@ impl Shared {
             "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
             "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
             "concat_last_plan_ns": c.concat_last_plan_ns.load(Ordering::Relaxed),
+            "concat_last_table_ns": c.concat_last_table_ns.load(Ordering::Relaxed),
             "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
             "concat_kernel_loaded": self.concat_kernel.is_some(),
             "filtered_chunks": c.filtered_chunks.load(Ordering::Relaxed),
