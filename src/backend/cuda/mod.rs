@@ -68,7 +68,7 @@ const MAX_CACHED_PINNED_BYTES: u64 = 1 << 30;
 /// Freed device memory kept for reuse: at most this fraction of the GPU's memory.
 const KEPT_DEVICE_FRACTION: u64 = 32;
 /// Uploads run at once per GPU (see `Shared::upload_permits`).
-pub const UPLOADS_AT_ONCE: usize = 4;
+pub const UPLOADS_AT_ONCE: usize = 8;
 
 /// Pinned memory leased at once per GPU beyond which reads (chunks in flight and those their
 /// readers have not taken yet) are refused: 256 reads of 16 MiB chunks.
@@ -606,7 +606,8 @@ impl Shared {
             + std::mem::size_of_val(starts.as_slice())
             + std::mem::size_of_val(plan.maps.as_slice());
         let copies_bytes: usize = plan.host_copies.iter().map(|(_, r, _)| r.len).sum();
-        let table = TrackedAllocation::new(self, table_bytes)?;
+        // Whole granules, so that the next concatenation reuses it (`reuse`).
+        let table = TrackedAllocation::new(self, layout::allocation_bytes(table_bytes))?;
         let mut staging = self.pool.lease(table_bytes + copies_bytes)?;
         let mut copy_ranges = Vec::with_capacity(plan.host_copies.len());
         {
