@@ -101,6 +101,11 @@ async fn copy_rate(backend: &CudaBackend, mib: usize, repeat: usize) -> f64 {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    // The backend's own log (e.g. `RUST_LOG=gpu_flight=debug`: each task table's stages).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let backend = CudaBackend::open(args.device).expect("CUDA device");
     let rate = copy_rate(&backend, args.copy_mib, args.repeat).await;
     println!(

@@ -607,8 +607,11 @@ impl Shared {
             + std::mem::size_of_val(plan.maps.as_slice());
         let copies_bytes: usize = plan.host_copies.iter().map(|(_, r, _)| r.len).sum();
         // Whole granules, so that the next concatenation reuses it (`reuse`).
+        let table_started = std::time::Instant::now();
         let table = TrackedAllocation::new(self, layout::allocation_bytes(table_bytes))?;
+        let table_allocated = table_started.elapsed();
         let mut staging = self.pool.lease(table_bytes + copies_bytes)?;
+        let table_leased = table_started.elapsed();
         let mut copy_ranges = Vec::with_capacity(plan.host_copies.len());
         {
             let target = staging.buffer_mut().as_mut_slice();
@@ -638,6 +641,14 @@ impl Shared {
         let destinations: Vec<&DeviceAllocation> = allocations.iter().map(|a| &a.inner).collect();
         let launched = std::time::Instant::now();
         let tabled = launched - allocating - allocated;
+        tracing::debug!(
+            tasks = tasks.len(),
+            table_bytes,
+            allocate_us = table_allocated.as_secs_f64() * 1e6,
+            lease_us = (table_leased - table_allocated).as_secs_f64() * 1e6,
+            fill_us = (table_started.elapsed() - table_leased).as_secs_f64() * 1e6,
+            "concatenation task table prepared"
+        );
         self.with_stream(|stream| {
             stream.copies(|batch| {
                 batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
