@@ -5,7 +5,9 @@
 //! the backing memory of the record batches they return, so a buffer comes back only once
 //! nothing holds those batches: for `DoGet`, once h2 has written the last of their bytes to
 //! the socket (the reply hands the buffers on without copying them). Sizes are rounded to
-//! powers of two so that returned buffers fit later requests. Buffers are allocated on the
+//! powers of two so that returned buffers fit later requests; a full cache makes room for a size
+//! it holds none of by freeing its largest buffers (one large transfer's buffer must not keep
+//! every small one from being reused). Buffers are allocated on the
 //! GPU's NUMA node where the system reports one (see `backend::numa`).
 //!
 //! The pinned memory reads lease at once is capped: a reader that stops reading holds its
@@ -113,16 +115,19 @@ impl PinnedPool {
                 .free
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            free.iter()
+            let reused = free
+                .iter()
                 .position(|b| b.len() == class)
-                .map(|i| free.swap_remove(i))
-        };
-        match reused {
-            Some(buffer) => {
+                .map(|i| free.swap_remove(i));
+            // Under the lock, as every change of the cache and its count.
+            if let Some(buffer) = &reused {
                 self.cached_bytes
                     .fetch_sub(buffer.len() as u64, Ordering::AcqRel);
-                Ok(buffer)
             }
+            reused
+        };
+        match reused {
+            Some(buffer) => Ok(buffer),
             None => match &self.cpus {
                 Some(cpus) => numa::on_cpus(cpus, || PinnedBuffer::new(&self.context, class)),
                 None => PinnedBuffer::new(&self.context, class),
@@ -143,20 +148,98 @@ impl PinnedPool {
     fn give_back(&self, buffer: PinnedBuffer) {
         let bytes = buffer.len() as u64;
         self.leased_bytes.fetch_sub(bytes, Ordering::AcqRel);
-        if self.cached_bytes.load(Ordering::Acquire) + bytes <= self.max_cached_bytes {
-            self.cached_bytes.fetch_add(bytes, Ordering::AcqRel);
-            self.free
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .push(buffer);
+        let mut free = self
+            .free
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let sizes: Vec<usize> = free.iter().map(PinnedBuffer::len).collect();
+        let Some(evicted) = make_room(&sizes, buffer.len(), self.max_cached_bytes) else {
+            drop(free);
+            free_off_task(vec![buffer]);
             return;
+        };
+        // Highest index first, so that the indices still name the same buffers.
+        let evicted: Vec<PinnedBuffer> = evicted
+            .into_iter()
+            .rev()
+            .map(|index| free.swap_remove(index))
+            .collect();
+        free.push(buffer);
+        let cached: u64 = free.iter().map(|b| b.len() as u64).sum();
+        self.cached_bytes.store(cached, Ordering::Release);
+        drop(free);
+        free_off_task(evicted);
+    }
+}
+
+/// What to free so that a returned buffer of `returning` bytes can be kept beside cached
+/// buffers of `sizes`, within `max` bytes: nothing where it fits; else, where no buffer of
+/// its size is cached, the largest cached ones until it fits (indices ascending), so that
+/// one large transfer's buffer cannot keep every other size from being cached; `None` where
+/// the returned buffer itself should be freed.
+fn make_room(sizes: &[usize], returning: usize, max: u64) -> Option<Vec<usize>> {
+    let cached: u64 = sizes.iter().map(|&s| s as u64).sum();
+    if cached + returning as u64 <= max {
+        return Some(Vec::new());
+    }
+    if returning as u64 > max || sizes.contains(&returning) {
+        return None;
+    }
+    let mut by_size: Vec<usize> = (0..sizes.len()).collect();
+    by_size.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let (mut left, mut evicted) = (cached, Vec::new());
+    for index in by_size {
+        if left + returning as u64 <= max {
+            break;
         }
-        // `cuMemFreeHost` can take milliseconds, and the last reference to a read's buffer is
-        // often dropped on a connection's task (once h2 has written it): free it off that task.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(move || drop(buffer))),
-            Err(_) => drop(buffer),
-        }
+        left -= sizes[index] as u64;
+        evicted.push(index);
+    }
+    evicted.sort_unstable();
+    Some(evicted)
+}
+
+/// Frees pinned buffers off the caller's task: `cuMemFreeHost` can take milliseconds, and the
+/// last reference to a read's buffer is often dropped on a connection's task (once h2 has
+/// written it).
+fn free_off_task(buffers: Vec<PinnedBuffer>) {
+    if buffers.is_empty() {
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(move || drop(buffers))),
+        Err(_) => drop(buffers),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::make_room;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn a_buffer_that_fits_is_kept_and_nothing_is_freed() {
+        assert_eq!(
+            make_room(&[MIB, 2 * MIB], MIB, 8 * MIB as u64),
+            Some(vec![])
+        );
+    }
+
+    #[test]
+    fn one_large_buffer_makes_room_for_a_size_not_cached() {
+        // A 1 GiB upload's buffer filled the cache; a 1 MiB one comes back.
+        let sizes = [1024 * MIB];
+        assert_eq!(make_room(&sizes, MIB, 1024 * MIB as u64), Some(vec![0]));
+        // The largest go first, only as many as needed.
+        let sizes = [4 * MIB, 16 * MIB, MIB, 8 * MIB];
+        assert_eq!(make_room(&sizes, 2 * MIB, 29 * MIB as u64), Some(vec![1]));
+    }
+
+    #[test]
+    fn a_size_already_cached_or_larger_than_the_cache_is_freed_instead() {
+        assert_eq!(make_room(&[MIB, 4 * MIB], MIB, 5 * MIB as u64), None);
+        assert_eq!(make_room(&[], 8 * MIB, 4 * MIB as u64), None);
     }
 }
 
