@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use arrow::record_batch::RecordBatch;
 use common::*;
+use futures::{StreamExt, TryStreamExt};
 use gpu_flight::backend::{Backend, CudaBackend};
 use gpu_flight::flight::FlightOptions;
 use gpu_flight::server::ServeOptions;
@@ -372,6 +373,55 @@ async fn freed_device_memory_is_reused_unless_it_was_exported() {
             "memory still held: {now}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.shutdown_and_wait().await;
+}
+
+/// Puts whose clients stop after one batch (and keep their streams open) do not hold the GPU's
+/// upload turns: another put still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn stalled_puts_do_not_hold_the_upload_turns() {
+    let server =
+        TestServer::start_with(cuda(), StoreOptions::default(), ServeOptions::default()).await;
+    let stalled = gpu_flight::backend::UPLOADS_AT_ONCE + 2;
+    let mut held = Vec::new();
+    for i in 0..stalled {
+        let mut client = server.client().await;
+        let batch = int64_batch(1_000_000, 2, i as i64);
+        let messages: Vec<arrow_flight::FlightData> =
+            arrow_flight::encode::FlightDataEncoderBuilder::new()
+                .with_schema(batch.schema())
+                .with_flight_descriptor(Some(path(&format!("stalled-{i}"))))
+                .build(futures::stream::iter([Ok(batch)]))
+                .try_collect()
+                .await
+                .expect("encode");
+        // One batch, then nothing more: the stream stays open.
+        let stream =
+            futures::stream::iter(messages.into_iter().map(Ok)).chain(futures::stream::pending());
+        held.push(tokio::spawn(async move {
+            let _answer = client.do_put(stream).await;
+            futures::future::pending::<()>().await;
+        }));
+    }
+    // Every stalled put has had time to upload its batch.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut client = server.client().await;
+    let batches = vec![int64_batch(100_000, 2, 99)];
+    let put = tokio::time::timeout(
+        Duration::from_secs(20),
+        put(&mut client, path("moving"), batches.clone()),
+    )
+    .await;
+    assert!(put.is_ok(), "a put waited behind stalled ones");
+    put.unwrap_or_else(|_| unreachable!()).expect("put");
+    assert_same_data(
+        &batches,
+        &get_all(&mut client, "moving").await.expect("get"),
+    );
+    for task in held {
+        task.abort();
     }
     server.shutdown_and_wait().await;
 }

@@ -24,7 +24,7 @@ use arrow::datatypes::Schema;
 use arrow::record_batch::RecordBatch;
 use futures::future::BoxFuture;
 
-pub use cuda::{CudaBackend, FragmentCopies, PlainCopies};
+pub use cuda::{CudaBackend, FragmentCopies, PlainCopies, UPLOADS_AT_ONCE};
 pub use export::{
     BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, ForeignAllocation,
 };

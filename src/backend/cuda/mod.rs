@@ -783,16 +783,26 @@ impl Backend for CudaBackend {
             Ok(gpu) => Arc::clone(&gpu.shared),
             Err(error) => return futures::future::ready(Err(error)).boxed(),
         };
-        async move {
-            let permits = Arc::clone(&shared.upload_permits);
+        // A task of its own, so that the upload runs (and gives its permit back) whether or not
+        // the caller polls it meanwhile: a put waiting for its client's next message must not
+        // hold one of the GPU's upload turns. The permit goes with the blocking work, so a
+        // caller that drops the future cannot let more uploads run at once either.
+        let permits = Arc::clone(&shared.upload_permits);
+        let task = tokio::spawn(async move {
             // Never closed: `Shared` owns the semaphore.
-            let _permit = permits
+            let permit = permits
                 .acquire_owned()
                 .await
                 .map_err(|e| BackendError::Device(format!("waiting to upload: {e}")))?;
-            flatten_join(tokio::task::spawn_blocking(move || shared.upload(batch)).await)
-        }
-        .boxed()
+            flatten_join(
+                tokio::task::spawn_blocking(move || {
+                    let _permit = permit;
+                    shared.upload(batch)
+                })
+                .await,
+            )
+        });
+        task.map(flatten_join).boxed()
     }
 
     fn plan_import(&self, columns: &[ExportedColumn]) -> Result<PreparedImport, BackendError> {

@@ -74,7 +74,8 @@ impl Reuse {
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         match DeviceAllocation::new(context, bytes) {
-            Err(BackendError::OutOfMemory { .. }) if self.kept_bytes() > 0 => {
+            // Always tried again: another thread may have just freed what was kept.
+            Err(BackendError::OutOfMemory { .. }) => {
                 self.clear();
                 DeviceAllocation::new(context, bytes)
             }

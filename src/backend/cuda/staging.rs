@@ -6,8 +6,8 @@
 //! nothing holds those batches: for `DoGet`, once h2 has written the last of their bytes to
 //! the socket (the reply hands the buffers on without copying them). Sizes are rounded to
 //! powers of two so that returned buffers fit later requests; a full cache makes room for a size
-//! it holds none of by freeing its largest buffers (one large transfer's buffer must not keep
-//! every small one from being reused). Buffers are allocated on the
+//! it holds none of by freeing its oldest buffers (one large transfer's buffer, used once, must
+//! not keep every other size from being reused). Buffers are allocated on the
 //! GPU's NUMA node where the system reports one (see `backend::numa`).
 //!
 //! The pinned memory reads lease at once is capped: a reader that stops reading holds its
@@ -118,7 +118,7 @@ impl PinnedPool {
             let reused = free
                 .iter()
                 .position(|b| b.len() == class)
-                .map(|i| free.swap_remove(i));
+                .map(|i| free.remove(i));
             // Under the lock, as every change of the cache and its count.
             if let Some(buffer) = &reused {
                 self.cached_bytes
@@ -158,11 +158,12 @@ impl PinnedPool {
             free_off_task(vec![buffer]);
             return;
         };
-        // Highest index first, so that the indices still name the same buffers.
+        // Highest index first, so that the indices still name the same buffers; `remove`
+        // keeps the rest in the order they came back.
         let evicted: Vec<PinnedBuffer> = evicted
             .into_iter()
             .rev()
-            .map(|index| free.swap_remove(index))
+            .map(|index| free.remove(index))
             .collect();
         free.push(buffer);
         let cached: u64 = free.iter().map(|b| b.len() as u64).sum();
@@ -173,10 +174,10 @@ impl PinnedPool {
 }
 
 /// What to free so that a returned buffer of `returning` bytes can be kept beside cached
-/// buffers of `sizes`, within `max` bytes: nothing where it fits; else, where no buffer of
-/// its size is cached, the largest cached ones until it fits (indices ascending), so that
-/// one large transfer's buffer cannot keep every other size from being cached; `None` where
-/// the returned buffer itself should be freed.
+/// buffers of `sizes` (oldest first: the order they were given back in), within `max` bytes:
+/// nothing where it fits; else, where no buffer of its size is cached, the oldest cached ones
+/// until it fits (indices ascending), so that one transfer's buffer, used once, cannot keep
+/// every other size from being cached; `None` where the returned buffer itself should be freed.
 fn make_room(sizes: &[usize], returning: usize, max: u64) -> Option<Vec<usize>> {
     let cached: u64 = sizes.iter().map(|&s| s as u64).sum();
     if cached + returning as u64 <= max {
@@ -185,17 +186,14 @@ fn make_room(sizes: &[usize], returning: usize, max: u64) -> Option<Vec<usize>> 
     if returning as u64 > max || sizes.contains(&returning) {
         return None;
     }
-    let mut by_size: Vec<usize> = (0..sizes.len()).collect();
-    by_size.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
     let (mut left, mut evicted) = (cached, Vec::new());
-    for index in by_size {
+    for (index, &size) in sizes.iter().enumerate() {
         if left + returning as u64 <= max {
             break;
         }
-        left -= sizes[index] as u64;
+        left -= size as u64;
         evicted.push(index);
     }
-    evicted.sort_unstable();
     Some(evicted)
 }
 
@@ -231,9 +229,13 @@ mod tests {
         // A 1 GiB upload's buffer filled the cache; a 1 MiB one comes back.
         let sizes = [1024 * MIB];
         assert_eq!(make_room(&sizes, MIB, 1024 * MIB as u64), Some(vec![0]));
-        // The largest go first, only as many as needed.
+        // The oldest go first, only as many as needed.
         let sizes = [4 * MIB, 16 * MIB, MIB, 8 * MIB];
-        assert_eq!(make_room(&sizes, 2 * MIB, 29 * MIB as u64), Some(vec![1]));
+        assert_eq!(make_room(&sizes, 2 * MIB, 29 * MIB as u64), Some(vec![0]));
+        assert_eq!(
+            make_room(&sizes, 2 * MIB, 26 * MIB as u64),
+            Some(vec![0, 1])
+        );
     }
 
     #[test]
