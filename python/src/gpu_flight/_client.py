@@ -441,9 +441,12 @@ class Client:
         for a process on the server's node, on a server started with `--shm-socket`. Needs no
         GPU library.
 
-        The server writes the rows into a sealed memory file once; this process maps it and
-        the table's buffers point into the mapping, which stays mapped as long as anything
-        taken from the table is alive. The server's lease on the file is released once none
-        is (or after `lease_seconds`, whichever comes first).
+        The server writes the rows into sealed memory files once; this process maps them and
+        the table's buffers point into the mappings, which stay mapped as long as anything
+        taken from the table is alive. The package renews the server's lease on the files
+        (`lease_seconds` at a time) until then, and releases it after. The server empties the
+        files when the lease ends, so a table read after that faults (SIGBUS): a forked
+        child's inherited copy once the parent let go of it, or any copy after renewals failed
+        for longer than half the lease.
         """
         return read_shared(self, name, columns, where, lease_seconds)
