@@ -152,6 +152,14 @@ impl PinnedPool {
             .free
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // The common case, a buffer that fits, costs no list of sizes (this runs for every
+        // chunk a read hands back).
+        let cached = self.cached_bytes.load(Ordering::Acquire);
+        if cached + bytes <= self.max_cached_bytes {
+            free.push(buffer);
+            self.cached_bytes.store(cached + bytes, Ordering::Release);
+            return;
+        }
         let sizes: Vec<usize> = free.iter().map(PinnedBuffer::len).collect();
         let Some(evicted) = make_room(&sizes, buffer.len(), self.max_cached_bytes) else {
             drop(free);
