@@ -536,19 +536,28 @@ async fn a_server_without_the_socket_offers_no_shared_memory() {
     server.shutdown_and_wait().await;
 }
 
+/// A token file of `principals` (name, role) in `scratch`: its authenticator, and each
+/// principal's token in order.
+fn principals(scratch: &TempDataDir, principals: &[(&str, &str)]) -> (Authenticator, Vec<String>) {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    for (name, role) in principals {
+        let (token, digest) = new_token().expect("token");
+        text += &format!(
+            "[[tokens]]\nprincipal = \"{name}\"\nrole = \"{role}\"\nsha256 = \"{digest}\"\n"
+        );
+        tokens.push(token);
+    }
+    let file = scratch.write("tokens.toml", &text);
+    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("token file");
+    (authenticator, tokens)
+}
+
 #[tokio::test]
 async fn reading_in_shared_memory_needs_the_read_role() {
     let scratch = TempDataDir::new("shm_roles");
-    let (reader, digest) = new_token().expect("token");
-    let (writer, writer_digest) = new_token().expect("token");
-    let file = scratch.write(
-        "tokens.toml",
-        &format!(
-            "[[tokens]]\nprincipal = \"reader\"\nrole = \"read\"\nsha256 = \"{digest}\"\n\
-             [[tokens]]\nprincipal = \"writer\"\nrole = \"write\"\nsha256 = \"{writer_digest}\"\n"
-        ),
-    );
-    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("token file");
+    let (authenticator, tokens) = principals(&scratch, &[("reader", "read"), ("writer", "write")]);
+    let [reader, writer] = [&tokens[0], &tokens[1]];
     let (server, socket) = start(
         &scratch,
         limits(1, None, Duration::from_secs(30)),
@@ -634,16 +643,8 @@ async fn a_released_file_is_revoked_from_consumers_that_keep_it() {
 #[tokio::test]
 async fn a_lease_is_renewed_by_its_owner_only() {
     let scratch = TempDataDir::new("shm_renew");
-    let (reader, digest) = new_token().expect("token");
-    let (other, other_digest) = new_token().expect("token");
-    let file = scratch.write(
-        "tokens.toml",
-        &format!(
-            "[[tokens]]\nprincipal = \"reader\"\nrole = \"write\"\nsha256 = \"{digest}\"\n\
-             [[tokens]]\nprincipal = \"other\"\nrole = \"read\"\nsha256 = \"{other_digest}\"\n"
-        ),
-    );
-    let authenticator = Authenticator::load(&file, DEFAULT_SESSION_TTL).expect("token file");
+    let (authenticator, tokens) = principals(&scratch, &[("reader", "write"), ("other", "read")]);
+    let [reader, other] = [&tokens[0], &tokens[1]];
     let (server, socket) = start(
         &scratch,
         SharedLimits::default(),
