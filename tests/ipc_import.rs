@@ -505,7 +505,9 @@ fn upload_column(
     }
 }
 
-async fn hand_over_pointers(target: &mut arrow_flight::FlightClient) {
+/// `pointer_batch()` uploaded into this process's GPU memory, and the document that hands it
+/// over as `name`; the memory lives as long as the returned holder.
+fn pointer_document(name: &str) -> (ImportDocument, Vec<gpu_flight::backend::cuda::DeviceMemory>) {
     let device = ImportDevice::by_ordinal(0).expect("GPU 0");
     let batch = pointer_batch();
     let mut kept = Vec::new();
@@ -516,13 +518,18 @@ async fn hand_over_pointers(target: &mut arrow_flight::FlightClient) {
         .collect();
     let document = consumer::import_document(
         &device,
-        "pointers",
+        name,
         PutMode::Create,
         &batch.schema(),
         batch.num_rows() as u64,
         &columns,
     )
     .expect("document");
+    (document, kept)
+}
+
+async fn hand_over_pointers(target: &mut arrow_flight::FlightClient) {
+    let (document, kept) = pointer_document("pointers");
     consumer::import(target, &document).await.expect("import");
     drop(kept); // freed as soon as the call returned
 }
@@ -530,23 +537,8 @@ async fn hand_over_pointers(target: &mut arrow_flight::FlightClient) {
 /// Forged documents over real memory of this process; prints UNEXPECTED for any answer but a
 /// refusal with INVALID_ARGUMENT.
 async fn forge(target: &mut arrow_flight::FlightClient) {
+    let (document, kept) = pointer_document("forged");
     let device = ImportDevice::by_ordinal(0).expect("GPU 0");
-    let batch = pointer_batch();
-    let mut kept = Vec::new();
-    let columns: Vec<DeviceColumn> = batch
-        .columns()
-        .iter()
-        .map(|c| upload_column(&device, &c.to_data(), &mut kept))
-        .collect();
-    let document = consumer::import_document(
-        &device,
-        "forged",
-        PutMode::Create,
-        &batch.schema(),
-        batch.num_rows() as u64,
-        &columns,
-    )
-    .expect("document");
     let mut cases: Vec<(&str, ImportDocument)> = Vec::new();
     let mut forged = |label, change: &dyn Fn(&mut ImportDocument)| {
         let mut copy = document.clone();
