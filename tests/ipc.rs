@@ -69,8 +69,8 @@ async fn host_backend_refuses_export_and_says_why() {
 }
 
 /// Puts the datasets the consumer checks: one of many batches (compacted, dictionaries
-/// merged), one single batch (every column in one allocation) and a wide one whose large
-/// columns get allocations of their own.
+/// merged), one single batch and a wide one of large columns (each compacted into one
+/// allocation).
 async fn put_datasets(client: &mut arrow_flight::FlightClient) -> Vec<&'static str> {
     let many = vec![
         all_types_batch(100),

@@ -12,10 +12,11 @@
 //! copied into the column's allocation with the task table, and the keys of every fragment
 //! whose dictionary did not stay as it was are mapped on the device by `REMAP_KEYS` tasks.
 //!
-//! **Where columns go** ([`Arrangement`]): a column whose buffers fill its 2 MiB-rounded
-//! allocation to within an eighth gets an allocation of its own; the other (small) columns of
-//! the table are packed one after another, at 64-byte aligned offsets, into one shared
-//! allocation. Every allocation holds bytes of this one dataset only.
+//! **Where columns go** ([`Arrangement`]): every column of the table, one after another at
+//! 64-byte aligned offsets, in one allocation. A co-located consumer then opens one CUDA IPC
+//! handle per partition (the driver's `cuIpcOpenMemHandle` costs about 0.1 ms each, more than
+//! the rest of an export), a wide table of small columns costs one 2 MiB rounding, and the
+//! allocation holds bytes of this one dataset only.
 //!
 //! Fragments must be compact, which uploads guarantee: offsets start at 0 and children hold
 //! exactly the rows their parents reference.
@@ -99,10 +100,11 @@ impl TablePlan {
     }
 }
 
-/// Where each column of a table goes: its own allocation, or a shared one for small columns.
+/// Where each column of a table goes: one allocation, and each column's offset there.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Arrangement {
-    /// Bytes of each allocation (rounded to the allocation granularity).
+    /// Bytes of each allocation (rounded to the allocation granularity): one, or none for a
+    /// table without columns.
     pub(super) allocations: Vec<usize>,
     /// For each column: its allocation and its offset there.
     pub(super) columns: Vec<(usize, usize)>,
@@ -111,25 +113,20 @@ pub(super) struct Arrangement {
 impl Arrangement {
     /// Arranges columns spanning `column_bytes` (see the module docs for the rule).
     pub(super) fn new(column_bytes: &[usize]) -> Self {
-        let mut allocations = Vec::new();
-        let mut columns = Vec::with_capacity(column_bytes.len());
-        let mut shared: Option<(usize, usize)> = None;
-        for &used in column_bytes {
-            let rounded = layout::allocation_bytes(used);
-            if used > 0 && (rounded - used) * 8 <= used {
-                columns.push((allocations.len(), 0));
-                allocations.push(rounded);
-                continue;
-            }
-            let (index, end) = *shared.get_or_insert_with(|| {
-                allocations.push(0);
-                (allocations.len() - 1, 0)
-            });
-            let offset = end.next_multiple_of(layout::ALIGNMENT);
-            columns.push((index, offset));
-            shared = Some((index, offset + used));
-            allocations[index] = layout::allocation_bytes(offset + used);
-        }
+        let mut end = 0_usize;
+        let columns: Vec<(usize, usize)> = column_bytes
+            .iter()
+            .map(|&used| {
+                let offset = end.next_multiple_of(layout::ALIGNMENT);
+                end = offset + used;
+                (0, offset)
+            })
+            .collect();
+        let allocations = if columns.is_empty() {
+            Vec::new()
+        } else {
+            vec![layout::allocation_bytes(end)]
+        };
         Self {
             allocations,
             columns,
@@ -409,19 +406,24 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     #[test]
-    fn large_columns_get_their_own_allocation_and_small_ones_share_one() {
-        let arrangement = Arrangement::new(&[30 * MIB, 1000, 3 * MIB, 100, 20 * MIB - 1]);
-        // 30 MiB fills its allocation; 3 MiB would waste 1 MiB of 4 (more than an eighth);
-        // 20 MiB - 1 rounds to 20 MiB.
-        assert_eq!(
-            arrangement.allocations,
-            vec![30 * MIB, 4 * MIB, 20 * MIB],
-            "{arrangement:?}"
-        );
+    fn every_column_lies_in_one_allocation_at_aligned_offsets() {
+        let arrangement = Arrangement::new(&[30 * MIB, 1000, 3 * MIB, 0, 100, 20 * MIB - 1]);
+        let after_strings = (30 * MIB + 1024) + 3 * MIB;
         assert_eq!(
             arrangement.columns,
-            vec![(0, 0), (1, 0), (1, 1024), (1, 1024 + 3 * MIB), (2, 0)]
+            vec![
+                (0, 0),
+                (0, 30 * MIB),
+                (0, 30 * MIB + 1024),
+                (0, after_strings),
+                (0, after_strings),
+                (0, after_strings + 128),
+            ]
         );
+        // 53 MiB + 1152 bytes, rounded up to the 2 MiB granularity.
+        assert_eq!(arrangement.allocations, vec![54 * MIB], "{arrangement:?}");
         assert_eq!(arrangement.total_bytes(), 54 * MIB as u64);
+        assert_eq!(Arrangement::new(&[]).allocations, Vec::<usize>::new());
+        assert_eq!(Arrangement::new(&[0]).allocations, vec![2 * MIB]);
     }
 }

@@ -10,8 +10,8 @@
 //! whole underlying block, so rounding guarantees no block ever holds bytes of two datasets.
 //!
 //! An uploaded batch is one allocation holding all its columns in order; the staging buffer
-//! has the same layout, so an upload is one host-to-device copy. Compaction (`concat`) then
-//! gives each large column an allocation of its own and packs the small ones together.
+//! has the same layout, so an upload is one host-to-device copy. Compaction (`concat`) lays
+//! the compacted columns out the same way, in one allocation.
 //!
 //! Pure bookkeeping: nothing here touches the device, so it is unit-tested without one.
 //! Reading rows back through this layout is `read`'s job.
