@@ -425,3 +425,116 @@ async fn stalled_puts_do_not_hold_the_upload_turns() {
     }
     server.shutdown_and_wait().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn every_type_spills_whole_and_comes_back_as_it_was() {
+    // A spill copies the partition's allocation as it is and rebuilds its arrays over the host
+    // copy at the same offsets; a restore uploads that copy into one allocation again, with no
+    // concatenation (a spill in 64 MiB pieces of rows had the 90 MB dataset concatenated).
+    let options = StoreOptions {
+        memory_limit: Some(160 << 20),
+        host_memory_limit: Some(1 << 30),
+        ..StoreOptions::default()
+    };
+    let server = TestServer::start_with(cuda(), options, ServeOptions::default()).await;
+    let mut client = server.client().await;
+    let typed = vec![
+        all_types_batch(1000),
+        all_types_batch(37),
+        all_types_batch(300).slice(7, 250),
+    ];
+    put(&mut client, path("typed"), typed.clone())
+        .await
+        .expect("put");
+    let strings = vec![string_batch(1_500_000, 3)];
+    put(&mut client, path("strings"), strings.clone())
+        .await
+        .expect("put");
+    // 32 MB each: the two datasets above, least recently used, spill.
+    for seed in 0..4 {
+        put(
+            &mut client,
+            path(&format!("filler{seed}")),
+            vec![int64_batch(1_000_000, 4, seed)],
+        )
+        .await
+        .expect("spills to make room");
+    }
+    let before = status(&mut client).await;
+    assert!(
+        before["tiers"]["spills"].as_u64() >= Some(2),
+        "{}",
+        before["tiers"]
+    );
+    for (name, sent) in [("typed", &typed), ("strings", &strings)] {
+        let got = get_by_name(&mut client, name)
+            .await
+            .expect("read from host memory");
+        assert_same_data(sent, &got);
+    }
+    for name in ["typed", "strings"] {
+        let document = action(
+            &mut client,
+            "ipc-export",
+            serde_json::json!({"name": name, "version": 2}),
+        )
+        .await
+        .expect("an export restores the dataset");
+        let lease = document["lease"].as_str().expect("lease").to_owned();
+        action(
+            &mut client,
+            "ipc-release",
+            serde_json::json!({"lease": lease}),
+        )
+        .await
+        .expect("release");
+    }
+    let after = status(&mut client).await;
+    assert!(
+        after["tiers"]["restores"].as_u64() >= before["tiers"]["restores"].as_u64().map(|r| r + 2),
+        "{}",
+        after["tiers"]
+    );
+    assert_eq!(
+        counter(&after, "concat_launches"),
+        counter(&before, "concat_launches"),
+        "a restore uploads the spilled copy as it is"
+    );
+    for (name, sent) in [("typed", &typed), ("strings", &strings)] {
+        let got = get_by_name(&mut client, name)
+            .await
+            .expect("read after the restore");
+        assert_same_data(sent, &got);
+    }
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn a_batch_larger_than_a_staging_piece_uploads_in_pieces() {
+    // 2,000,000 rows of 4 int64 columns with nulls and a string column: about 160 MB in one
+    // batch, whose buffers straddle the 64 MiB pieces an upload stages at a time.
+    let server = TestServer::start(cuda()).await;
+    let mut client = server.client().await;
+    let ints = int64_batch(2_000_000, 4, 11);
+    let words = string_batch(2_000_000, 5);
+    let mut columns = ints.columns().to_vec();
+    columns.extend(words.columns().iter().cloned());
+    let mut fields: Vec<_> = ints.schema().fields().iter().cloned().collect();
+    fields.extend(words.schema().fields().iter().cloned());
+    let schema = Arc::new(arrow::datatypes::Schema::new(fields));
+    let batch = RecordBatch::try_new(schema, columns).expect("batch");
+    let before = status(&mut client).await;
+    put(&mut client, path("wide"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let after = status(&mut client).await;
+    assert!(
+        counter(&after, "upload_syncs") >= counter(&before, "upload_syncs") + 2,
+        "one synchronization per piece"
+    );
+    let got = get_by_name(&mut client, "wide").await.expect("get");
+    assert_same_data(&[batch], &got);
+    server.shutdown_and_wait().await;
+}

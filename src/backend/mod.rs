@@ -155,6 +155,17 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
+    /// The whole of `partition` (of this backend) as one host batch whose arrays all lie in
+    /// memory of their own, when this backend copies it out faster than reads of its rows
+    /// would: what a spill to the host tier keeps, and hands back to [`Backend::upload`] to
+    /// restore. `None` (the default): the store reads the rows in pieces and copies those.
+    fn host_copy(
+        &self,
+        _partition: &Arc<dyn Partition>,
+    ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+        None
+    }
+
     /// Whether this backend keeps the host arrays `upload` is given (rather than copying them
     /// elsewhere and dropping them): the decoder then hands it arrays that own their memory.
     fn keeps_decoded_arrays(&self) -> bool {
@@ -173,8 +184,8 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError>;
 
     /// Compacts `partitions` (all of one schema, uploaded by this backend, in row order) into
-    /// one partition: each column's buffers contiguous in one allocation (its own, or one
-    /// shared by the dataset's small columns), dictionaries merged. The inputs are left as
+    /// one partition: each column's buffers contiguous (on a GPU, every column in one
+    /// allocation), dictionaries merged. The inputs are left as
     /// they are; the caller frees them by dropping them.
     fn compact(
         &self,

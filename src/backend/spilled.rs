@@ -1,10 +1,12 @@
 //! Partitions spilled to host memory: the store's host tier.
 //!
-//! A partition leaves its device as a series of reads, each at most a staging buffer's worth,
-//! so that spilling a partition of any size never needs more pinned memory than a reader does.
-//! The pieces are kept as they came, each in pageable buffers of its own (pinned memory is
-//! scarce and must go back to the staging pool); a read that straddles two pieces, which only
-//! happens at their boundaries, concatenates the two slices it needs.
+//! A partition leaves its device whole where its backend can copy it so
+//! (`Backend::host_copy`: the CUDA backend copies its allocations as they are, one piece),
+//! otherwise as a series of reads, each at most a staging buffer's worth, so that spilling a
+//! partition of any size never needs more pinned memory than a reader does. Either way the
+//! pieces are kept in pageable buffers of their own (pinned memory is scarce and must go back
+//! to the staging pool); a read that straddles two pieces, which only happens at their
+//! boundaries, concatenates the two slices it needs.
 
 use std::sync::Arc;
 

@@ -406,21 +406,27 @@ impl Tiers {
             .max(1);
         let rows_per_piece = usize::try_from((SPILL_PIECE_BYTES / per_row).max(1)).unwrap_or(1);
         let data = Arc::clone(&resident.data);
-        let pieces: Vec<RecordBatch> = futures::stream::iter((0..rows).step_by(rows_per_piece))
-            .map(move |offset| data.read(offset, rows_per_piece.min(rows - offset), None))
-            .buffered(SPILL_READS_AHEAD)
-            .map_err(StoreError::from)
-            // Each copied out of staging memory as soon as it is read, which then goes back
-            // to the pool; CPU work, so on threads of its own, several at once.
-            .map_ok(|piece| async move {
-                tokio::task::spawn_blocking(move || spilled::copied(&piece))
-                    .await
-                    .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))?
-                    .map_err(StoreError::from)
-            })
-            .try_buffered(SPILL_COPIES)
-            .try_collect()
-            .await?;
+        let pieces: Vec<RecordBatch> = if let Some(copy) = self.backend.host_copy(&data) {
+            // One piece in the device's own layout, which a restore uploads into one
+            // allocation as it is, with no concatenation and no room for one.
+            vec![copy.await?]
+        } else {
+            futures::stream::iter((0..rows).step_by(rows_per_piece))
+                .map(move |offset| data.read(offset, rows_per_piece.min(rows - offset), None))
+                .buffered(SPILL_READS_AHEAD)
+                .map_err(StoreError::from)
+                // Each copied out of staging memory as soon as it is read, which then goes back
+                // to the pool; CPU work, so on threads of its own, several at once.
+                .map_ok(|piece| async move {
+                    tokio::task::spawn_blocking(move || spilled::copied(&piece))
+                        .await
+                        .map_err(|e| BackendError::Device(format!("a spill task failed: {e}")))?
+                        .map_err(StoreError::from)
+                })
+                .try_buffered(SPILL_COPIES)
+                .try_collect()
+                .await?
+        };
         let copied = started.elapsed();
         let spilled = SpilledPartition::of_copies(pieces);
         let bytes = charge(spilled.bytes(), rows as u64);

@@ -16,12 +16,13 @@
 //! Pure bookkeeping: nothing here touches the device, so it is unit-tested without one.
 //! Reading rows back through this layout is `read`'s job.
 
+use std::ops::Range;
+
 use arrow::array::{ArrayData, ArrayRef, MutableArrayData, make_array};
 use arrow::buffer::Buffer;
 use arrow::datatypes::DataType;
 use arrow::record_batch::RecordBatch;
 
-use super::staging::PinnedLease;
 use crate::arrays::copy_all;
 use crate::backend::{BackendError, BufferKind, ExportedArray, ExportedBuffer};
 
@@ -332,19 +333,35 @@ pub(super) fn rebase_offsets(bytes: &mut [u8], count: usize, width: usize, base:
     }
 }
 
-/// Fills the staging buffer with the plan's host bytes, laid out as on the device.
-pub(super) fn fill_staging(plan: &UploadPlan, staging: &mut PinnedLease) {
+/// Fills `target` (staging) with the plan's host bytes in `range` of the allocation, laid out
+/// as there: byte `range.start` at `target`'s start. Bytes between regions are left as they
+/// were.
+///
+/// # Panics
+/// Where `target` is shorter than `range`: a caller's bug.
+pub(super) fn fill_staging(plan: &UploadPlan, range: Range<usize>, target: &mut [u8]) {
     // The regions are in allocation order and disjoint: the target splits into them, and
     // the copies run on several cores at once.
-    let mut rest = staging.buffer_mut().as_mut_slice();
-    let mut at = 0;
+    let mut rest = &mut target[..range.len()];
+    let mut at = range.start;
     let mut pairs = Vec::with_capacity(plan.sources.len());
     for (region, source) in &plan.sources {
-        let (_, from_region) = std::mem::take(&mut rest).split_at_mut(region.offset - at);
-        let (target, after) = from_region.split_at_mut(region.len);
-        pairs.push((source.as_slice(), target));
+        let start = region.offset.max(range.start);
+        let end = (region.offset + region.len).min(range.end);
+        if start >= end {
+            if region.offset >= range.end {
+                break;
+            }
+            continue;
+        }
+        let (_, from_region) = std::mem::take(&mut rest).split_at_mut(start - at);
+        let (target, after) = from_region.split_at_mut(end - start);
+        pairs.push((
+            &source.as_slice()[start - region.offset..end - region.offset],
+            target,
+        ));
         rest = after;
-        at = region.offset + region.len;
+        at = end;
     }
     copy_all(pairs);
 }
@@ -374,6 +391,25 @@ mod tests {
             Some(vec![Some(3)]),
         ]));
         RecordBatch::try_from_iter([("id", ids), ("word", words), ("list", lists)]).expect("batch")
+    }
+
+    #[test]
+    fn staging_filled_in_pieces_holds_what_staging_filled_at_once_does() {
+        let plan = UploadPlan::new(&batch()).expect("plan");
+        let len = plan.used_bytes;
+        let mut whole = vec![0u8; len];
+        fill_staging(&plan, 0..len, &mut whole);
+        for piece in [1, 7, 64, 100, len] {
+            let mut pieced = vec![0u8; len];
+            for start in (0..len).step_by(piece) {
+                let range = start..(start + piece).min(len);
+                let mut staging = vec![0u8; piece];
+                fill_staging(&plan, range.clone(), &mut staging);
+                pieced[range.clone()].copy_from_slice(&staging[..range.len()]);
+            }
+            assert_eq!(pieced, whole, "pieces of {piece} bytes");
+        }
+        assert!(whole.iter().any(|&b| b != 0));
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! - `layout`: how a batch lies in device memory (the contract `ipc-export` publishes) and
 //!   upload plans; no device calls, unit-tested without a GPU.
 //! - `read`: row ranges copied back into pinned host memory, in rounds.
+//! - `pieces`: large uploads and whole-partition host copies (spills) through staging, a
+//!   piece at a time in two overlapping lanes.
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
@@ -14,7 +16,8 @@
 //!   validated.
 //!
 //! An upload copies the batch's buffers into a pinned staging buffer laid out exactly as the
-//! device allocation, then issues one host-to-device copy and waits on its own stream, on a
+//! device allocation, then issues one host-to-device copy (one per 64 MiB piece, in two
+//! overlapping lanes, for a larger batch: `pieces`) and waits on its own stream, on a
 //! blocking thread: the store keeps several uploads in flight, so the CPU copy of one batch
 //! overlaps the DMA of another while more messages arrive. A read copies a row range back in
 //! one synchronization per round (see `layout`) into pinned memory that the returned Arrow
@@ -33,6 +36,7 @@ mod filter_abi;
 mod import;
 mod ingest;
 mod layout;
+mod pieces;
 mod read;
 mod reuse;
 mod staging;
@@ -491,23 +495,19 @@ impl Shared {
         let bytes = plan.allocation_bytes();
         let started = std::time::Instant::now();
         let allocation = TrackedAllocation::new(self, bytes)?;
-        let mut staging = self.pool.lease(plan.used_bytes)?;
-        let allocated = std::time::Instant::now();
-        layout::fill_staging(&plan, &mut staging);
-        let filled = std::time::Instant::now();
-        self.with_stream(|stream| {
-            stream.copies(|batch| {
-                batch.copy_to_device(&allocation.inner, 0, staging.as_ref(), 0..plan.used_bytes)
-            })
-        })?;
+        let allocated = started.elapsed();
+        let times = pieces::upload(self, &plan, &allocation.inner)?;
         let counters = &self.counters;
         counters.uploads.fetch_add(1, Ordering::Relaxed);
-        counters.upload_syncs.fetch_add(1, Ordering::Relaxed);
+        counters.upload_syncs.fetch_add(
+            plan.used_bytes.div_ceil(pieces::PIECE_BYTES).max(1) as u64,
+            Ordering::Relaxed,
+        );
         let nanos = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let add = |counter: &AtomicU64, d| counter.fetch_add(nanos(d), Ordering::Relaxed);
-        add(&counters.upload_allocate_ns, allocated - started);
-        add(&counters.upload_fill_ns, filled - allocated);
-        add(&counters.upload_copy_ns, filled.elapsed());
+        add(&counters.upload_allocate_ns, allocated);
+        add(&counters.upload_fill_ns, times.fill);
+        add(&counters.upload_copy_ns, times.copy);
         Ok(Arc::new(CudaPartition {
             shared: Arc::clone(self),
             allocations: Arc::new(vec![allocation]),
@@ -828,6 +828,20 @@ impl Backend for CudaBackend {
             Ok(Arc::new(partition) as Arc<dyn Partition>)
         });
         task.map(flatten_join).boxed()
+    }
+
+    /// The partition's allocations copied whole, on a blocking thread (`pieces::host_copy`).
+    fn host_copy(
+        &self,
+        partition: &Arc<dyn Partition>,
+    ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+        partition.as_any().downcast_ref::<CudaPartition>()?;
+        let partition = Arc::clone(partition);
+        let task = tokio::task::spawn_blocking(move || {
+            let part = downcast_one::<CudaPartition>(&partition, "the cuda backend")?;
+            pieces::host_copy(&part.shared, part)
+        });
+        Some(task.map(flatten_join).boxed())
     }
 
     fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {

@@ -1,0 +1,257 @@
+//! Whole allocations between host memory and the device, a staging buffer's worth at a time.
+//!
+//! An upload of a large batch (a restore brings a spilled partition back as one) and a spill's
+//! copy of a whole partition ([`host_copy`]) go through staging in pieces of at most
+//! [`PIECE_BYTES`], so neither pins more than two pieces however large it is. Two lanes, each
+//! with its own staging buffer and stream, take alternate pieces: while one lane's piece
+//! crosses the link, the other copies its own on the CPU (into staging for an upload, out of
+//! it for a spill), so the link does not wait for each piece's CPU copy.
+//!
+//! A spill keeps the allocation's bytes as they are: the host copy's arrays lie at the same
+//! offsets in one host buffer per allocation, so a restore uploads them in the same layout,
+//! into one allocation, without a concatenation.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::{ArrayData, ArrayDataBuilder, make_array};
+use arrow::buffer::{BooleanBuffer, Buffer, MutableBuffer, NullBuffer};
+use arrow::record_batch::{RecordBatch, RecordBatchOptions};
+
+use super::ffi::{self, DeviceAllocation};
+use super::layout::{self, DeviceArray, UploadPlan};
+use super::{CudaPartition, Shared};
+use crate::arrays::copy_all;
+use crate::backend::BackendError;
+
+/// The most bytes one piece of a transfer stages.
+pub(super) const PIECE_BYTES: usize = 64 << 20;
+/// Pieces in flight at once, each in its own lane.
+const LANES: usize = 2;
+
+/// The pieces of `0..len` that lane `lane` of `lanes` takes.
+fn lane_pieces(len: usize, lane: usize, lanes: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..len)
+        .step_by(PIECE_BYTES)
+        .skip(lane)
+        .step_by(lanes)
+        .map(move |start| start..(start + PIECE_BYTES).min(len))
+}
+
+/// Runs `lane(0)` here and the other lanes on threads of their own, and gives the first error.
+fn in_lanes(
+    lanes: usize,
+    lane: impl Fn(usize) -> Result<(), BackendError> + Sync,
+) -> Result<(), BackendError> {
+    if lanes <= 1 {
+        return lane(0);
+    }
+    std::thread::scope(|scope| {
+        let others: Vec<_> = (1..lanes)
+            .map(|index| {
+                let lane = &lane;
+                scope.spawn(move || lane(index))
+            })
+            .collect();
+        let mut result = lane(0);
+        for other in others {
+            let joined = other.join().unwrap_or_else(|_| {
+                Err(BackendError::Device("a transfer lane panicked".to_owned()))
+            });
+            result = result.and(joined);
+        }
+        result
+    })
+}
+
+/// Time an upload spent filling staging and waiting for its copies, summed over its lanes.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct UploadTimes {
+    pub(super) fill: Duration,
+    pub(super) copy: Duration,
+}
+
+/// Copies `plan`'s host bytes into `allocation` from its start, in pieces (see the module
+/// docs).
+pub(super) fn upload(
+    shared: &Shared,
+    plan: &UploadPlan,
+    allocation: &DeviceAllocation,
+) -> Result<UploadTimes, BackendError> {
+    let len = plan.used_bytes;
+    let lanes = if len > PIECE_BYTES { LANES } else { 1 };
+    let times = std::sync::Mutex::new(UploadTimes::default());
+    in_lanes(lanes, |lane| {
+        let mut staging = shared.pool.lease(len.min(PIECE_BYTES))?;
+        let mut spent = UploadTimes::default();
+        for piece in lane_pieces(len, lane, lanes) {
+            let started = Instant::now();
+            layout::fill_staging(plan, piece.clone(), staging.buffer_mut().as_mut_slice());
+            let filled = Instant::now();
+            shared.with_stream(|stream| {
+                stream.copies(|batch| {
+                    batch.copy_to_device(allocation, piece.start, staging.as_ref(), 0..piece.len())
+                })
+            })?;
+            spent.fill += filled - started;
+            spent.copy += filled.elapsed();
+        }
+        let mut total = times.lock().unwrap_or_else(|p| p.into_inner());
+        total.fill += spent.fill;
+        total.copy += spent.copy;
+        Ok(())
+    })?;
+    Ok(times.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// `partition` in host memory: each allocation's bytes up to the last one an array uses,
+/// copied in pieces (see the module docs) into one host buffer, and the columns as arrays at
+/// the same offsets there.
+pub(super) fn host_copy(
+    shared: &Shared,
+    partition: &CudaPartition,
+) -> Result<RecordBatch, BackendError> {
+    let images = partition
+        .allocations
+        .iter()
+        .enumerate()
+        .map(|(index, allocation)| {
+            let used = partition
+                .columns
+                .iter()
+                .filter(|(at, _)| *at == index)
+                .map(|(_, array)| end_of(array))
+                .max()
+                .unwrap_or(0);
+            download(shared, &allocation.inner, used)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let columns = partition
+        .columns
+        .iter()
+        .map(|(allocation, array)| host_array(array, &images[*allocation]).map(make_array))
+        .collect::<Result<Vec<_>, _>>()?;
+    RecordBatch::try_new_with_options(
+        Arc::clone(&partition.schema),
+        columns,
+        &RecordBatchOptions::new().with_row_count(Some(partition.rows)),
+    )
+    .map_err(|e| BackendError::Device(format!("rebuilding a partition copied to the host: {e}")))
+}
+
+/// The first byte past every region of `array` (its children's included).
+fn end_of(array: &DeviceArray) -> usize {
+    let own = array
+        .validity
+        .iter()
+        .chain(&array.buffers)
+        .map(|region| region.offset + region.len)
+        .max()
+        .unwrap_or(0);
+    array.children.iter().map(end_of).fold(own, usize::max)
+}
+
+/// A lane's pieces of a host buffer: where each starts in the allocation, and its bytes.
+type LaneTargets<'a> = Vec<(usize, &'a mut [u8])>;
+
+/// The first `len` bytes of `allocation` in a host buffer of their own.
+fn download(
+    shared: &Shared,
+    allocation: &DeviceAllocation,
+    len: usize,
+) -> Result<Buffer, BackendError> {
+    // Zeroed by the allocator without touching fresh pages: the copies fault them in, on
+    // several cores.
+    let mut image = MutableBuffer::from_len_zeroed(len);
+    let lanes = if len > PIECE_BYTES { LANES } else { 1 };
+    let mut targets: Vec<LaneTargets<'_>> = (0..lanes).map(|_| Vec::new()).collect();
+    for (index, chunk) in image.as_slice_mut().chunks_mut(PIECE_BYTES).enumerate() {
+        targets[index % lanes].push((index * PIECE_BYTES, chunk));
+    }
+    // Each lane takes its own list once.
+    let targets: Vec<std::sync::Mutex<LaneTargets<'_>>> =
+        targets.into_iter().map(std::sync::Mutex::new).collect();
+    in_lanes(lanes, |lane| {
+        let pieces = std::mem::take(&mut *targets[lane].lock().unwrap_or_else(|p| p.into_inner()));
+        let Some(largest) = pieces.iter().map(|(_, target)| target.len()).max() else {
+            return Ok(());
+        };
+        let mut staging = shared.pool.lease(largest)?;
+        for (start, target) in pieces {
+            let staged = &mut staging.buffer_mut().as_mut_slice()[..target.len()];
+            shared.with_stream(|stream| {
+                stream.copies(|batch| batch.copy_to_host(staged, allocation, start))
+            })?;
+            copy_all(vec![(&staging.as_ref().as_slice()[..target.len()], target)]);
+        }
+        Ok(())
+    })?;
+    drop(targets);
+    Ok(image.into())
+}
+
+/// `array` as Arrow data over `image`, which holds its allocation's bytes at their offsets.
+fn host_array(array: &DeviceArray, image: &Buffer) -> Result<ArrayData, BackendError> {
+    let slice = |region: &layout::Region| {
+        if region.offset + region.len > image.len() {
+            return Err(BackendError::Device(format!(
+                "a region at {}..{} lies past the {} bytes copied",
+                region.offset,
+                region.offset + region.len,
+                image.len()
+            )));
+        }
+        Ok(image.slice_with_length(region.offset, region.len))
+    };
+    let buffers = array.buffers.iter().map(slice).collect::<Result<_, _>>()?;
+    let nulls = match &array.validity {
+        Some(region) => Some(NullBuffer::new(BooleanBuffer::new(
+            slice(region)?,
+            0,
+            array.len,
+        ))),
+        None => None,
+    };
+    let children = array
+        .children
+        .iter()
+        .map(|child| host_array(child, image))
+        .collect::<Result<Vec<_>, _>>()?;
+    let builder = ArrayDataBuilder::new(array.data_type.clone())
+        .len(array.len)
+        .buffers(buffers)
+        .child_data(children)
+        .nulls(nulls);
+    ffi::read_back_array(builder)
+        .map_err(|e| BackendError::Device(format!("rebuilding an array copied to the host: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_take_alternate_pieces_that_cover_the_range_once() {
+        let len = 5 * PIECE_BYTES + 3;
+        let mut all: Vec<Range<usize>> = (0..LANES)
+            .flat_map(|lane| lane_pieces(len, lane, LANES))
+            .collect();
+        assert_eq!(
+            lane_pieces(len, 1, LANES)
+                .map(|r| r.start)
+                .collect::<Vec<_>>(),
+            vec![PIECE_BYTES, 3 * PIECE_BYTES, 5 * PIECE_BYTES]
+        );
+        all.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for piece in all {
+            assert_eq!(piece.start, at);
+            assert!(piece.len() <= PIECE_BYTES);
+            at = piece.end;
+        }
+        assert_eq!(at, len);
+        assert_eq!(lane_pieces(0, 0, 1).count(), 0);
+        assert_eq!(lane_pieces(10, 0, 1).collect::<Vec<_>>(), vec![0..10]);
+    }
+}
