@@ -145,10 +145,10 @@ MAPPINGS = Mappings()
 
 
 class Event:
-    """A CUDA event recorded on device `ordinal`'s default stream once its memory was mapped:
-    the `sync_event` of the Arrow device arrays handed out. The server commits data before it
-    exports it, so the event completes at once; a consumer waiting on it is still correct if
-    that ever changes to work queued here."""
+    """A CUDA event recorded on device `ordinal`'s default stream (after the memory was
+    mapped, when the first Arrow device array is handed out): their `sync_event`. The server
+    commits data before it exports it, so the event completes at once; a consumer waiting on
+    it is still correct if that ever changes to work queued here."""
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal

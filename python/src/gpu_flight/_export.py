@@ -221,8 +221,6 @@ class Partition:
             handle = base64.b64decode(column["handle"])
             self._bases.append(_cuda.MAPPINGS.acquire(handle, ordinal))
             lease.mappings.append((handle, ordinal))
-        if ordinal not in lease.events:
-            lease.events[ordinal] = _cuda.Event(ordinal)
         self.columns = {
             field.name: Column(lease, field, column, base, ordinal)
             for field, column, base in zip(schema, self._docs, self._bases)
@@ -245,7 +243,7 @@ class Partition:
             bases=self._bases,
             device_type=_cdata.ARROW_DEVICE_CUDA,
             device_id=self.device,
-            sync_event=self._lease.events[self.device].address,
+            sync_event=self._lease.event(self.device).address,
             pin=self._lease,
         )
 

@@ -82,6 +82,16 @@ class _Lease:
         self.renew_at = 0.0
         _live_leases.add(self)
 
+    def event(self, ordinal: int) -> _cuda.Event:
+        """The sync event of this lease's arrays on device `ordinal`, made on first use: most
+        consumers (CuPy, PyTorch, a column's views) never ask, and making and destroying one
+        costs four driver calls per export."""
+        with self._lock:
+            event = self.events.get(ordinal)
+            if event is None:
+                event = self.events[ordinal] = _cuda.Event(ordinal)
+            return event
+
     def keep_renewed(self, renew: Callable[[str, int], None], term: int) -> None:
         """Has the lease thread renew the lease by `term` seconds, once about half of it has
         passed each time, for as long as it is held."""
