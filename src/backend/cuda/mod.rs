@@ -101,6 +101,9 @@ pub struct CudaBackend {
     devices: Vec<Gpu>,
     /// `peer_access[a][b]`, asked of the driver once at open: the topology does not change.
     peer_access: Vec<Vec<bool>>,
+    /// Whether spills copy partitions whole ([`Backend::host_copy`]); off only for
+    /// benchmarks comparing with reads in pieces.
+    whole_spills: bool,
 }
 
 /// One GPU: its context, streams, staging pool and kernel, and what `status` says of it.
@@ -211,6 +214,7 @@ impl CudaBackend {
         Ok(Self {
             devices,
             peer_access,
+            whole_spills: true,
         })
     }
 
@@ -267,6 +271,8 @@ impl Gpu {
             MAX_CACHED_PINNED_BYTES,
             MAX_LEASED_PINNED_BYTES,
         );
+        // What a spill's or a large upload's two lanes take (`pieces`).
+        pool.warm_in_background(vec![pieces::PIECE_BYTES; 2]);
         let concat_kernel = match Kernel::load(&context, CONCAT_PTX, "gpu_flight_concat") {
             Ok(kernel) => Some(kernel),
             Err(error) => {
@@ -315,6 +321,13 @@ impl CudaBackend {
         for gpu in &self.devices {
             gpu.shared.reuse.set_limit(bytes);
         }
+        self
+    }
+
+    /// For benchmarks: spills read partitions in pieces of rows, as the host backend's do,
+    /// instead of copying their allocations whole.
+    pub fn with_spills_in_pieces(mut self) -> Self {
+        self.whole_spills = false;
         self
     }
 
@@ -835,6 +848,9 @@ impl Backend for CudaBackend {
         &self,
         partition: &Arc<dyn Partition>,
     ) -> Option<BoxFuture<'static, Result<RecordBatch, BackendError>>> {
+        if !self.whole_spills {
+            return None;
+        }
         partition.as_any().downcast_ref::<CudaPartition>()?;
         let partition = Arc::clone(partition);
         let task = tokio::task::spawn_blocking(move || {
