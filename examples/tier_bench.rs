@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release --example tier_bench -- [--backend cuda] [--spill-gib 3] \
 //!     [--appends 1000] [--append-mib 1] [--persist-gib 10 --data-dir DIR] \
-//!     [--durable-appends 10000 --data-dir DIR]
+//!     [--durable-appends 10000 --data-dir DIR] [--spill-in-pieces]
 //! ```
 //!
 //! - **Spill:** `--spill-gib` of int64 datasets (256 MiB each) put with the device's budget at
@@ -56,6 +56,10 @@ struct Args {
     data_dir: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     durable_appends: u64,
+    /// On cuda: spill by reading rows in pieces (the other backends' way) instead of copying
+    /// each partition's allocation whole, to compare the two.
+    #[arg(long)]
+    spill_in_pieces: bool,
 }
 
 const MIB: u64 = 1 << 20;
@@ -110,6 +114,13 @@ fn gbps(bytes: u64, seconds: f64) -> f64 {
 }
 
 fn backend(args: &Args) -> Arc<dyn Backend> {
+    if args.spill_in_pieces && args.backend == BackendChoice::Cuda {
+        return Arc::new(
+            CudaBackend::open(0)
+                .expect("CUDA device")
+                .with_spills_in_pieces(),
+        );
+    }
     select(args.backend, &GpuSelection::Ordinals(vec![0]), 1).expect("backend")
 }
 

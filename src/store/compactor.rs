@@ -191,9 +191,11 @@ impl Compactor {
     ) -> Result<StoredPartition, StoreError> {
         // The peak where moving others can give it; else at least room for the rows.
         let tiers = &self.tiers;
+        let started = std::time::Instant::now();
         if !tiers.make_room(device, peak).await {
             tiers.make_room(device, data_bytes).await;
         }
+        let room = started.elapsed();
         let (backend, tiers) = (Arc::clone(&self.backend), Arc::clone(tiers));
         let uploaded: Vec<StoredPartition> = pieces
             // Each paid for in order, before its upload starts.
@@ -215,6 +217,8 @@ impl Compactor {
             .try_collect()
             .await?;
         let total: u64 = uploaded.iter().map(StoredPartition::memory_bytes).sum();
+        let pieces = uploaded.len();
+        let uploaded_at = started.elapsed();
         if uploaded.is_empty() {
             return Err(
                 BackendError::Device("a partition without rows to upload".to_owned()).into(),
@@ -222,6 +226,13 @@ impl Compactor {
         }
         // Compacted whether or not the backend compacts puts: a slot holds one partition.
         let mut compacted = self.compact_always(uploaded, device, Room::Spill).await?;
+        tracing::debug!(
+            pieces,
+            room_ms = room.as_secs_f64() * 1e3,
+            upload_ms = (uploaded_at - room).as_secs_f64() * 1e3,
+            compact_ms = (started.elapsed() - uploaded_at).as_secs_f64() * 1e3,
+            "pieces uploaded as one partition"
+        );
         match (compacted.pop(), compacted.is_empty()) {
             (Some(mut partition), true) => {
                 partition.data_bytes = data_bytes;
