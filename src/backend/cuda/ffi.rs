@@ -76,6 +76,19 @@ pub(super) fn device_count() -> Result<i32, BackendError> {
     result::device::get_count().map_err(|e| device_error("cuDeviceGetCount", e))
 }
 
+/// How a thread waiting for the device waits, from `GPU_FLIGHT_CUDA_SYNC` (`spin`, `yield`,
+/// `blocking`; unset or anything else: the driver's choice, which spins while there are
+/// fewer active contexts than cores). A knob for same-run comparisons: a spinning wait holds
+/// a core that the server's other work and its clients may need.
+fn schedule_from_env() -> Option<sys::CUctx_flags> {
+    match std::env::var("GPU_FLIGHT_CUDA_SYNC").ok()?.as_str() {
+        "spin" => Some(sys::CUctx_flags::CU_CTX_SCHED_SPIN),
+        "yield" => Some(sys::CUctx_flags::CU_CTX_SCHED_YIELD),
+        "blocking" => Some(sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC),
+        _ => None,
+    }
+}
+
 /// A device's primary context.
 #[derive(Debug)]
 pub(super) struct Context {
@@ -102,6 +115,9 @@ impl Context {
             ordinal,
         });
         context.bind()?;
+        if let Some(schedule) = schedule_from_env() {
+            result::ctx::set_flags(schedule).map_err(|e| device_error("cuCtxSetFlags", e))?;
+        }
         Ok(context)
     }
 
