@@ -18,12 +18,13 @@
 #![allow(unsafe_code)]
 
 use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::panic::RefUnwindSafe;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use arrow::array::{ArrayData, ArrayDataBuilder};
-use arrow::buffer::Buffer;
+use arrow::buffer::{Buffer, MutableBuffer};
 use arrow::error::ArrowError;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
@@ -440,6 +441,66 @@ where
     // SAFETY: `ptr..ptr+len` lies inside the pinned allocation that `owner` keeps alive for
     // as long as the Buffer exists; nobody writes to it once it is shared.
     unsafe { Buffer::from_custom_allocation(ptr, len, owner) }
+}
+
+/// A host buffer of `len` bytes (64-byte aligned) that `write` fills without its being zeroed
+/// first: the global allocator (mimalloc) clears reused memory on one core at about 100 ms a
+/// GiB, more than a spill's whole copy of it. `write` gets the uninitialized bytes and returns
+/// the pieces it wrote, as initialized slices of them ([`write_bytes`]); they must cover the buffer exactly,
+/// or the buffer is dropped unread and this fails.
+pub(super) fn host_buffer_written<E>(
+    len: usize,
+    write: impl for<'a> FnOnce(&'a mut [MaybeUninit<u8>]) -> Result<Vec<&'a mut [u8]>, E>,
+    incomplete: impl FnOnce() -> E,
+) -> Result<Buffer, E> {
+    let mut buffer = MutableBuffer::with_capacity(len);
+    let base = buffer.as_mut_ptr();
+    // SAFETY: the allocation holds at least `len` bytes (its capacity) and nothing else refers
+    // to them while the slice lives; `MaybeUninit` makes no claim about their contents.
+    let uninit = unsafe { std::slice::from_raw_parts_mut(base.cast::<MaybeUninit<u8>>(), len) };
+    let mut written = Vec::new();
+    for piece in write(uninit)? {
+        let Some(start) = (piece.as_ptr() as usize).checked_sub(base as usize) else {
+            return Err(incomplete());
+        };
+        written.push((start, piece.len()));
+    }
+    written.sort_unstable();
+    let mut covered = 0;
+    for (start, piece) in written {
+        if start != covered {
+            return Err(incomplete());
+        }
+        covered += piece;
+    }
+    if covered != len {
+        return Err(incomplete());
+    }
+    // SAFETY: every byte of `0..len` lies in a slice `write` returned as `&mut [u8]`, which
+    // safe code can only make of bytes it has written (checked above: the slices tile the
+    // range exactly), and `len` is within the capacity.
+    unsafe { buffer.set_len(len) };
+    Ok(buffer.into())
+}
+
+/// Copies `source` into `target` (of the same length) and returns `target` as the bytes it
+/// now holds (`<[MaybeUninit<u8>]>::write_copy_of_slice`, which needs Rust 1.93).
+///
+/// # Panics
+/// Where the lengths differ: a caller's bug.
+pub(super) fn write_bytes<'a>(target: &'a mut [MaybeUninit<u8>], source: &[u8]) -> &'a mut [u8] {
+    assert_eq!(target.len(), source.len(), "a copy between unequal ranges");
+    // SAFETY: both ranges are `source.len()` bytes long (checked) and cannot overlap (one is
+    // borrowed mutably); after the copy every byte of `target` is initialized, so viewing it
+    // as `[u8]` for the same lifetime is sound.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            source.as_ptr(),
+            target.as_mut_ptr().cast::<u8>(),
+            source.len(),
+        );
+        std::slice::from_raw_parts_mut(target.as_mut_ptr().cast::<u8>(), target.len())
+    }
 }
 
 /// `len` zero bytes from the system allocator, as an Arrow buffer that costs nothing until it
@@ -1565,6 +1626,44 @@ mod tests {
             .len(offsets.len() - 1)
             .add_buffer(Buffer::from_slice_ref(offsets))
             .add_buffer(Buffer::from_slice_ref(values))
+    }
+
+    #[test]
+    fn a_host_buffer_is_what_its_pieces_wrote_and_only_whole_coverage_is_accepted() {
+        let source: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let whole = host_buffer_written(
+            source.len(),
+            |uninit| {
+                let (first, rest) = uninit.split_at_mut(4096);
+                // Handed back out of order: coverage, not order, is what counts.
+                Ok::<_, ()>(vec![
+                    write_bytes(rest, &source[4096..]),
+                    write_bytes(first, &source[..4096]),
+                ])
+            },
+            || (),
+        )
+        .expect("covered");
+        assert_eq!(whole.as_slice(), source.as_slice());
+        assert_eq!(whole.as_ptr().align_offset(64), 0);
+        let gap = host_buffer_written(
+            100,
+            |uninit| Ok(vec![write_bytes(&mut uninit[..40], &[1; 40])]),
+            || "incomplete",
+        );
+        assert_eq!(gap.err(), Some("incomplete"));
+        let hole = host_buffer_written(
+            100,
+            |uninit| {
+                let (first, rest) = uninit.split_at_mut(40);
+                let _ = first;
+                Ok(vec![write_bytes(rest, &[2; 60])])
+            },
+            || "incomplete",
+        );
+        assert_eq!(hole.err(), Some("incomplete"));
+        let empty = host_buffer_written(0, |_| Ok::<_, ()>(Vec::new()), || ()).expect("empty");
+        assert!(empty.is_empty());
     }
 
     #[test]

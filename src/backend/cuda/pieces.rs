@@ -11,18 +11,19 @@
 //! offsets in one host buffer per allocation, so a restore uploads them in the same layout,
 //! into one allocation, without a concatenation.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arrow::array::{ArrayData, ArrayDataBuilder, make_array};
-use arrow::buffer::{BooleanBuffer, Buffer, MutableBuffer, NullBuffer};
+use arrow::buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
+use rayon::prelude::*;
 
 use super::ffi::{self, DeviceAllocation};
 use super::layout::{self, DeviceArray, UploadPlan};
 use super::{CudaPartition, Shared};
-use crate::arrays::copy_all;
 use crate::backend::BackendError;
 
 /// The most bytes one piece of a transfer stages.
@@ -153,42 +154,64 @@ fn end_of(array: &DeviceArray) -> usize {
 }
 
 /// A lane's pieces of a host buffer: where each starts in the allocation, and its bytes.
-type LaneTargets<'a> = Vec<(usize, &'a mut [u8])>;
+type LaneTargets<'a> = Vec<(usize, &'a mut [MaybeUninit<u8>])>;
 
-/// The first `len` bytes of `allocation` in a host buffer of their own.
+/// The first `len` bytes of `allocation` in a host buffer of their own, written without
+/// being zeroed first (`ffi::host_buffer_written`).
 fn download(
     shared: &Shared,
     allocation: &DeviceAllocation,
     len: usize,
 ) -> Result<Buffer, BackendError> {
-    // Zeroed by the allocator without touching fresh pages: the copies fault them in, on
-    // several cores.
-    let mut image = MutableBuffer::from_len_zeroed(len);
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
-    let mut targets: Vec<LaneTargets<'_>> = (0..lanes).map(|_| Vec::new()).collect();
-    for (index, chunk) in image.as_slice_mut().chunks_mut(PIECE_BYTES).enumerate() {
-        targets[index % lanes].push((index * PIECE_BYTES, chunk));
-    }
-    // Each lane takes its own list once.
-    let targets: Vec<std::sync::Mutex<LaneTargets<'_>>> =
-        targets.into_iter().map(std::sync::Mutex::new).collect();
-    in_lanes(lanes, |lane| {
-        let pieces = std::mem::take(&mut *targets[lane].lock().unwrap_or_else(|p| p.into_inner()));
-        let Some(largest) = pieces.iter().map(|(_, target)| target.len()).max() else {
-            return Ok(());
-        };
-        let mut staging = shared.pool.lease(largest)?;
-        for (start, target) in pieces {
-            let staged = &mut staging.buffer_mut().as_mut_slice()[..target.len()];
-            shared.with_stream(|stream| {
-                stream.copies(|batch| batch.copy_to_host(staged, allocation, start))
+    ffi::host_buffer_written(
+        len,
+        |image| {
+            let mut targets: Vec<LaneTargets<'_>> = (0..lanes).map(|_| Vec::new()).collect();
+            for (index, chunk) in image.chunks_mut(PIECE_BYTES).enumerate() {
+                targets[index % lanes].push((index * PIECE_BYTES, chunk));
+            }
+            // Each lane takes its own list once, and hands back what it wrote.
+            let targets: Vec<Mutex<Vec<_>>> = targets.into_iter().map(Mutex::new).collect();
+            let written = Mutex::new(Vec::new());
+            in_lanes(lanes, |lane| {
+                let pieces = std::mem::take(&mut *lock(&targets[lane]));
+                let Some(largest) = pieces.iter().map(|(_, target)| target.len()).max() else {
+                    return Ok(());
+                };
+                let mut staging = shared.pool.lease(largest)?;
+                for (start, target) in pieces {
+                    let staged = &mut staging.buffer_mut().as_mut_slice()[..target.len()];
+                    shared.with_stream(|stream| {
+                        stream.copies(|batch| batch.copy_to_host(staged, allocation, start))
+                    })?;
+                    let copied = write_all(&staging.as_ref().as_slice()[..target.len()], target);
+                    lock(&written).extend(copied);
+                }
+                Ok(())
             })?;
-            copy_all(vec![(&staging.as_ref().as_slice()[..target.len()], target)]);
-        }
-        Ok(())
-    })?;
-    drop(targets);
-    Ok(image.into())
+            Ok(written.into_inner().unwrap_or_else(|p| p.into_inner()))
+        },
+        || BackendError::Device("a host copy was left incomplete".to_owned()),
+    )
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Writes `source` into `target` (of its length), on several cores where it is large; the
+/// written pieces.
+fn write_all<'a>(source: &[u8], target: &'a mut [MaybeUninit<u8>]) -> Vec<&'a mut [u8]> {
+    const SPLIT: usize = 2 << 20;
+    if source.len() < 2 * SPLIT {
+        return vec![ffi::write_bytes(target, source)];
+    }
+    source
+        .par_chunks(SPLIT)
+        .zip(target.par_chunks_mut(SPLIT))
+        .map(|(from, to)| ffi::write_bytes(to, from))
+        .collect()
 }
 
 /// `array` as Arrow data over `image`, which holds its allocation's bytes at their offsets.
