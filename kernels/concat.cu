@@ -29,8 +29,10 @@
 //                  when src is 0 (a fragment without a validity bitmap).
 //   REBASE_OFFS32/ 16 source bytes of offsets (4 or 2): dst[k] = src[k] - src[0] + base (a
 //   REBASE_OFFS64  fragment's offsets moved to start at the running total of those before).
-//   REMAP_KEYS8..  one dictionary key of 1, 2, 4 or 8 bytes: dst[k] = maps[map + src[k]], or 0
-//   REMAP_KEYS64   when src[k] (read unsigned) is not below map_len (only ever under a null).
+//   REMAP_KEYS8..  16 source bytes of dictionary keys (16, 8, 4 or 2 keys of 1, 2, 4 or 8
+//   REMAP_KEYS64   bytes): dst[k] = maps[map + src[k]], or 0 when src[k] (read unsigned) is
+//                  not below map_len (only ever under a null). One 16-byte load and store
+//                  where both ends are aligned, as keys of compact fragments are.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -161,9 +163,28 @@ __device__ __forceinline__ void rebase(const Task& t, u64 unit) {
 }
 
 template <typename K>
+__device__ __forceinline__ K mapped(const Task& t, K key, const u64* __restrict__ maps) {
+    const u64 k = static_cast<u64>(key);
+    return k < t.map_len ? static_cast<K>(__ldg(maps + t.map + k)) : K(0);
+}
+
+template <typename K>
 __device__ __forceinline__ void remap(const Task& t, u64 unit, const u64* __restrict__ maps) {
-    const u64 key = static_cast<u64>(__ldg(reinterpret_cast<const K*>(t.src) + unit));
-    reinterpret_cast<K*>(t.dst)[unit] = key < t.map_len ? static_cast<K>(__ldg(maps + t.map + key)) : K(0);
+    constexpr u32 PER_UNIT = 16 / sizeof(K);
+    const K* src = reinterpret_cast<const K*>(t.src);
+    K* dst = reinterpret_cast<K*>(t.dst);
+    const u64 first = unit * PER_UNIT;
+    if (first + PER_UNIT <= t.count && (((t.src | t.dst) + first * sizeof(K)) & 15) == 0) {
+        union { uint4 v; K items[PER_UNIT]; } keys;
+        keys.v = __ldg(reinterpret_cast<const uint4*>(src + first));
+        #pragma unroll
+        for (u32 i = 0; i < PER_UNIT; ++i) keys.items[i] = mapped(t, keys.items[i], maps);
+        *reinterpret_cast<uint4*>(dst + first) = keys.v;
+    } else {
+        for (u64 k = first; k < t.count && k < first + PER_UNIT; ++k) {
+            dst[k] = mapped(t, __ldg(src + k), maps);
+        }
+    }
 }
 
 constexpr u32 BLOCK = 256;

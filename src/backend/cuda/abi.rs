@@ -75,7 +75,11 @@ impl ConcatTask {
             Self::COPY_BITS => (self.dst_bit + self.count - 1) / 32 - self.dst_bit / 32 + 1,
             Self::REBASE_OFFSETS_32 => self.count.div_ceil(4),
             Self::REBASE_OFFSETS_64 => self.count.div_ceil(2),
-            _ => self.count,
+            // 16 bytes of keys per unit.
+            _ => match self.key_width() {
+                Some(width) => self.count.div_ceil(16 / width),
+                None => self.count,
+            },
         }
     }
 
@@ -289,6 +293,22 @@ mod tests {
             check_task(&remap, Some(0..8), Some(64..72), 3).is_err(),
             "map past the table"
         );
+    }
+
+    #[test]
+    fn a_key_remap_unit_is_sixteen_bytes_of_keys() {
+        let remap = |width_log2: u32, count| {
+            ConcatTask::new(ConcatTask::REMAP_KEYS_8 + width_log2, 0, 0, count).units()
+        };
+        assert_eq!(remap(0, 17), 2, "16 one-byte keys a unit");
+        assert_eq!(remap(1, 8), 1);
+        assert_eq!(
+            remap(2, 10),
+            3,
+            "4 four-byte keys a unit, the last one partial"
+        );
+        assert_eq!(remap(3, 3), 2);
+        assert_eq!(remap(2, 0), 0);
     }
 
     #[test]
