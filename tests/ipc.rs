@@ -512,3 +512,31 @@ async fn verify(client: &mut arrow_flight::FlightClient, name: &str, options: &E
         .await
         .expect("release");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn a_replica_of_some_columns_copies_only_those() {
+    // The columns of a compacted partition share one allocation; a replica of one of eight
+    // 8 MB columns must copy (and charge) that column, not the allocation.
+    use gpu_flight::store::{ExportRequest, PutMode, Store};
+    let store = Store::new(two_devices(), StoreOptions::default());
+    let batches: Vec<_> = (0..4).map(|i| int64_batch(250_000, 8, i)).collect();
+    common::devices::put(&store, "wide", PutMode::Create, Some(0), &batches)
+        .await
+        .expect("put on device 0");
+    let used = |store: &Store| store.status().devices[1].used_bytes;
+    let before = used(&store);
+    let mut request = ExportRequest::new("wide", Duration::from_secs(60), "test");
+    request.consumer = Some(1);
+    request.copy = true;
+    request.columns = Some(vec!["c3".to_owned()]);
+    let export = store.export(request).await.expect("a replica on device 1");
+    let charged = used(&store) - before;
+    assert!(
+        (8_000_000..=12 << 20).contains(&charged),
+        "one 8 MB column and its rounding, not 64 MB: {charged}"
+    );
+    assert_eq!(export.partitions[0].columns.len(), 1);
+    store.release(&export.lease.id).expect("release");
+    assert_eq!(used(&store), before, "the replica goes with its lease");
+}

@@ -117,6 +117,79 @@ impl DeviceArray {
         self.buffers.iter_mut().for_each(move_region);
         self.children.iter_mut().for_each(|child| child.shift(by));
     }
+
+    /// The bytes the array's regions (its children's included) span, which lie together in
+    /// its allocation; `None` when it has none.
+    pub(super) fn span(&self) -> Option<Region> {
+        let mut regions = Vec::new();
+        self.collect_regions(&mut regions);
+        let start = regions.iter().map(|r| r.offset).min()?;
+        let end = regions.iter().map(|r| r.offset + r.len).max()?;
+        Some(Region {
+            offset: start,
+            len: end - start,
+        })
+    }
+
+    fn collect_regions(&self, out: &mut Vec<Region>) {
+        out.extend(self.validity);
+        out.extend(&self.buffers);
+        self.children.iter().for_each(|c| c.collect_regions(out));
+    }
+
+    /// The same array with its span moved from `from` to `to` (every region's offset is at
+    /// least `from`).
+    fn moved(&self, from: usize, to: usize) -> Self {
+        let mut array = self.clone();
+        array.relocate(from, to);
+        array
+    }
+
+    fn relocate(&mut self, from: usize, to: usize) {
+        let move_region = |region: &mut Region| region.offset = region.offset - from + to;
+        self.validity.iter_mut().for_each(move_region);
+        self.buffers.iter_mut().for_each(move_region);
+        self.children.iter_mut().for_each(|c| c.relocate(from, to));
+    }
+}
+
+/// Columns copied out of their allocations into one of their own (a replica of some of a
+/// partition's columns): each column's span, where it goes, and the column there.
+#[derive(Debug)]
+pub(super) struct SpanCopy {
+    /// Per column: the span it is copied from (`None`: no bytes), and its offset in the copy.
+    pub(super) spans: Vec<(Option<Region>, usize)>,
+    /// The columns as they lie in the copy.
+    pub(super) columns: Vec<DeviceArray>,
+    /// Bytes the copy's columns span, before rounding.
+    pub(super) used_bytes: usize,
+}
+
+impl SpanCopy {
+    pub(super) fn new(arrays: &[&DeviceArray]) -> Self {
+        let mut end = 0_usize;
+        let mut spans = Vec::with_capacity(arrays.len());
+        let mut columns = Vec::with_capacity(arrays.len());
+        for array in arrays {
+            let to = end.next_multiple_of(ALIGNMENT);
+            match array.span() {
+                Some(span) => {
+                    columns.push(array.moved(span.offset, to));
+                    spans.push((Some(span), to));
+                    end = to + span.len;
+                }
+                None => {
+                    columns.push((*array).clone());
+                    spans.push((None, to));
+                }
+            }
+        }
+        Self {
+            spans,
+            columns,
+            used_bytes: end,
+        }
+    }
 }
 
 /// The layout of one batch, and the host bytes that fill it.
@@ -334,8 +407,9 @@ pub(super) fn rebase_offsets(bytes: &mut [u8], count: usize, width: usize, base:
 }
 
 /// Fills `target` (staging) with the plan's host bytes in `range` of the allocation, laid out
-/// as there: byte `range.start` at `target`'s start. Bytes between regions are left as they
-/// were.
+/// as there: byte `range.start` at `target`'s start. Bytes between regions are zeroed: staging
+/// is reused, and what it held before (another dataset's bytes) must not reach device memory
+/// that `ipc-export` maps.
 ///
 /// # Panics
 /// Where `target` is shorter than `range`: a caller's bug.
@@ -354,7 +428,8 @@ pub(super) fn fill_staging(plan: &UploadPlan, range: Range<usize>, target: &mut 
             }
             continue;
         }
-        let (_, from_region) = std::mem::take(&mut rest).split_at_mut(start - at);
+        let (gap, from_region) = std::mem::take(&mut rest).split_at_mut(start - at);
+        gap.fill(0);
         let (target, after) = from_region.split_at_mut(end - start);
         pairs.push((
             &source.as_slice()[start - region.offset..end - region.offset],
@@ -363,6 +438,7 @@ pub(super) fn fill_staging(plan: &UploadPlan, range: Range<usize>, target: &mut 
         rest = after;
         at = end;
     }
+    rest.fill(0);
     copy_all(pairs);
 }
 
@@ -394,22 +470,54 @@ mod tests {
     }
 
     #[test]
+    fn a_copy_of_some_columns_packs_their_spans_and_moves_their_regions_with_them() {
+        let plan = UploadPlan::new(&batch()).expect("plan");
+        // The string and list columns, not the first: each moves as a block.
+        let chosen = [&plan.columns[2], &plan.columns[1]];
+        let copy = SpanCopy::new(&chosen);
+        let mut at = 0_usize;
+        for ((span, to), (original, moved)) in
+            copy.spans.iter().zip(chosen.iter().zip(&copy.columns))
+        {
+            let span = span.expect("bytes");
+            assert_eq!(*to, at.next_multiple_of(ALIGNMENT));
+            assert_eq!(moved.span().expect("bytes").offset, *to);
+            let (mut from, mut into) = (Vec::new(), Vec::new());
+            regions(original, &mut from);
+            regions(moved, &mut into);
+            for (a, b) in from.iter().zip(&into) {
+                assert_eq!(a.len, b.len);
+                assert_eq!(
+                    a.offset - span.offset,
+                    b.offset - to,
+                    "the same place in the span"
+                );
+            }
+            at = to + span.len;
+        }
+        assert_eq!(copy.used_bytes, at);
+        assert!(copy.used_bytes < plan.used_bytes, "only the chosen columns");
+    }
+
+    #[test]
     fn staging_filled_in_pieces_holds_what_staging_filled_at_once_does() {
         let plan = UploadPlan::new(&batch()).expect("plan");
         let len = plan.used_bytes;
-        let mut whole = vec![0u8; len];
+        // Staging that held other bytes before: every byte of the range is written.
+        let mut whole = vec![0xAB_u8; len];
         fill_staging(&plan, 0..len, &mut whole);
         for piece in [1, 7, 64, 100, len] {
             let mut pieced = vec![0u8; len];
             for start in (0..len).step_by(piece) {
                 let range = start..(start + piece).min(len);
-                let mut staging = vec![0u8; piece];
+                let mut staging = vec![0xCD_u8; piece];
                 fill_staging(&plan, range.clone(), &mut staging);
                 pieced[range.clone()].copy_from_slice(&staging[..range.len()]);
             }
             assert_eq!(pieced, whole, "pieces of {piece} bytes");
         }
         assert!(whole.iter().any(|&b| b != 0));
+        assert!(!whole.contains(&0xAB), "the gaps between regions are zeroed");
     }
 
     #[test]

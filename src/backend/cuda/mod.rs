@@ -537,33 +537,39 @@ impl Shared {
         source: &CudaPartition,
         columns: &[usize],
     ) -> Result<Arc<dyn Partition>, BackendError> {
-        let used = source.allocations_of(columns)?;
-        let allocations = used
-            .iter()
-            .map(|&index| TrackedAllocation::new(self, source.allocations[index].inner.bytes()))
-            .collect::<Result<Vec<_>, _>>()?;
+        let chosen = source.chosen(columns)?;
+        let arrays: Vec<&DeviceArray> = chosen.iter().map(|(_, array)| *array).collect();
+        let plan = layout::SpanCopy::new(&arrays);
+        let allocations = if columns.is_empty() {
+            Vec::new()
+        } else {
+            vec![TrackedAllocation::new(
+                self,
+                layout::allocation_bytes(plan.used_bytes),
+            )?]
+        };
         self.with_stream(|stream| {
             stream.copies(|batch| {
-                for (copy, &index) in allocations.iter().zip(&used) {
-                    let original = &source.allocations[index].inner;
-                    batch.copy_between_devices(&copy.inner, 0, original, 0, original.bytes())?;
+                for (&(allocation, _), &(span, to)) in chosen.iter().zip(&plan.spans) {
+                    if let (Some(span), Some(copy)) = (span, allocations.first()) {
+                        let original = &source.allocations[allocation].inner;
+                        batch.copy_between_devices(
+                            &copy.inner,
+                            to,
+                            original,
+                            span.offset,
+                            span.len,
+                        )?;
+                    }
                 }
                 Ok(())
             })
         })?;
-        let bytes: usize = allocations.iter().map(|a| a.inner.bytes()).sum();
         self.counters.peer_copies.fetch_add(1, Ordering::Relaxed);
         self.counters
             .peer_copy_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
-        let remapped = columns
-            .iter()
-            .map(|&column| {
-                let (allocation, array) = &source.columns[column];
-                let position = used.binary_search(allocation).unwrap_or_default();
-                (position, array.clone())
-            })
-            .collect();
+            .fetch_add(plan.used_bytes as u64, Ordering::Relaxed);
+        let remapped = plan.columns.into_iter().map(|array| (0, array)).collect();
         let schema = source
             .schema
             .project(columns)
@@ -723,6 +729,15 @@ impl Shared {
     }
 }
 
+/// Sets its flag when dropped.
+struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// Each partition's columns as concatenation fragments. Sources are numbered as
 /// `compact` lists them: every allocation of the first partition, then of the next.
 /// With `at_addresses` false the allocations are taken to start at 0 (enough to size a
@@ -853,11 +868,21 @@ impl Backend for CudaBackend {
         }
         partition.as_any().downcast_ref::<CudaPartition>()?;
         let partition = Arc::clone(partition);
+        // Set when the future is dropped, done or not: a caller that goes away stops the copy
+        // at its next piece rather than leave a whole partition's copy running unpaid for.
+        let cancelled = CancelOnDrop(Arc::new(std::sync::atomic::AtomicBool::new(false)));
+        let flag = Arc::clone(&cancelled.0);
         let task = tokio::task::spawn_blocking(move || {
             let part = downcast_one::<CudaPartition>(&partition, "the cuda backend")?;
-            pieces::host_copy(&part.shared, part)
+            pieces::host_copy(&part.shared, part, &flag)
         });
-        Some(task.map(flatten_join).boxed())
+        Some(
+            async move {
+                let _cancelled = cancelled;
+                flatten_join(task.await)
+            }
+            .boxed(),
+        )
     }
 
     fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
@@ -893,11 +918,12 @@ impl Backend for CudaBackend {
         columns: &[usize],
     ) -> Result<u64, BackendError> {
         let part = downcast_one::<CudaPartition>(partition, "the cuda backend")?;
-        Ok(part
-            .allocations_of(columns)?
-            .iter()
-            .map(|&index| part.allocations[index].inner.bytes() as u64)
-            .sum())
+        if columns.is_empty() {
+            return Ok(0);
+        }
+        let chosen = part.chosen(columns)?;
+        let arrays: Vec<&DeviceArray> = chosen.iter().map(|(_, array)| *array).collect();
+        Ok(layout::allocation_bytes(layout::SpanCopy::new(&arrays).used_bytes) as u64)
     }
 
     /// One `cuMemcpyPeerAsync` per allocation, queued on the target GPU.
@@ -1054,22 +1080,19 @@ struct CudaPartition {
 }
 
 impl CudaPartition {
-    /// The allocations `columns` lie in, ascending, each once.
-    fn allocations_of(&self, columns: &[usize]) -> Result<Vec<usize>, BackendError> {
-        let mut used = columns
+    /// Each of `columns`: the allocation it lies in, and where.
+    fn chosen(&self, columns: &[usize]) -> Result<Vec<(usize, &DeviceArray)>, BackendError> {
+        columns
             .iter()
             .map(|&column| {
                 self.columns
                     .get(column)
-                    .map(|(allocation, _)| *allocation)
+                    .map(|(allocation, array)| (*allocation, array))
                     .ok_or_else(|| {
                         BackendError::Device(format!("no column {column} in this partition"))
                     })
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        used.sort_unstable();
-        used.dedup();
-        Ok(used)
+            .collect()
     }
 }
 

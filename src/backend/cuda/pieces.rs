@@ -13,6 +13,7 @@
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -109,9 +110,13 @@ pub(super) fn upload(
 /// `partition` in host memory: each allocation's bytes up to the last one an array uses,
 /// copied in pieces (see the module docs) into one host buffer, and the columns as arrays at
 /// the same offsets there.
+///
+/// `cancelled` stops the copy between pieces: its caller went away, and nothing would keep
+/// or pay for the copy.
 pub(super) fn host_copy(
     shared: &Shared,
     partition: &CudaPartition,
+    cancelled: &AtomicBool,
 ) -> Result<RecordBatch, BackendError> {
     let images = partition
         .allocations
@@ -125,7 +130,7 @@ pub(super) fn host_copy(
                 .map(|(_, array)| end_of(array))
                 .max()
                 .unwrap_or(0);
-            download(shared, &allocation.inner, used)
+            download(shared, &allocation.inner, used, cancelled)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let columns = partition
@@ -162,6 +167,7 @@ fn download(
     shared: &Shared,
     allocation: &DeviceAllocation,
     len: usize,
+    cancelled: &AtomicBool,
 ) -> Result<Buffer, BackendError> {
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
     ffi::host_buffer_written(
@@ -179,8 +185,14 @@ fn download(
                 let Some(largest) = pieces.iter().map(|(_, target)| target.len()).max() else {
                     return Ok(());
                 };
-                let mut staging = shared.pool.lease(largest)?;
+                // Under the read cap, like the reads a spill made before.
+                let mut staging = shared.pool.lease_for_read(largest)?;
                 for (start, target) in pieces {
+                    if cancelled.load(Ordering::Acquire) {
+                        return Err(BackendError::Device(
+                            "a host copy was given up by its caller".to_owned(),
+                        ));
+                    }
                     let staged = &mut staging.buffer_mut().as_mut_slice()[..target.len()];
                     shared.with_stream(|stream| {
                         stream.copies(|batch| batch.copy_to_host(staged, allocation, start))
@@ -229,6 +241,12 @@ fn host_array(array: &DeviceArray, image: &Buffer) -> Result<ArrayData, BackendE
     };
     let buffers = array.buffers.iter().map(slice).collect::<Result<_, _>>()?;
     let nulls = match &array.validity {
+        Some(region) if region.len < array.len.div_ceil(8) => {
+            return Err(BackendError::Device(format!(
+                "a validity bitmap of {} bytes for {} rows",
+                region.len, array.len
+            )));
+        }
         Some(region) => Some(NullBuffer::new(BooleanBuffer::new(
             slice(region)?,
             0,

@@ -14,8 +14,11 @@
 //! chunks until its stream ends, and pinned memory cannot be paged out, so without a cap
 //! enough stalled readers could pin all of the host's memory. A read's lease beyond the cap
 //! fails with `StagingExhausted` (RESOURCE_EXHAUSTED) rather than wait on readers that may
-//! never move. Uploads and concatenations are not capped: they hold their buffer only for the
-//! copy, and the put path already bounds how many run and how large each is.
+//! never move. Spills' whole-partition copies (`pieces::host_copy`, two pieces at a time) lease
+//! under the same cap. Uploads and concatenations are not capped: they hold their buffer only
+//! for the copy, and the put path already bounds how many run and how large each is (an
+//! upload at most two 64 MiB pieces). Buffers pinned ahead of use at startup go straight into
+//! the cache and never count as leased.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -128,10 +131,15 @@ impl PinnedPool {
         };
         match reused {
             Some(buffer) => Ok(buffer),
-            None => match &self.cpus {
-                Some(cpus) => numa::on_cpus(cpus, || PinnedBuffer::new(&self.context, class)),
-                None => PinnedBuffer::new(&self.context, class),
-            },
+            None => self.allocate(class),
+        }
+    }
+
+    /// A new pinned buffer of `class` bytes, on the GPU's NUMA node where known.
+    fn allocate(&self, class: usize) -> Result<PinnedBuffer, BackendError> {
+        match &self.cpus {
+            Some(cpus) => numa::on_cpus(cpus, || PinnedBuffer::new(&self.context, class)),
+            None => PinnedBuffer::new(&self.context, class),
         }
     }
 
@@ -143,18 +151,16 @@ impl PinnedPool {
         let spawned = std::thread::Builder::new()
             .name("gpu-flight-pin".to_owned())
             .spawn(move || {
-                let leases: Vec<PinnedLease> = sizes
-                    .iter()
-                    .filter_map(|&bytes| match pool.lease(bytes) {
-                        Ok(lease) => Some(lease),
+                for bytes in sizes {
+                    let class = bytes.max(MIN_BUFFER_BYTES).next_power_of_two();
+                    match pool.allocate(class) {
+                        // Never leased: straight into the cache, as a returned buffer goes.
+                        Ok(buffer) => pool.keep(buffer),
                         Err(error) => {
                             tracing::warn!(%error, bytes, "pinning staging ahead of use failed");
-                            None
                         }
-                    })
-                    .collect();
-                // Given back, so kept for the transfers that lease these sizes.
-                drop(leases);
+                    }
+                }
             });
         if let Err(error) = spawned {
             tracing::warn!(%error, "no thread to pin staging ahead of use");
@@ -172,8 +178,14 @@ impl PinnedPool {
     }
 
     fn give_back(&self, buffer: PinnedBuffer) {
+        self.leased_bytes
+            .fetch_sub(buffer.len() as u64, Ordering::AcqRel);
+        self.keep(buffer);
+    }
+
+    /// Caches `buffer` (no longer leased) for reuse, or frees it where the cache is full.
+    fn keep(&self, buffer: PinnedBuffer) {
         let bytes = buffer.len() as u64;
-        self.leased_bytes.fetch_sub(bytes, Ordering::AcqRel);
         let mut free = self
             .free
             .lock()
