@@ -85,12 +85,23 @@ class _Lease:
     def event(self, ordinal: int) -> _cuda.Event:
         """The sync event of this lease's arrays on device `ordinal`, made on first use: most
         consumers (CuPy, PyTorch, a column's views) never ask, and making and destroying one
-        costs four driver calls per export."""
+        costs four driver calls per export. Made outside the lock (the driver may take its
+        time, and a release callback may run meanwhile); a second one made at the same time
+        is destroyed."""
         with self._lock:
+            if self.ended:
+                raise RuntimeError(f"export lease {self.lease} has ended")
             event = self.events.get(ordinal)
-            if event is None:
-                event = self.events[ordinal] = _cuda.Event(ordinal)
+        if event is not None:
             return event
+        made = _cuda.Event(ordinal)
+        with self._lock:
+            kept = None if self.ended else self.events.setdefault(ordinal, made)
+        if kept is not made:
+            made.destroy()
+        if kept is None:
+            raise RuntimeError(f"export lease {self.lease} has ended")
+        return kept
 
     def keep_renewed(self, renew: Callable[[str, int], None], term: int) -> None:
         """Has the lease thread renew the lease by `term` seconds, once about half of it has
@@ -156,8 +167,9 @@ class _Lease:
             self.done.set()
 
     def _end(self, unmap: bool) -> None:
-        mappings, events = self.mappings, list(self.events.values())
-        self.mappings, self.events = [], {}
+        with self._lock:  # `event()` adds to `events` under it
+            mappings, events = self.mappings, list(self.events.values())
+            self.mappings, self.events = [], {}
         failures = []
         if unmap:
             for handle, ordinal in mappings:
