@@ -155,9 +155,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>>;
 
-    /// The whole of `partition` (of this backend) as one host batch whose arrays all lie in
-    /// memory of their own, when this backend copies it out faster than reads of its rows
-    /// would: what a spill to the host tier keeps, and hands back to [`Backend::upload`] to
+    /// The whole of `partition` (of this backend) as one host batch whose arrays lie in
+    /// buffers of the copy's own (shared among them, nothing else's), when this backend
+    /// copies it out faster than reads of its rows would: what a spill to the host tier keeps, and hands back to [`Backend::upload`] to
     /// restore. `None` (the default): the store reads the rows in pieces and copies those.
     fn host_copy(
         &self,

@@ -32,9 +32,10 @@ pub struct SpilledPartition {
 
 impl SpilledPartition {
     /// A partition of `pieces`, consecutive rows of one schema, each holding only memory of its
-    /// own: [`copied`] out of the staging buffer it was read into (one at a time, as they are
-    /// read, so a spill holds at most one piece of staging memory), or decoded from a file
-    /// read into memory for it.
+    /// own: a backend's whole host copy (`Backend::host_copy`: one piece, whose arrays share
+    /// its buffers), [`copied`] out of the staging buffers it was read into (as they are read,
+    /// so a spill holds a few pieces of staging memory at most), or decoded from a file read
+    /// into memory for it.
     pub fn of_copies(pieces: Vec<RecordBatch>) -> Self {
         let pieces: Vec<RecordBatch> = pieces.into_iter().filter(|p| p.num_rows() > 0).collect();
         let mut starts = Vec::with_capacity(pieces.len() + 1);

@@ -81,13 +81,32 @@ pub(super) fn device_count() -> Result<i32, BackendError> {
 /// `blocking`; unset or anything else: the driver's choice, which spins while there are
 /// fewer active contexts than cores). A knob for same-run comparisons: a spinning wait holds
 /// a core that the server's other work and its clients may need.
+/// `cuCtxSetFlags` came with CUDA 12.1; on an older driver the variable is ignored.
 fn schedule_from_env() -> Option<sys::CUctx_flags> {
-    match std::env::var("GPU_FLIGHT_CUDA_SYNC").ok()?.as_str() {
-        "spin" => Some(sys::CUctx_flags::CU_CTX_SCHED_SPIN),
-        "yield" => Some(sys::CUctx_flags::CU_CTX_SCHED_YIELD),
-        "blocking" => Some(sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC),
-        _ => None,
+    let value = std::env::var("GPU_FLIGHT_CUDA_SYNC").ok()?;
+    let flags = match value.as_str() {
+        "spin" => sys::CUctx_flags::CU_CTX_SCHED_SPIN,
+        "yield" => sys::CUctx_flags::CU_CTX_SCHED_YIELD,
+        "blocking" => sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC,
+        other => {
+            tracing::warn!(
+                value = other,
+                "GPU_FLIGHT_CUDA_SYNC is spin, yield or blocking; ignored"
+            );
+            return None;
+        }
+    };
+    let mut version = 0;
+    // SAFETY: writes one integer through a pointer to a live local.
+    let known = unsafe { sys::cuDriverGetVersion(&raw mut version) };
+    if known != sys::CUresult::CUDA_SUCCESS || version < 12010 {
+        tracing::warn!(
+            version,
+            "GPU_FLIGHT_CUDA_SYNC needs a CUDA 12.1 driver; ignored"
+        );
+        return None;
     }
+    Some(flags)
 }
 
 /// A device's primary context.

@@ -3,8 +3,8 @@
 //!
 //! [`ImportPlan`] (pure, unit-tested without a GPU) lays each column out as an upload would
 //! (validity, buffers, children depth first, a dictionary's values last, each 64-byte
-//! aligned) and arranges the columns as a concatenation does (large columns in allocations of
-//! their own, small ones packed together), so an import is exportable and compact at once.
+//! aligned) and arranges the columns as a concatenation does (every column in one
+//! allocation), so an import is exportable and compact at once.
 //!
 //! [`import`] opens each distinct handle once and checks the size the driver reports for the
 //! mapped allocation against the document's, copies every buffer into the server's own
