@@ -517,7 +517,10 @@ mod tests {
             assert_eq!(pieced, whole, "pieces of {piece} bytes");
         }
         assert!(whole.iter().any(|&b| b != 0));
-        assert!(!whole.contains(&0xAB), "the gaps between regions are zeroed");
+        assert!(
+            !whole.contains(&0xAB),
+            "the gaps between regions are zeroed"
+        );
     }
 
     #[test]
