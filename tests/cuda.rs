@@ -26,6 +26,27 @@ fn counter(status: &Value, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("counter {name} in {status}"))
 }
 
+/// `rows` rows of `ints` int64 columns (every other one with nulls, `int64_batch`) followed
+/// by the first `strings` columns of `string_batch` (varied strings "s", then ids "id").
+fn ints_and_strings(rows: usize, ints: usize, strings: usize) -> RecordBatch {
+    let numbers = int64_batch(rows, ints, 0);
+    let words = string_batch(rows, 0);
+    let columns = numbers
+        .columns()
+        .iter()
+        .chain(words.columns().iter().take(strings))
+        .cloned()
+        .collect();
+    let fields: Vec<_> = numbers
+        .schema()
+        .fields()
+        .iter()
+        .chain(words.schema().fields().iter().take(strings))
+        .cloned()
+        .collect();
+    RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns).expect("batch")
+}
+
 /// Reads `name` whole and returns how many chunks and stream synchronizations it took.
 async fn read_counting(server: &TestServer, name: &str, expected: &[RecordBatch]) -> (u64, u64) {
     let mut client = server.client().await;
@@ -253,14 +274,7 @@ async fn projected_reads_copy_only_the_chosen_columns_off_the_device() {
     let server = TestServer::start(cuda()).await;
     let mut client = server.client().await;
     // Four int64 columns, two with validity bitmaps, and a string column.
-    let batch = int64_batch(100_000, 4, 0);
-    let strings = string_batch(100_000, 0);
-    let mut columns = batch.columns().to_vec();
-    columns.push(Arc::clone(strings.column(0)));
-    let mut fields: Vec<_> = batch.schema().fields().iter().cloned().collect();
-    fields.push(Arc::new(strings.schema().field(0).clone().with_name("s")));
-    let batch = RecordBatch::try_new(Arc::new(arrow::datatypes::Schema::new(fields)), columns)
-        .expect("batch");
+    let batch = ints_and_strings(100_000, 4, 1);
     put(&mut client, path("t"), vec![batch.clone()])
         .await
         .expect("put");
@@ -517,14 +531,7 @@ async fn a_batch_larger_than_a_staging_piece_uploads_in_pieces() {
     // batch, whose buffers straddle the 64 MiB pieces an upload stages at a time.
     let server = TestServer::start(cuda()).await;
     let mut client = server.client().await;
-    let ints = int64_batch(2_000_000, 4, 11);
-    let words = string_batch(2_000_000, 5);
-    let mut columns = ints.columns().to_vec();
-    columns.extend(words.columns().iter().cloned());
-    let mut fields: Vec<_> = ints.schema().fields().iter().cloned().collect();
-    fields.extend(words.schema().fields().iter().cloned());
-    let schema = Arc::new(arrow::datatypes::Schema::new(fields));
-    let batch = RecordBatch::try_new(schema, columns).expect("batch");
+    let batch = ints_and_strings(2_000_000, 4, 2);
     let before = status(&mut client).await;
     put(&mut client, path("wide"), vec![batch.clone()])
         .await
