@@ -530,8 +530,10 @@ impl Shared {
         }))
     }
 
-    /// Copies `columns` of `source` (on any GPU) into new allocations on this one, laid out
-    /// as they are: every allocation those columns use, whole, with one copy each.
+    /// Copies `columns` of `source` (on any GPU) into one new allocation on this one: each
+    /// column's span (its buffers lie together, in the layout `ipc-export` publishes) at the
+    /// next aligned offset, one copy per column (`layout::SpanCopy`), so a replica of some
+    /// columns holds those alone.
     fn copy_from(
         self: &Arc<Self>,
         source: &CudaPartition,
@@ -926,7 +928,7 @@ impl Backend for CudaBackend {
         Ok(layout::allocation_bytes(layout::SpanCopy::new(&arrays).used_bytes) as u64)
     }
 
-    /// One `cuMemcpyPeerAsync` per allocation, queued on the target GPU.
+    /// One `cuMemcpyPeerAsync` per column, queued on the target GPU (`Shared::copy_from`).
     fn copy_to(
         &self,
         partition: Arc<dyn Partition>,
