@@ -42,21 +42,46 @@ fn lane_pieces(len: usize, lane: usize, lanes: usize) -> impl Iterator<Item = Ra
 }
 
 /// Runs `lane(0)` here and the other lanes on threads of their own, and gives the first error.
+/// A lane that fails raises the flag every lane is given, so the others stop at their next
+/// piece instead of finishing a transfer that has already failed.
 fn in_lanes(
     lanes: usize,
-    lane: impl Fn(usize) -> Result<(), BackendError> + Sync,
+    lane: impl Fn(usize, &AtomicBool) -> Result<(), BackendError> + Sync,
 ) -> Result<(), BackendError> {
-    if lanes <= 1 {
-        return lane(0);
+    let failed = AtomicBool::new(false);
+    // The error of the lane that failed first: the others' only say they stopped.
+    let first = Mutex::new(None);
+    let run = |index: usize| {
+        let result = lane(index, &failed);
+        if let Err(error) = result {
+            if failed.swap(true, Ordering::AcqRel) {
+                return Err(error);
+            }
+            *lock(&first) = Some(error);
+            return Err(BackendError::Device("a transfer lane failed".to_owned()));
+        }
+        Ok(())
+    };
+    let result = if lanes <= 1 {
+        run(0)
+    } else {
+        all_lanes(lanes, &run)
+    };
+    match lock(&first).take() {
+        Some(error) => Err(error),
+        None => result,
     }
+}
+
+fn all_lanes(
+    lanes: usize,
+    run: &(impl Fn(usize) -> Result<(), BackendError> + Sync),
+) -> Result<(), BackendError> {
     std::thread::scope(|scope| {
         let others: Vec<_> = (1..lanes)
-            .map(|index| {
-                let lane = &lane;
-                scope.spawn(move || lane(index))
-            })
+            .map(|index| scope.spawn(move || run(index)))
             .collect();
-        let mut result = lane(0);
+        let mut result = run(0);
         for other in others {
             let joined = other.join().unwrap_or_else(|_| {
                 Err(BackendError::Device("a transfer lane panicked".to_owned()))
@@ -65,6 +90,16 @@ fn in_lanes(
         }
         result
     })
+}
+
+/// Stops a lane before its next piece when another lane failed.
+fn another_failed(failed: &AtomicBool) -> Result<(), BackendError> {
+    if failed.load(Ordering::Acquire) {
+        return Err(BackendError::Device(
+            "another piece of this transfer failed".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 /// Time an upload spent filling staging and waiting for its copies, summed over its lanes.
@@ -84,10 +119,11 @@ pub(super) fn upload(
     let len = plan.used_bytes;
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
     let times = std::sync::Mutex::new(UploadTimes::default());
-    in_lanes(lanes, |lane| {
+    in_lanes(lanes, |lane, failed| {
         let mut staging = shared.pool.lease(len.min(PIECE_BYTES))?;
         let mut spent = UploadTimes::default();
         for piece in lane_pieces(len, lane, lanes) {
+            another_failed(failed)?;
             let started = Instant::now();
             layout::fill_staging(plan, piece.clone(), staging.buffer_mut().as_mut_slice());
             let filled = Instant::now();
@@ -180,7 +216,7 @@ fn download(
             // Each lane takes its own list once, and hands back what it wrote.
             let targets: Vec<Mutex<Vec<_>>> = targets.into_iter().map(Mutex::new).collect();
             let written = Mutex::new(Vec::new());
-            in_lanes(lanes, |lane| {
+            in_lanes(lanes, |lane, failed| {
                 let pieces = std::mem::take(&mut *lock(&targets[lane]));
                 let Some(largest) = pieces.iter().map(|(_, target)| target.len()).max() else {
                     return Ok(());
@@ -188,6 +224,7 @@ fn download(
                 // Under the read cap, like the reads a spill made before.
                 let mut staging = shared.pool.lease_for_read(largest)?;
                 for (start, target) in pieces {
+                    another_failed(failed)?;
                     if cancelled.load(Ordering::Acquire) {
                         return Err(BackendError::Device(
                             "a host copy was given up by its caller".to_owned(),
@@ -271,6 +308,35 @@ fn host_array(array: &DeviceArray, image: &Buffer) -> Result<ArrayData, BackendE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failing_lane_stops_the_others_at_their_next_piece() {
+        use std::sync::atomic::AtomicUsize;
+        let done = AtomicUsize::new(0);
+        let result = in_lanes(2, |lane, failed| {
+            if lane == 1 {
+                return Err(BackendError::Device("lane 1 failed".to_owned()));
+            }
+            // Lane 0's pieces: it stops at the first one after lane 1 failed.
+            for _ in 0..10_000 {
+                another_failed(failed)?;
+                done.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Ok(())
+        });
+        let error = result.expect_err("a lane failed");
+        assert!(
+            error.to_string().contains("lane 1 failed"),
+            "the first error: {error}"
+        );
+        assert!(
+            done.load(Ordering::Relaxed) < 10_000,
+            "lane 0 stopped early"
+        );
+        assert!(in_lanes(2, |_, _| Ok(())).is_ok());
+        assert!(in_lanes(1, |_, failed| another_failed(failed)).is_ok());
+    }
 
     #[test]
     fn lanes_take_alternate_pieces_that_cover_the_range_once() {
