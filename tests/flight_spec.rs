@@ -14,7 +14,6 @@ use futures::TryStreamExt;
 use gpu_flight::backend::HostBackend;
 use gpu_flight::flight::FlightOptions;
 use gpu_flight::server::ServeOptions;
-use gpu_flight::store::StoreOptions;
 
 const REUSE: &str = "arrow-flight-reuse-connection://?";
 
@@ -47,12 +46,7 @@ async fn endpoints_carry_this_servers_locations() {
         },
         ..ServeOptions::default()
     };
-    let server = TestServer::start_with(
-        Arc::new(HostBackend::new()),
-        StoreOptions::default(),
-        options,
-    )
-    .await;
+    let server = TestServer::on_host(options).await;
     let mut client = server.client().await;
     put(&mut client, path("t"), vec![int64_batch(1000, 2, 0)])
         .await

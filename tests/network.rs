@@ -10,7 +10,6 @@ use common::*;
 use gpu_flight::backend::HostBackend;
 use gpu_flight::flight::FlightOptions;
 use gpu_flight::server::{Http2Settings, ServeOptions};
-use gpu_flight::store::StoreOptions;
 use serde_json::Value;
 
 fn stage(status: &Value, op: &str, field: &str) -> f64 {
@@ -99,12 +98,7 @@ async fn tuned_http2_settings_and_read_depths_serve_every_byte() {
             },
             ..ServeOptions::default()
         };
-        let server = TestServer::start_with(
-            Arc::new(HostBackend::new()),
-            StoreOptions::default(),
-            options,
-        )
-        .await;
+        let server = TestServer::on_host(options).await;
         let mut client = server.client().await;
         let batches = vec![int64_batch(100_000, 3, 1), string_batch(20_000, 2)];
         for (i, batch) in batches.into_iter().enumerate() {

@@ -47,6 +47,16 @@ impl TestServer {
         Self::start_with(backend, StoreOptions::default(), ServeOptions::default()).await
     }
 
+    /// The host backend with default store options and these serving options.
+    pub async fn on_host(options: ServeOptions) -> Self {
+        Self::start_with(
+            Arc::new(gpu_flight::backend::HostBackend::new()),
+            StoreOptions::default(),
+            options,
+        )
+        .await
+    }
+
     pub async fn start_with(
         backend: Arc<dyn Backend>,
         store_options: StoreOptions,
