@@ -3,14 +3,16 @@
 //! ```text
 //! cargo run --release --example tier_bench -- [--backend cuda] [--spill-gib 3] \
 //!     [--appends 1000] [--append-mib 1] [--persist-gib 10 --data-dir DIR] \
-//!     [--durable-appends 10000 --data-dir DIR] [--spill-in-pieces]
+//!     [--durable-appends 10000 --data-dir DIR] [--spill-in-pieces] [--pinned-spill-gib 4]
 //! ```
 //!
 //! - **Spill:** `--spill-gib` of int64 datasets (256 MiB each) put with the device's budget at
 //!   a third of that, so two thirds spill to host memory; every row is read back and compared,
 //!   then every spilled dataset is exported (which restores it onto the device, spilling
 //!   others). Prints spill and restore GB/s from the store's own counters, and on cuda the
-//!   baseline in the same run: plain copies between the device and pinned host memory.
+//!   baseline in the same run: plain copies between the device and pinned host memory. With
+//!   `--pinned-spill-gib`, that much host memory is pinned for spills first, and the bench
+//!   says how many spills and restores went straight through it.
 //! - **Appends:** `--appends` appends of `--append-mib` to one dataset: the commits' time, then
 //!   the background merges' (waited for), and the bytes they copied against what recopying
 //!   the dataset at every append copies.
@@ -60,6 +62,10 @@ struct Args {
     /// each partition's allocation whole, to compare the two.
     #[arg(long)]
     spill_in_pieces: bool,
+    /// On cuda: GiB of host memory pinned for spills (`--pinned-spill-memory`), waited for
+    /// before the puts; 0 for none.
+    #[arg(long, default_value_t = 0.0)]
+    pinned_spill_gib: f64,
 }
 
 const MIB: u64 = 1 << 20;
@@ -113,15 +119,45 @@ fn gbps(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds.max(1e-9) / 1e9
 }
 
-fn backend(args: &Args) -> Arc<dyn Backend> {
-    if args.spill_in_pieces && args.backend == BackendChoice::Cuda {
-        return Arc::new(
-            CudaBackend::open(0)
-                .expect("CUDA device")
-                .with_spills_in_pieces(),
-        );
+async fn backend(args: &Args) -> Arc<dyn Backend> {
+    let pinned = (args.pinned_spill_gib * (1u64 << 30) as f64) as u64;
+    if (args.spill_in_pieces || pinned > 0) && args.backend == BackendChoice::Cuda {
+        let mut cuda = CudaBackend::open(0).expect("CUDA device");
+        if args.spill_in_pieces {
+            cuda = cuda.with_spills_in_pieces();
+        }
+        if pinned > 0 {
+            let started = Instant::now();
+            cuda = cuda.with_pinned_spill_memory(pinned);
+            while cuda.pinned_spill_memory().is_none() {
+                assert!(
+                    started.elapsed() < Duration::from_secs(300),
+                    "pinned spill memory not ready (see the log)"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            println!(
+                "pinned spill memory: {:.2} GiB pinned in {:.2} s",
+                pinned as f64 / (1u64 << 30) as f64,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        return Arc::new(cuda);
     }
     select(args.backend, &GpuSelection::Ordinals(vec![0]), 1).expect("backend")
+}
+
+/// How many spills and restores went straight through pinned spill memory (cuda).
+fn pinned_copies(store: &Store) -> String {
+    let counters = store.backend().counters();
+    let count = |name: &str| counters.get(name).and_then(|v| v.as_u64()).unwrap_or(0);
+    format!(
+        "{} spill copies ({:.2} GiB) and {} restores ({:.2} GiB) straight through pinned spill memory",
+        count("pinned_spill_copies"),
+        count("pinned_spill_bytes") as f64 / (1u64 << 30) as f64,
+        count("pinned_restore_copies"),
+        count("pinned_restore_bytes") as f64 / (1u64 << 30) as f64,
+    )
 }
 
 async fn spill(args: &Args) {
@@ -129,7 +165,7 @@ async fn spill(args: &Args) {
     let per_dataset = 256 * MIB;
     let datasets = total.div_ceil(per_dataset);
     let store = Store::new(
-        backend(args),
+        backend(args).await,
         StoreOptions {
             memory_limit: Some(total / 3),
             host_memory_limit: Some(4 * total),
@@ -160,6 +196,9 @@ async fn spill(args: &Args) {
         gbps(tiers.spilled_bytes, tiers.spill_seconds),
     );
     assert!(status.devices[0].used_bytes <= total / 3, "the budget held");
+    if !store.backend().holds_host_memory() {
+        println!("spill: {}", pinned_copies(&store));
+    }
     if !store.backend().holds_host_memory() {
         plain_copies(per_dataset as usize);
     }
@@ -203,10 +242,11 @@ async fn spill(args: &Args) {
         restored as f64 / (1u64 << 30) as f64,
         gbps(restored, seconds),
     );
+    println!("restore: {}", pinned_copies(&store));
 }
 
 async fn appends(args: &Args) {
-    let store = Store::new(backend(args), StoreOptions::default());
+    let store = Store::new(backend(args).await, StoreOptions::default());
     let rows = args.append_mib * MIB / 8;
     let started = Instant::now();
     for i in 0..args.appends {
@@ -255,7 +295,7 @@ async fn persistence(args: &Args, dir: &PathBuf) {
         durability: Durability::Sync,
         ..StoreOptions::default()
     };
-    let store = Store::open(backend(args), options.clone())
+    let store = Store::open(backend(args).await, options.clone())
         .await
         .expect("open");
     let datasets = args.persist_gib.ceil() as u64;
@@ -294,7 +334,9 @@ async fn persistence(args: &Args, dir: &PathBuf) {
     );
     let cold = cold && std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
     let started = Instant::now();
-    let store = Store::open(backend(args), options).await.expect("reopen");
+    let store = Store::open(backend(args).await, options)
+        .await
+        .expect("reopen");
     let answering = started.elapsed().as_secs_f64();
     println!(
         "restart: {} datasets ({:.2} GiB on disk) listed and the store ready (a server answers) after {:.3} s",
@@ -426,7 +468,7 @@ async fn durable_appends(args: &Args, dir: &PathBuf) {
         durability: Durability::Sync,
         ..StoreOptions::default()
     };
-    let store = Store::open(backend(args), options.clone())
+    let store = Store::open(backend(args).await, options.clone())
         .await
         .expect("open");
     let n = args.durable_appends;
@@ -459,7 +501,9 @@ async fn durable_appends(args: &Args, dir: &PathBuf) {
         started.elapsed().as_secs_f64()
     );
     let started = Instant::now();
-    let store = Store::open(backend(args), options).await.expect("reopen");
+    let store = Store::open(backend(args).await, options)
+        .await
+        .expect("reopen");
     let opened = started.elapsed().as_secs_f64();
     let got = read(&store, "log").await;
     assert!(same_rows(&got, &[batch(2, 0..n)]), "every row, in order");

@@ -440,18 +440,24 @@ async fn stalled_puts_do_not_hold_the_upload_turns() {
     server.shutdown_and_wait().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "needs a CUDA device"]
-async fn every_type_spills_whole_and_comes_back_as_it_was() {
-    // A spill copies the partition's allocation as it is and rebuilds its arrays over the host
-    // copy at the same offsets; a restore uploads that copy into one allocation again, with no
-    // concatenation (a spill in 64 MiB pieces of rows had the 90 MB dataset concatenated).
-    let options = StoreOptions {
+/// The store options of [`spill_and_restore_every_type`]: 160 MiB of device memory.
+fn spilling() -> StoreOptions {
+    StoreOptions {
         memory_limit: Some(160 << 20),
         host_memory_limit: Some(1 << 30),
         ..StoreOptions::default()
-    };
-    let server = TestServer::start_with(cuda(), options, ServeOptions::default()).await;
+    }
+}
+
+/// The datasets [`spill_and_restore_every_type`] puts.
+const SPILLED: [&str; 6] = [
+    "typed", "strings", "filler0", "filler1", "filler2", "filler3",
+];
+
+/// Puts every type, and strings, then enough to spill them (with [`spilling`]'s options);
+/// reads them from host memory, exports them (which restores them) and reads them again.
+/// Returns the status before the restores and after.
+async fn spill_and_restore_every_type(server: &TestServer) -> (Value, Value) {
     let mut client = server.client().await;
     let typed = vec![
         all_types_batch(1000),
@@ -521,6 +527,97 @@ async fn every_type_spills_whole_and_comes_back_as_it_was() {
             .expect("read after the restore");
         assert_same_data(sent, &got);
     }
+    (before, after)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn every_type_spills_whole_and_comes_back_as_it_was() {
+    // A spill copies the partition's allocation as it is and rebuilds its arrays over the host
+    // copy at the same offsets; a restore uploads that copy into one allocation again, with no
+    // concatenation (a spill in 64 MiB pieces of rows had the 90 MB dataset concatenated).
+    let server = TestServer::start_with(cuda(), spilling(), ServeOptions::default()).await;
+    let (before, after) = spill_and_restore_every_type(&server).await;
+    assert_eq!(counter(&before, "pinned_spill_copies"), 0, "none pinned");
+    assert_eq!(counter(&after, "pinned_restore_copies"), 0);
+    server.shutdown_and_wait().await;
+}
+
+/// Device 0 with `bytes` of pinned spill memory, once it is pinned.
+async fn with_pinned_spill_memory(bytes: u64) -> Arc<CudaBackend> {
+    let backend = Arc::new(
+        CudaBackend::open(0)
+            .expect("CUDA device 0")
+            .with_pinned_spill_memory(bytes),
+    );
+    for _ in 0..600 {
+        if backend.pinned_spill_memory().is_some() {
+            return backend;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{bytes} bytes of pinned spill memory not ready after 30 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn spills_go_straight_into_pinned_spill_memory_and_restores_come_from_it() {
+    let backend = with_pinned_spill_memory(512 << 20).await;
+    let server = TestServer::start_with(
+        Arc::clone(&backend) as Arc<dyn Backend>,
+        spilling(),
+        ServeOptions::default(),
+    )
+    .await;
+    let (before, after) = spill_and_restore_every_type(&server).await;
+    let spills = before["tiers"]["spills"].as_u64().expect("spills");
+    assert_eq!(
+        counter(&before, "pinned_spill_copies"),
+        spills,
+        "every spill copied into pinned memory: {}",
+        before["counters"]
+    );
+    let restores = after["tiers"]["restores"].as_u64().expect("restores")
+        - before["tiers"]["restores"].as_u64().expect("restores");
+    assert!(
+        counter(&after, "pinned_restore_copies") >= restores,
+        "every restore uploaded from pinned memory: {}",
+        after["counters"]
+    );
+    // Every block comes back once nothing holds the copies in it.
+    let mut client = server.client().await;
+    for name in SPILLED {
+        action(&mut client, "drop", serde_json::json!({"name": name}))
+            .await
+            .expect("drop");
+    }
+    let mut used = backend.pinned_spill_memory();
+    for _ in 0..100 {
+        if used.is_some_and(|(_, used)| used == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        used = backend.pinned_spill_memory();
+    }
+    assert_eq!(used, Some((512 << 20, 0)), "pinned spill memory in use");
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn spills_too_large_for_the_pinned_spill_memory_go_through_staging() {
+    // 4 MiB: the small datasets' partitions fit, the 32 MB ones do not.
+    let backend = with_pinned_spill_memory(4 << 20).await;
+    let server = TestServer::start_with(
+        Arc::clone(&backend) as Arc<dyn Backend>,
+        spilling(),
+        ServeOptions::default(),
+    )
+    .await;
+    let (before, _) = spill_and_restore_every_type(&server).await;
+    let spills = before["tiers"]["spills"].as_u64().expect("spills");
+    let pinned = counter(&before, "pinned_spill_copies");
+    assert!(pinned < spills, "{pinned} of {spills} spills pinned");
     server.shutdown_and_wait().await;
 }
 

@@ -166,6 +166,11 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Pins `bytes` of host memory for the host copies [`Backend::host_copy`] makes, in the
+    /// background (`--pinned-spill-memory`). The default: nothing, for a backend whose host
+    /// copies gain nothing from pinned memory.
+    fn pin_spill_memory(&self, _bytes: u64) {}
+
     /// Whether this backend keeps the host arrays `upload` is given (rather than copying them
     /// elsewhere and dropping them): the decoder then hands it arrays that own their memory.
     fn keeps_decoded_arrays(&self) -> bool {

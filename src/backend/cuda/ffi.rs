@@ -7,6 +7,7 @@
 //!   pool: pool memory cannot be exported with `cuIpcGetMemHandle`, which zero-copy export needs.
 //! - [`PinnedBuffer`]: page-locked host memory from `cuMemHostAlloc(…, 0)`: cacheable, so the CPU
 //!   reads it at full speed (cudarc's `alloc_pinned` is write-combined, slow for the CPU to read).
+//!   [`PinnedArena`]: one such allocation, made once, handed out in blocks to spills.
 //! - [`Stream`] and [`CopyBatch`]: asynchronous copies and kernel launches whose memory stays
 //!   borrowed until the stream has synchronized, so no buffer can be freed or reused under them.
 //!   A batch is only lent to a closure ([`Stream::copies`]), never owned by a caller, so even
@@ -21,7 +22,7 @@ use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::panic::RefUnwindSafe;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use arrow::array::{ArrayData, ArrayDataBuilder};
 use arrow::buffer::{Buffer, MutableBuffer};
@@ -30,6 +31,7 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::abi::{self, ConcatTask, TaskOwners};
+use super::arena::Ranges;
 use super::filter_abi::{self, FilterColumn, FilterOp, Program, TILE};
 use crate::backend::BackendError;
 use crate::backend::filter::ColumnType;
@@ -405,9 +407,20 @@ impl RefUnwindSafe for PinnedBuffer {}
 
 impl PinnedBuffer {
     pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
+        Self::allocate(context, bytes, 0)
+    }
+
+    /// Pinned memory every context of the process can copy to and from, not only `context`'s
+    /// (`CU_MEMHOSTALLOC_PORTABLE`): for what all the GPUs share.
+    fn portable(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
+        Self::allocate(context, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
+    }
+
+    fn allocate(context: &Arc<Context>, bytes: usize, flags: u32) -> Result<Self, BackendError> {
         context.bind()?;
-        // SAFETY: the context is current; flags 0 asks for plain (cacheable) pinned memory.
-        let raw = unsafe { result::malloc_host(bytes.max(1), 0) }
+        // SAFETY: the context is current; `flags` never has WRITECOMBINED (only 0 or
+        // PORTABLE), so this is plain (cacheable) pinned memory.
+        let raw = unsafe { result::malloc_host(bytes.max(1), flags) }
             .map_err(|e| device_error("cuMemHostAlloc", e))?;
         let ptr = NonNull::new(raw.cast::<u8>())
             .ok_or_else(|| BackendError::Device("cuMemHostAlloc returned null".to_owned()))?;
@@ -444,6 +457,100 @@ impl Drop for PinnedBuffer {
         if let Err(error) = freed {
             tracing::warn!(%error, "freeing pinned memory failed");
         }
+    }
+}
+
+/// Pinned host memory pinned once, at startup, that spills copy partitions into straight from
+/// the device and restores upload from, handed out in blocks ([`ArenaBlock`]; the bookkeeping
+/// is [`Ranges`]). Portable: every GPU's context copies to and from it.
+#[derive(Debug)]
+pub(super) struct PinnedArena {
+    memory: PinnedBuffer,
+    ranges: Mutex<Ranges>,
+}
+
+impl PinnedArena {
+    pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Arc<Self>, BackendError> {
+        let memory = PinnedBuffer::portable(context, bytes)?;
+        Ok(Arc::new(Self {
+            ranges: Mutex::new(Ranges::new(memory.len())),
+            memory,
+        }))
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.memory.len()
+    }
+
+    /// Bytes of blocks in use.
+    pub(super) fn used(&self) -> usize {
+        self.lock().used()
+    }
+
+    /// A block of `len` bytes, or `None` where no free range holds one.
+    pub(super) fn take(self: &Arc<Self>, len: usize) -> Option<ArenaBlock> {
+        let range = self.lock().take(len)?;
+        Some(ArenaBlock {
+            arena: Arc::clone(self),
+            range,
+            len,
+        })
+    }
+
+    /// Whether `bytes` lie in one block of this arena that is in use (and so are pinned).
+    pub(super) fn holds(&self, bytes: &[u8]) -> bool {
+        let base = self.memory.ptr.as_ptr() as usize;
+        let Some(start) = (bytes.as_ptr() as usize).checked_sub(base) else {
+            return false;
+        };
+        self.lock()
+            .block_holding(&(start..start + bytes.len()))
+            .is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ranges> {
+        self.ranges.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A block of a [`PinnedArena`]: written by its one owner ([`as_mut_slice`](Self::as_mut_slice)),
+/// then shared read-only as an Arrow buffer ([`into_buffer`](Self::into_buffer)). Its range goes
+/// back to the arena when it is dropped, which for a buffer is when the last slice of it is.
+#[derive(Debug)]
+pub(super) struct ArenaBlock {
+    arena: Arc<PinnedArena>,
+    /// The block, relative to the arena's base: `len` rounded up to the block alignment.
+    range: std::ops::Range<usize>,
+    len: usize,
+}
+
+impl ArenaBlock {
+    /// The block's first `len` bytes (the length asked for).
+    pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
+        let base = self.arena.memory.ptr.as_ptr();
+        // SAFETY: `range` (which holds `len` bytes) lies inside the arena's allocation:
+        // `Ranges` hands out ranges of `0..memory.len()` only, disjoint from every other block
+        // in use, and takes one back only when its block is dropped; `&mut self` makes this
+        // the only access to it. Pinned memory is ordinary, initialized host memory (contents
+        // unspecified), so any bytes there are valid `u8`s.
+        unsafe { std::slice::from_raw_parts_mut(base.add(self.range.start), self.len) }
+    }
+
+    /// The block's bytes as an Arrow buffer, without a copy.
+    pub(super) fn into_buffer(mut self) -> Buffer {
+        let slice = self.as_mut_slice();
+        let len = slice.len();
+        let ptr = NonNull::from(slice).cast::<u8>();
+        // SAFETY: `ptr..ptr+len` is the block's (see `as_mut_slice`), which the block, as the
+        // buffer's owner, keeps out of every other hand until the buffer and all its slices
+        // are dropped; nothing writes to it once it is shared.
+        unsafe { Buffer::from_custom_allocation(ptr, len, Arc::new(self)) }
+    }
+}
+
+impl Drop for ArenaBlock {
+    fn drop(&mut self) {
+        self.arena.lock().give_back(self.range.clone());
     }
 }
 
@@ -682,6 +789,22 @@ impl<'a> CopyBatch<'a> {
             .map_err(|e| device_error("cuMemcpyHtoDAsync", e))
     }
 
+    /// Queues a host-to-device copy of `src`, host memory a [`PinnedArena`] block holds, to
+    /// `dst` at byte `offset`. (Pageable memory would be copied too, by the driver, through
+    /// its own staging, before the call returns: correct, only slow.)
+    pub(super) fn copy_arena_to_device(
+        &mut self,
+        dst: &'a DeviceAllocation,
+        offset: usize,
+        src: &'a [u8],
+    ) -> Result<(), BackendError> {
+        check_device_range(dst, offset, src.len())?;
+        // SAFETY: the destination range lies inside `dst` (checked); the source is borrowed,
+        // like `dst`, until the stream is synchronized.
+        unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.stream.raw) }
+            .map_err(|e| device_error("cuMemcpyHtoDAsync", e))
+    }
+
     /// Queues a copy of `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`.
     pub(super) fn copy_within_device(
         &mut self,
@@ -781,7 +904,8 @@ impl<'a> CopyBatch<'a> {
     ) -> Result<(), BackendError> {
         check_device_range(src, offset, dst.len())?;
         // SAFETY: the source range lies inside `src` (checked); `dst` is pinned memory (the
-        // only caller passes slices of PinnedBuffer) borrowed until the stream synchronized.
+        // callers pass slices of a PinnedBuffer or an ArenaBlock), borrowed until the stream
+        // synchronized.
         unsafe { result::memcpy_dtoh_async(dst, src.ptr + offset as u64, self.stream.raw) }
             .map_err(|e| device_error("cuMemcpyDtoHAsync", e))
     }

@@ -8,7 +8,9 @@
 //!   upload plans; no device calls, unit-tested without a GPU.
 //! - `read`: row ranges copied back into pinned host memory, in rounds.
 //! - `pieces`: large uploads and whole-partition host copies (spills) through staging, a
-//!   piece at a time in two overlapping lanes.
+//!   piece at a time in two overlapping lanes; or, where `--pinned-spill-memory` pinned host
+//!   memory for them, straight between the device and that memory.
+//! - `arena`: which blocks of that pinned memory are in use.
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
@@ -29,6 +31,7 @@
 //! cudarc panics on first use when it is missing.
 
 mod abi;
+mod arena;
 mod concat;
 mod ffi;
 mod filter;
@@ -44,7 +47,7 @@ mod staging;
 pub use import::{DeviceMemory, ImportDevice, ImportedAllocation, ProducerAllocation};
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
@@ -58,7 +61,7 @@ use super::{
     check_rows, downcast_all, downcast_one,
 };
 use concat::{Arrangement, Fragment};
-use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, Stream};
+use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, PinnedArena, Stream};
 use layout::{DeviceArray, Kind, UploadPlan};
 use read::Stored;
 use staging::PinnedPool;
@@ -104,7 +107,13 @@ pub struct CudaBackend {
     /// Whether spills copy partitions whole ([`Backend::host_copy`]); off only for
     /// benchmarks comparing with reads in pieces.
     whole_spills: bool,
+    /// Pinned host memory for spills, shared by every GPU: set once it has been pinned
+    /// ([`CudaBackend::with_pinned_spill_memory`]), which takes seconds, in the background.
+    spill_arena: SpillArena,
 }
+
+/// Where the pinned spill memory will be, once there is any.
+type SpillArena = Arc<OnceLock<Arc<PinnedArena>>>;
 
 /// One GPU: its context, streams, staging pool and kernel, and what `status` says of it.
 #[derive(Debug)]
@@ -122,6 +131,8 @@ struct Shared {
     /// How `ipc-export` consumers recognise this GPU.
     identity: ExportDevice,
     pool: Arc<PinnedPool>,
+    /// The backend's pinned spill memory (`pieces`), if any has been pinned.
+    spill_arena: SpillArena,
     /// Freed device memory kept for the next allocation of its size.
     reuse: reuse::Reuse,
     /// Uploads running at once. Each copies on several cores and keeps the copy engine busy
@@ -175,6 +186,12 @@ struct Counters {
     /// `ipc-import`s committed to this GPU's memory, and the bytes they allocated.
     imports: AtomicU64,
     imported_bytes: AtomicU64,
+    /// Allocations spills copied straight into the pinned spill memory, and uploads
+    /// (restores) copied straight from it, with their bytes.
+    pinned_spill_copies: AtomicU64,
+    pinned_spill_bytes: AtomicU64,
+    pinned_restore_copies: AtomicU64,
+    pinned_restore_bytes: AtomicU64,
 }
 
 impl CudaBackend {
@@ -191,9 +208,10 @@ impl CudaBackend {
                 "no CUDA device was asked for".to_owned(),
             ));
         }
+        let spill_arena = SpillArena::default();
         let devices: Vec<Gpu> = ordinals
             .iter()
-            .map(|&ordinal| Gpu::open(ordinal))
+            .map(|&ordinal| Gpu::open(ordinal, &spill_arena))
             .collect::<Result<_, _>>()?;
         let peer_access = devices
             .iter()
@@ -215,6 +233,7 @@ impl CudaBackend {
             devices,
             peer_access,
             whole_spills: true,
+            spill_arena,
         })
     }
 
@@ -240,7 +259,7 @@ impl CudaBackend {
 }
 
 impl Gpu {
-    fn open(ordinal: u32) -> Result<Self, BackendError> {
+    fn open(ordinal: u32, spill_arena: &SpillArena) -> Result<Self, BackendError> {
         if let Some(reason) = unavailable_reason(ordinal) {
             return Err(BackendError::Device(reason));
         }
@@ -300,6 +319,7 @@ impl Gpu {
                 context,
                 identity,
                 pool,
+                spill_arena: Arc::clone(spill_arena),
                 reuse: reuse::Reuse::new(total_bytes / KEPT_DEVICE_FRACTION),
                 upload_permits: Arc::new(tokio::sync::Semaphore::new(UPLOADS_AT_ONCE)),
                 streams: Mutex::new(Vec::new()),
@@ -344,6 +364,63 @@ impl CudaBackend {
             }
         }
         self
+    }
+
+    /// Pins `bytes` of host memory for spills (`--pinned-spill-memory`), in the background:
+    /// `cuMemHostAlloc` pins a few GB a second, and the server need not wait for it. Until it
+    /// is done, and for partitions that do not fit in what is free of it, spills copy through
+    /// staging into ordinary memory. Once it is: a spill copies a partition straight from the
+    /// device into it, and a restore uploads straight from it, both at the link's rate.
+    pub fn with_pinned_spill_memory(self, bytes: u64) -> Self {
+        self.pin_spill_memory(bytes);
+        self
+    }
+
+    fn pin_spill_memory(&self, bytes: u64) {
+        let Ok(bytes) = usize::try_from(bytes) else {
+            tracing::warn!(
+                bytes,
+                "pinned spill memory larger than the address space: none pinned"
+            );
+            return;
+        };
+        let Some(first) = self.devices.first() else {
+            return;
+        };
+        if bytes == 0 || self.spill_arena.get().is_some() {
+            return;
+        }
+        let context = Arc::clone(&first.shared.context);
+        let slot = Arc::clone(&self.spill_arena);
+        let pinning = std::thread::Builder::new()
+            .name("gpu-flight-pin-spills".to_owned())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                match PinnedArena::new(&context, bytes) {
+                    Ok(arena) => {
+                        let _ = slot.set(arena);
+                        tracing::info!(
+                            bytes,
+                            seconds = started.elapsed().as_secs_f64(),
+                            "pinned host memory for spills is ready"
+                        );
+                    }
+                    Err(error) => tracing::warn!(
+                        %error,
+                        bytes,
+                        "pinning host memory for spills failed; spills copy through staging"
+                    ),
+                }
+            });
+        if let Err(error) = pinning {
+            tracing::warn!(%error, "no thread to pin host memory for spills");
+        }
+    }
+
+    /// The pinned spill memory's size and the bytes of it in use, once it has been pinned.
+    pub fn pinned_spill_memory(&self) -> Option<(u64, u64)> {
+        let arena = self.spill_arena.get()?;
+        Some((arena.len() as u64, arena.used() as u64))
     }
 
     /// Caps the pinned staging memory leased at once on each GPU, past which reads are
@@ -860,6 +937,10 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
+    fn pin_spill_memory(&self, bytes: u64) {
+        CudaBackend::pin_spill_memory(self, bytes);
+    }
+
     /// The partition's allocations copied whole, on a blocking thread (`pieces::host_copy`).
     fn host_copy(
         &self,
@@ -1012,6 +1093,13 @@ impl Shared {
             "filter_kernels_loaded": self.filter_kernels.is_some(),
             "imports": c.imports.load(Ordering::Relaxed),
             "imported_bytes": c.imported_bytes.load(Ordering::Relaxed),
+            // 0 until pinned (and without --pinned-spill-memory).
+            "pinned_spill_memory_bytes": self.spill_arena.get().map_or(0, |a| a.len()),
+            "pinned_spill_memory_used_bytes": self.spill_arena.get().map_or(0, |a| a.used()),
+            "pinned_spill_copies": c.pinned_spill_copies.load(Ordering::Relaxed),
+            "pinned_spill_bytes": c.pinned_spill_bytes.load(Ordering::Relaxed),
+            "pinned_restore_copies": c.pinned_restore_copies.load(Ordering::Relaxed),
+            "pinned_restore_bytes": c.pinned_restore_bytes.load(Ordering::Relaxed),
         });
         match counters {
             Value::Object(map) => map,
@@ -1032,7 +1120,7 @@ struct TrackedAllocation {
     inner: DeviceAllocation,
     shared: Arc<Shared>,
     /// Its IPC handle, made on the first export and reused by later ones.
-    ipc_handle: std::sync::OnceLock<[u8; 64]>,
+    ipc_handle: OnceLock<[u8; 64]>,
 }
 
 impl TrackedAllocation {
@@ -1045,7 +1133,7 @@ impl TrackedAllocation {
         Ok(Self {
             inner,
             shared: Arc::clone(shared),
-            ipc_handle: std::sync::OnceLock::new(),
+            ipc_handle: OnceLock::new(),
         })
     }
 

@@ -10,6 +10,13 @@
 //! A spill keeps the allocation's bytes as they are: the host copy's arrays lie at the same
 //! offsets in one host buffer per allocation, so a restore uploads them in the same layout,
 //! into one allocation, without a concatenation.
+//!
+//! Where the backend has pinned memory for spills (`--pinned-spill-memory`) and a block of it
+//! is free, a spill copies the allocation straight into that block instead, with no staging
+//! and no CPU copy; a restore of such a copy (any upload whose buffers all lie in pinned spill
+//! memory) copies each buffer straight to the device. The host memory a spill writes through
+//! staging is fresh, and faulting it in bounds those spills (about 21 GB/s at best on the
+//! 16-core H100 machine, against 52 for the link).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -22,7 +29,7 @@ use arrow::buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use rayon::prelude::*;
 
-use super::ffi::{self, DeviceAllocation};
+use super::ffi::{self, DeviceAllocation, PinnedArena, Span};
 use super::layout::{self, DeviceArray, UploadPlan};
 use super::{CudaPartition, Shared};
 use crate::backend::BackendError;
@@ -116,6 +123,11 @@ pub(super) fn upload(
     plan: &UploadPlan,
     allocation: &DeviceAllocation,
 ) -> Result<UploadTimes, BackendError> {
+    if let Some(arena) = shared.spill_arena.get()
+        && all_in(arena, plan)
+    {
+        return upload_pinned(shared, plan, allocation);
+    }
     let len = plan.used_bytes;
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
     let times = std::sync::Mutex::new(UploadTimes::default());
@@ -129,7 +141,16 @@ pub(super) fn upload(
             let filled = Instant::now();
             shared.with_stream(|stream| {
                 stream.copies(|batch| {
-                    batch.copy_to_device(allocation, piece.start, staging.as_ref(), 0..piece.len())
+                    batch.copy_to_device(
+                        allocation,
+                        piece.start,
+                        staging.as_ref(),
+                        0..piece.len(),
+                    )?;
+                    if piece.end == len {
+                        zero_tail(batch, allocation, len)?;
+                    }
+                    Ok(())
                 })
             })?;
             spent.fill += filled - started;
@@ -141,6 +162,81 @@ pub(super) fn upload(
         Ok(())
     })?;
     Ok(times.into_inner().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// Zeroes `allocation` past `end`: the rounding of its size, which `ipc-export` consumers map
+/// with the rest, must not show what the memory held before.
+fn zero_tail<'a>(
+    batch: &mut ffi::CopyBatch<'a>,
+    allocation: &'a DeviceAllocation,
+    end: usize,
+) -> Result<(), BackendError> {
+    let len = allocation.bytes().saturating_sub(end);
+    if len == 0 {
+        return Ok(());
+    }
+    batch.zero(Span {
+        allocation,
+        offset: end,
+        len,
+    })
+}
+
+/// Whether every buffer `plan` uploads lies in a block of the pinned spill memory in use.
+fn all_in(arena: &PinnedArena, plan: &UploadPlan) -> bool {
+    !plan.sources.is_empty()
+        && plan.sources.iter().all(|(region, source)| {
+            region.len == 0
+                || source
+                    .as_slice()
+                    .get(..region.len)
+                    .is_some_and(|bytes| arena.holds(bytes))
+        })
+}
+
+/// Uploads `plan`, whose buffers all lie in pinned spill memory, straight from there: one
+/// copy per buffer, the gaps between them (and the allocation's tail) zeroed on the device,
+/// as staging would have, all on one stream with one synchronization.
+fn upload_pinned(
+    shared: &Shared,
+    plan: &UploadPlan,
+    allocation: &DeviceAllocation,
+) -> Result<UploadTimes, BackendError> {
+    let started = Instant::now();
+    shared.with_stream(|stream| {
+        stream.copies(|batch| {
+            let mut at = 0;
+            for (region, source) in &plan.sources {
+                if region.len == 0 {
+                    continue;
+                }
+                if region.offset > at {
+                    batch.zero(Span {
+                        allocation,
+                        offset: at,
+                        len: region.offset - at,
+                    })?;
+                }
+                let bytes = source.as_slice().get(..region.len).ok_or_else(|| {
+                    BackendError::Device("an upload's buffer is shorter than its region".to_owned())
+                })?;
+                batch.copy_arena_to_device(allocation, region.offset, bytes)?;
+                at = at.max(region.offset + region.len);
+            }
+            zero_tail(batch, allocation, at)
+        })
+    })?;
+    let counters = &shared.counters;
+    counters
+        .pinned_restore_copies
+        .fetch_add(1, Ordering::Relaxed);
+    counters
+        .pinned_restore_bytes
+        .fetch_add(plan.used_bytes as u64, Ordering::Relaxed);
+    Ok(UploadTimes {
+        fill: Duration::ZERO,
+        copy: started.elapsed(),
+    })
 }
 
 /// `partition` in host memory: each allocation's bytes up to the last one an array uses,
@@ -205,6 +301,24 @@ fn download(
     len: usize,
     cancelled: &AtomicBool,
 ) -> Result<Buffer, BackendError> {
+    if let Some(mut block) = shared.spill_arena.get().and_then(|arena| arena.take(len)) {
+        // Straight into pinned memory: a piece at a time only so that a caller that went
+        // away stops it early.
+        shared.with_stream(|stream| {
+            for (index, piece) in block.as_mut_slice().chunks_mut(PIECE_BYTES).enumerate() {
+                stop_if_cancelled(cancelled)?;
+                stream
+                    .copies(|batch| batch.copy_to_host(piece, allocation, index * PIECE_BYTES))?;
+            }
+            Ok(())
+        })?;
+        let counters = &shared.counters;
+        counters.pinned_spill_copies.fetch_add(1, Ordering::Relaxed);
+        counters
+            .pinned_spill_bytes
+            .fetch_add(len as u64, Ordering::Relaxed);
+        return Ok(block.into_buffer());
+    }
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
     ffi::host_buffer_written(
         len,
@@ -225,11 +339,7 @@ fn download(
                 let mut staging = shared.pool.lease_for_read(largest)?;
                 for (start, target) in pieces {
                     another_failed(failed)?;
-                    if cancelled.load(Ordering::Acquire) {
-                        return Err(BackendError::Device(
-                            "a host copy was given up by its caller".to_owned(),
-                        ));
-                    }
+                    stop_if_cancelled(cancelled)?;
                     let staged = &mut staging.buffer_mut().as_mut_slice()[..target.len()];
                     shared.with_stream(|stream| {
                         stream.copies(|batch| batch.copy_to_host(staged, allocation, start))
@@ -243,6 +353,15 @@ fn download(
         },
         || BackendError::Device("a host copy was left incomplete".to_owned()),
     )
+}
+
+fn stop_if_cancelled(cancelled: &AtomicBool) -> Result<(), BackendError> {
+    if cancelled.load(Ordering::Acquire) {
+        return Err(BackendError::Device(
+            "a host copy was given up by its caller".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
