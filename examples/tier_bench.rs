@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release --example tier_bench -- [--backend cuda] [--spill-gib 3] \
 //!     [--appends 1000] [--append-mib 1] [--persist-gib 10 --data-dir DIR] \
-//!     [--durable-appends 10000 --data-dir DIR] [--spill-in-pieces] [--pinned-spill-gib 4]
+//!     [--durable-appends 10000 --data-dir DIR] [--spill-in-pieces] [--pinned-gib 4]
 //! ```
 //!
 //! - **Spill:** `--spill-gib` of int64 datasets (256 MiB each) put with the device's budget at
@@ -11,7 +11,7 @@
 //!   then every spilled dataset is exported (which restores it onto the device, spilling
 //!   others). Prints spill and restore GB/s from the store's own counters, and on cuda the
 //!   baseline in the same run: plain copies between the device and pinned host memory. With
-//!   `--pinned-spill-gib`, that much host memory is pinned for spills first, and the bench
+//!   `--pinned-gib`, that much host memory is pinned for spills first, and the bench
 //!   says how many spills and restores went straight through it.
 //! - **Appends:** `--appends` appends of `--append-mib` to one dataset: the commits' time, then
 //!   the background merges' (waited for), and the bytes they copied against what recopying
@@ -62,10 +62,10 @@ struct Args {
     /// each partition's allocation whole, to compare the two.
     #[arg(long)]
     spill_in_pieces: bool,
-    /// On cuda: GiB of host memory pinned for spills (`--pinned-spill-memory`), waited for
+    /// On cuda: GiB of host memory pinned for spills (`--pinned-host-memory`), waited for
     /// before the puts; 0 for none.
     #[arg(long, default_value_t = 0.0)]
-    pinned_spill_gib: f64,
+    pinned_gib: f64,
 }
 
 const MIB: u64 = 1 << 20;
@@ -120,7 +120,7 @@ fn gbps(bytes: u64, seconds: f64) -> f64 {
 }
 
 async fn backend(args: &Args) -> Arc<dyn Backend> {
-    let pinned = (args.pinned_spill_gib * (1u64 << 30) as f64) as u64;
+    let pinned = (args.pinned_gib * (1u64 << 30) as f64) as u64;
     if (args.spill_in_pieces || pinned > 0) && args.backend == BackendChoice::Cuda {
         let mut cuda = CudaBackend::open(0).expect("CUDA device");
         if args.spill_in_pieces {
@@ -128,16 +128,16 @@ async fn backend(args: &Args) -> Arc<dyn Backend> {
         }
         if pinned > 0 {
             let started = Instant::now();
-            cuda = cuda.with_pinned_spill_memory(pinned);
-            while cuda.pinned_spill_memory().is_none() {
+            cuda = cuda.with_pinned_host_memory(pinned);
+            while cuda.pinned_host_memory().is_none() {
                 assert!(
                     started.elapsed() < Duration::from_secs(300),
-                    "pinned spill memory not ready (see the log)"
+                    "pinned host memory not ready (see the log)"
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             println!(
-                "pinned spill memory: {:.2} GiB pinned in {:.2} s",
+                "pinned host memory: {:.2} GiB pinned in {:.2} s",
                 pinned as f64 / (1u64 << 30) as f64,
                 started.elapsed().as_secs_f64()
             );
@@ -147,16 +147,16 @@ async fn backend(args: &Args) -> Arc<dyn Backend> {
     select(args.backend, &GpuSelection::Ordinals(vec![0]), 1).expect("backend")
 }
 
-/// How many spills and restores went straight through pinned spill memory (cuda).
+/// How many spills and uploads (restores) went straight through pinned host memory (cuda).
 fn pinned_copies(store: &Store) -> String {
     let counters = store.backend().counters();
     let count = |name: &str| counters.get(name).and_then(|v| v.as_u64()).unwrap_or(0);
     format!(
-        "{} spill copies ({:.2} GiB) and {} restores ({:.2} GiB) straight through pinned spill memory",
+        "{} spill copies ({:.2} GiB) and {} uploads ({:.2} GiB) straight through pinned host memory",
         count("pinned_spill_copies"),
         count("pinned_spill_bytes") as f64 / (1u64 << 30) as f64,
-        count("pinned_restore_copies"),
-        count("pinned_restore_bytes") as f64 / (1u64 << 30) as f64,
+        count("pinned_upload_copies"),
+        count("pinned_upload_bytes") as f64 / (1u64 << 30) as f64,
     )
 }
 

@@ -78,6 +78,26 @@ conformance!(
     || Arc::new(gpu_flight::backend::CudaBackend::open(0).expect("CUDA device 0")),
     #[ignore = "needs a CUDA device"]
 );
+conformance!(
+    cuda_pinned,
+    cuda_with_pinned_host_memory,
+    #[ignore = "needs a CUDA device"]
+);
+
+/// Device 0 with 256 MiB of pinned host memory (`--pinned-host-memory`), once it is pinned:
+/// puts receive their message bodies there and upload them from there.
+fn cuda_with_pinned_host_memory() -> Arc<dyn Backend> {
+    let backend = gpu_flight::backend::CudaBackend::open(0)
+        .expect("CUDA device 0")
+        .with_pinned_host_memory(256 << 20);
+    for _ in 0..600 {
+        if backend.pinned_host_memory().is_some() {
+            return Arc::new(backend);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("pinned host memory not ready after 30 s");
+}
 
 async fn every_type_round_trips(make: MakeBackend) {
     let server = TestServer::start(make()).await;

@@ -166,10 +166,17 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
-    /// Pins `bytes` of host memory for the host copies [`Backend::host_copy`] makes, in the
-    /// background (`--pinned-spill-memory`). The default: nothing, for a backend whose host
-    /// copies gain nothing from pinned memory.
-    fn pin_spill_memory(&self, _bytes: u64) {}
+    /// Pins `bytes` of host memory for transfers, in the background (`--pinned-host-memory`).
+    /// The default: nothing, for a backend whose transfers gain nothing from pinned memory.
+    fn pin_host_memory(&self, _bytes: u64) {}
+
+    /// `bytes` copied into host memory this backend uploads from directly (pinned), where it
+    /// has such memory free: the `DoPut` decoder receives message bodies there, so that their
+    /// arrays need no staging copy. `None` (the default): the decoder keeps the body where it
+    /// lies.
+    fn pinned_copy(&self, _bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
+        None
+    }
 
     /// Whether this backend keeps the host arrays `upload` is given (rather than copying them
     /// elsewhere and dropping them): the decoder then hands it arrays that own their memory.

@@ -30,7 +30,7 @@ impl ServeArgs {
     /// be what the operator meant is an error; the server then does not start.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_floors()?;
-        self.check_pinned_spill_memory()?;
+        self.check_pinned_host_memory()?;
         if self.durability == Durability::Async && self.data_dir.is_none() {
             return Err(ConfigError(
                 "--durability async applies to --data-dir, which is not given: without a data \
@@ -103,29 +103,17 @@ impl ServeArgs {
         Ok(())
     }
 
-    /// `--pinned-spill-memory` holds spills of the CUDA backend, which `--host-memory-limit`
-    /// bounds: pinned memory past that limit could never hold a spill.
-    fn check_pinned_spill_memory(&self) -> Result<(), ConfigError> {
-        let Some(pinned) = self.pinned_spill_memory.map(|bytes| bytes.as_u64()) else {
-            return Ok(());
-        };
-        if pinned == 0 {
-            return Ok(());
-        }
-        if self.backend == BackendChoice::Host {
+    /// `--pinned-host-memory` is for the CUDA backend's transfers: the host backend has none.
+    fn check_pinned_host_memory(&self) -> Result<(), ConfigError> {
+        let pinned = self.pinned_host_memory.map_or(0, |bytes| bytes.as_u64());
+        if pinned > 0 && self.backend == BackendChoice::Host {
             return Err(ConfigError(
-                "--pinned-spill-memory pins host memory for the CUDA backend's spills, and                  --backend host keeps its datasets in host memory already, spilling nothing.                  Leave --pinned-spill-memory out, or serve with --backend cuda (or auto)"
+                "--pinned-host-memory pins host memory for the CUDA backend's transfers \
+                 between host memory and the GPUs, and --backend host has none: its datasets \
+                 are in host memory already. Leave --pinned-host-memory out, or serve with \
+                 --backend cuda (or auto)"
                     .to_owned(),
             ));
-        }
-        if let Some(host_limit) = self.host_memory_limit.map(|bytes| bytes.as_u64())
-            && pinned > host_limit
-        {
-            return Err(ConfigError(format!(
-                "--pinned-spill-memory {pinned} bytes ({}) is more than --host-memory-limit                  {host_limit} bytes ({}), the most that spills may hold: the rest would stay                  pinned and unused. Give at most {host_limit}",
-                ByteSize::b(pinned).display().iec(),
-                ByteSize::b(host_limit).display().iec(),
-            )));
         }
         Ok(())
     }
@@ -172,12 +160,14 @@ impl ServeArgs {
                 }
             }
         }
-        let pinned = self.pinned_spill_memory.map_or(0, |bytes| bytes.as_u64());
+        let pinned = self.pinned_host_memory.map_or(0, |bytes| bytes.as_u64());
         if let Some(memory) = host_memory
             && pinned > memory / 2
         {
             return Err(ConfigError(format!(
-                "--pinned-spill-memory {pinned} bytes ({}) is more than half the memory this                  process may use ({memory} bytes, {}): pinned memory cannot be swapped out or                  used by anything else, and the server needs the rest. Give at most {}",
+                "--pinned-host-memory {pinned} bytes ({}) is more than half the memory this \
+                 process may use ({memory} bytes, {}): pinned memory cannot be swapped out or \
+                 used by anything else, and the server needs the rest. Give at most {}",
                 ByteSize::b(pinned).display().iec(),
                 ByteSize::b(memory).display().iec(),
                 memory / 2,
@@ -451,40 +441,30 @@ mod tests {
     }
 
     #[test]
-    fn pinned_spill_memory_needs_a_gpu_room_in_the_host_tier_and_memory_left_over() {
+    fn pinned_host_memory_needs_a_gpu_and_memory_left_over() {
         const GIB: u64 = 1 << 30;
-        let error = refusal(&["--backend", "host", "--pinned-spill-memory", "1GiB"]);
+        let error = refusal(&["--backend", "host", "--pinned-host-memory", "1GiB"]);
         assert!(error.contains("--backend host"), "{error}");
-        let error = refusal(&[
-            "--pinned-spill-memory",
-            "8GiB",
-            "--host-memory-limit",
-            "4GiB",
-        ]);
-        assert!(
-            error.contains(&(8 * GIB).to_string()) && error.contains(&(4 * GIB).to_string()),
-            "{error}"
-        );
         for fine in [
             &[
-                "--pinned-spill-memory",
+                "--pinned-host-memory",
                 "4GiB",
                 "--host-memory-limit",
                 "4GiB",
             ][..],
-            &["--pinned-spill-memory", "2GiB"],
-            &["--backend", "host", "--pinned-spill-memory", "0"],
+            &["--pinned-host-memory", "2GiB"],
+            &["--backend", "host", "--pinned-host-memory", "0"],
         ] {
             assert_eq!(serve(fine).validate(), Ok(()), "{fine:?}");
         }
         let devices = [device(80 * GIB)];
-        let error = serve(&["--pinned-spill-memory", "20GiB"])
+        let error = serve(&["--pinned-host-memory", "20GiB"])
             .check_capacity(&devices, Some(32 * GIB), false)
             .expect_err("more than half the host's memory")
             .0;
-        assert!(error.contains("--pinned-spill-memory"), "{error}");
+        assert!(error.contains("--pinned-host-memory"), "{error}");
         assert_eq!(
-            serve(&["--pinned-spill-memory", "16GiB"]).check_capacity(
+            serve(&["--pinned-host-memory", "16GiB"]).check_capacity(
                 &devices,
                 Some(32 * GIB),
                 false

@@ -134,15 +134,16 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_HOST_MEMORY_LIMIT", value_parser = size)]
     pub host_memory_limit: Option<ByteSize>,
 
-    /// Host memory the CUDA backend pins for spills, e.g. `8GiB`; default none. A spill then
-    /// copies a partition straight from the GPU into it, and a restore uploads straight from
-    /// it, at the link's rate (ordinary memory must be faulted in first, at about half of
-    /// that). Pinned in the background at startup and held for the life of the process, where
-    /// nothing else on the machine can use it or swap it out; spills that do not fit in what
-    /// is free of it go to ordinary memory. At most `--host-memory-limit`, which counts the
-    /// spills it holds.
-    #[arg(long, env = "GPU_FLIGHT_PINNED_SPILL_MEMORY", value_parser = size)]
-    pub pinned_spill_memory: Option<ByteSize>,
+    /// Host memory the CUDA backend pins for transfers, e.g. `8GiB`; default none. `DoPut`
+    /// message bodies are received into it and uploaded straight from it, a spill copies a
+    /// partition straight from the GPU into it and a restore uploads straight from it: at the
+    /// link's rate, without a staging copy (ordinary memory must also be faulted in first).
+    /// Pinned in the background at startup and held for the life of the process, where
+    /// nothing else on the machine can use it or swap it out; what does not fit in what is
+    /// free of it goes through staging. At most half the host's memory; the spills it holds
+    /// count in `--host-memory-limit`.
+    #[arg(long, env = "GPU_FLIGHT_PINNED_HOST_MEMORY", value_parser = size)]
+    pub pinned_host_memory: Option<ByteSize>,
 
     /// Makes every committed dataset durable in this directory (Arrow IPC files and a
     /// manifest), and serves what it holds after a restart, each dataset loaded when first

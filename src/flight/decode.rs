@@ -17,6 +17,12 @@
 //! must fit in `--max-put-message-bytes`, and is paid for by the caller (the `reserve` argument of [`PutDecoder::decode`]) before Arrow
 //! allocates anything. Arrow then refuses data that decompresses to more than it declared.
 //!
+//! Where the backend receives message bodies in memory it uploads from directly (the CUDA
+//! backend's `--pinned-host-memory`), an uncompressed record batch's body is first copied
+//! there ([`PutDecoder::with_pinned_bodies`]), 64-byte aligned: Arrow then reads its arrays in
+//! place, and their upload needs no staging copy. This copy takes the place of Arrow's
+//! realigning one (gRPC leaves a body wherever the protobuf framing put it).
+//!
 //! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns most
 //! buffers into allocations of its own, and the columns (and dictionaries) it decoded in place
 //! are copied. A batch kept by a backend therefore never keeps a client's message alive, with
@@ -98,6 +104,14 @@ impl PutAbort {
     }
 }
 
+/// Copies a message body into host memory the backend uploads from directly, where it has
+/// room (`Store::pinned_copy`).
+pub(crate) type PinnedCopy = Box<dyn Fn(&[u8]) -> Option<Buffer> + Send + Sync>;
+
+/// Bodies smaller than this stay where they lie: their arrays go through staging anyway (an
+/// upload copies straight from pinned memory only buffers large enough to pay for a copy each).
+const PINNED_BODY_MIN_BYTES: usize = 256 << 10;
+
 /// Decodes one `DoPut` stream: remembers its schema and dictionaries between messages.
 #[derive(Debug)]
 pub(crate) struct PutDecoder {
@@ -113,6 +127,16 @@ pub(crate) struct PutDecoder {
     detach: bool,
     /// Whether the schema has dense unions, whose offsets Arrow reads where they lie.
     dense_unions: bool,
+    pinned: Option<PinnedBodies>,
+}
+
+/// [`PinnedCopy`], shown by name only.
+struct PinnedBodies(PinnedCopy);
+
+impl std::fmt::Debug for PinnedBodies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PinnedBodies")
+    }
 }
 
 impl PutDecoder {
@@ -124,7 +148,16 @@ impl PutDecoder {
             max_decompressed_bytes,
             detach,
             dense_unions: false,
+            pinned: None,
         }
+    }
+
+    /// Copies each uncompressed record batch body of at least [`PINNED_BODY_MIN_BYTES`] with
+    /// `copy` first, where it returns one. For a backend that does not keep the arrays it is
+    /// given (the copy is not detached).
+    pub(crate) fn with_pinned_bodies(mut self, copy: PinnedCopy) -> Self {
+        self.pinned = Some(PinnedBodies(copy));
+        self
     }
 
     /// Decodes one message. For a compressed one, `reserve` is first asked to pay for the bytes
@@ -216,7 +249,15 @@ impl PutDecoder {
                 check_batch(&header, body_len)?;
                 let buffers = self.pay_for_decompression(&header, &data.data_body, reserve)?;
                 check_layout(&schema, &header, &buffers, version)?;
-                let body = self.body(&data.data_body);
+                let body = match &self.pinned {
+                    Some(PinnedBodies(copy))
+                        if header.compression().is_none()
+                            && data.data_body.len() >= PINNED_BODY_MIN_BYTES =>
+                    {
+                        copy(&data.data_body).unwrap_or_else(|| self.body(&data.data_body))
+                    }
+                    _ => self.body(&data.data_body),
+                };
                 let dictionaries = &self.dictionaries;
                 let batch = guarded("reading a record batch", || {
                     ipc::reader::read_record_batch(
@@ -810,6 +851,59 @@ mod tests {
                 !bodies.iter().any(|body| body.contains(&pointer)),
                 "an array points into a message body"
             );
+        }
+    }
+
+    #[test]
+    fn large_uncompressed_bodies_are_decoded_in_the_pinned_copy() {
+        use std::sync::Mutex;
+        // A stand-in for the backend's pinned memory: a 64-byte aligned copy, remembered.
+        let copies: Arc<Mutex<Vec<std::ops::Range<usize>>>> = Arc::default();
+        let decoder = |copies: &Arc<Mutex<Vec<_>>>| {
+            let copies = Arc::clone(copies);
+            PutDecoder::new(64 << 20, 64 << 20, false).with_pinned_bodies(Box::new(move |body| {
+                let copy = Buffer::from(aligned(body));
+                let start = copy.as_ptr() as usize;
+                copies
+                    .lock()
+                    .expect("copies")
+                    .push(start..start + copy.len());
+                Some(copy)
+            }))
+        };
+        let large = RecordBatch::try_from_iter([(
+            "n",
+            Arc::new(Int64Array::from_iter_values(0..100_000)) as ArrayRef,
+        )])
+        .expect("batch");
+        let mut pinned = decoder(&copies);
+        let mut decoded = None;
+        for message in encode(large.clone(), None) {
+            if let Decoded::Batch(batch) = pinned.decode(&message, |_| Ok(())).expect("decode") {
+                decoded = Some(batch);
+            }
+        }
+        let decoded = decoded.expect("a batch");
+        assert_eq!(decoded, large);
+        let mut pointers = Vec::new();
+        addresses(&decoded.column(0).to_data(), &mut pointers);
+        let made = copies.lock().expect("copies").clone();
+        assert_eq!(made.len(), 1, "the record batch's body alone");
+        assert!(
+            pointers.iter().all(|p| made[0].contains(p)),
+            "decoded in place"
+        );
+        // Compressed bodies (Arrow decompresses them into buffers of its own) and small ones
+        // are not copied.
+        let small = large.slice(0, 1000);
+        let lz4 = Some(arrow::ipc::CompressionType::LZ4_FRAME);
+        for (batch, codec) in [(large, lz4), (small, None)] {
+            let skipped = Arc::default();
+            let mut pinned = decoder(&skipped);
+            for message in encode(batch, codec) {
+                pinned.decode(&message, |_| Ok(())).expect("decode");
+            }
+            assert!(skipped.lock().expect("copies").is_empty());
         }
     }
 

@@ -210,6 +210,10 @@ pub(crate) async fn receive(
         options.max_put_message_bytes as u64,
         store.keeps_decoded_arrays(),
     );
+    if !store.keeps_decoded_arrays() {
+        let bodies = store.clone();
+        decoder = decoder.with_pinned_bodies(Box::new(move |body| bodies.pinned_copy(body)));
+    }
     let mut uploads = FuturesOrdered::new();
     // Dictionaries stay referenced by the decoder until the put ends; so do their charges.
     let mut dictionary_charges = Vec::new();

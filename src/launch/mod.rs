@@ -110,12 +110,12 @@ where
     for warning in capacity {
         tracing::warn!("{warning}");
     }
-    if let Some(pinned) = args.pinned_spill_memory.filter(|bytes| bytes.as_u64() > 0) {
+    if let Some(pinned) = args.pinned_host_memory.filter(|bytes| bytes.as_u64() > 0) {
         if backend.holds_host_memory() {
             // `--backend auto` on a machine without a GPU: validation let it through.
-            tracing::warn!("--pinned-spill-memory is ignored: the host backend spills nothing");
+            tracing::warn!("--pinned-host-memory is ignored: the host backend spills nothing");
         } else {
-            backend.pin_spill_memory(pinned.as_u64());
+            backend.pin_host_memory(pinned.as_u64());
         }
     }
     let listeners = addresses.bind().await.map_err(Failure::Start)?;

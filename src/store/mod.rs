@@ -283,6 +283,12 @@ impl Store {
         self.backend.keeps_decoded_arrays()
     }
 
+    /// `bytes` (a `DoPut` message body) copied into host memory the backend uploads from
+    /// directly, where it has such memory free ([`Backend::pinned_copy`]).
+    pub fn pinned_copy(&self, bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
+        self.backend.pinned_copy(bytes)
+    }
+
     /// Reserves `bytes` for a `DoPut` message being received (grown with
     /// [`Store::grow_message`] as its bytes arrive): bytes a client has sent but no dataset
     /// holds yet count against the budget like any other. They are charged to the device with

@@ -1,9 +1,10 @@
-//! Which ranges of the pinned spill memory are in use ([`Ranges`]): the bookkeeping behind
+//! Which ranges of the pinned host memory are in use ([`Ranges`]): the bookkeeping behind
 //! `ffi::PinnedArena`, kept apart from the memory so that it can be tested without a GPU.
 //!
-//! Spills copy a partition's allocation whole into one block of the arena, straight from the
-//! device (no staging copy, no fresh pages to fault in), and a restore uploads the arrays of
-//! such a copy straight from it. Blocks are handed out best-fit by `range-alloc`, which merges
+//! `DoPut` message bodies are received into blocks of the arena and their arrays uploaded
+//! straight from there; spills copy a partition's allocation whole into one block, straight
+//! from the device (no staging copy, no fresh pages to fault in), and a restore uploads the
+//! arrays of such a copy straight from it. Blocks are handed out best-fit by `range-alloc`, which merges
 //! neighbours as they come back; this adds what the memory side needs: every block starts at
 //! a 64-byte boundary (Arrow's alignment), and a lookup of the block a host range lies in, so
 //! an upload can tell arrays that lie in pinned memory from those that do not.
@@ -56,7 +57,7 @@ impl Ranges {
         if self.live.get(&range.start) != Some(&range.len()) {
             tracing::error!(
                 ?range,
-                "a pinned spill block given back twice or never taken"
+                "a pinned host memory block given back twice or never taken"
             );
             return;
         }

@@ -8,7 +8,7 @@
 //!   upload plans; no device calls, unit-tested without a GPU.
 //! - `read`: row ranges copied back into pinned host memory, in rounds.
 //! - `pieces`: large uploads and whole-partition host copies (spills) through staging, a
-//!   piece at a time in two overlapping lanes; or, where `--pinned-spill-memory` pinned host
+//!   piece at a time in two overlapping lanes; or, where `--pinned-host-memory` pinned host
 //!   memory for them, straight between the device and that memory.
 //! - `arena`: which blocks of that pinned memory are in use.
 //! - `concat`: one-launch concatenation of many batches into compact columns
@@ -107,13 +107,17 @@ pub struct CudaBackend {
     /// Whether spills copy partitions whole ([`Backend::host_copy`]); off only for
     /// benchmarks comparing with reads in pieces.
     whole_spills: bool,
-    /// Pinned host memory for spills, shared by every GPU: set once it has been pinned
-    /// ([`CudaBackend::with_pinned_spill_memory`]), which takes seconds, in the background.
-    spill_arena: SpillArena,
+    /// Pinned host memory for `DoPut` message bodies and spills, shared by every GPU: set
+    /// once it has been pinned ([`CudaBackend::with_pinned_host_memory`]), which takes
+    /// seconds, in the background.
+    pinned_arena: SharedArena,
+    /// Message bodies copied into that memory ([`Backend::pinned_copy`]), and their bytes.
+    pinned_bodies: AtomicU64,
+    pinned_body_bytes: AtomicU64,
 }
 
-/// Where the pinned spill memory will be, once there is any.
-type SpillArena = Arc<OnceLock<Arc<PinnedArena>>>;
+/// Where the pinned host memory will be, once there is any.
+type SharedArena = Arc<OnceLock<Arc<PinnedArena>>>;
 
 /// One GPU: its context, streams, staging pool and kernel, and what `status` says of it.
 #[derive(Debug)]
@@ -131,8 +135,8 @@ struct Shared {
     /// How `ipc-export` consumers recognise this GPU.
     identity: ExportDevice,
     pool: Arc<PinnedPool>,
-    /// The backend's pinned spill memory (`pieces`), if any has been pinned.
-    spill_arena: SpillArena,
+    /// The backend's pinned host memory (`pieces`), if any has been pinned.
+    pinned_arena: SharedArena,
     /// Freed device memory kept for the next allocation of its size.
     reuse: reuse::Reuse,
     /// Uploads running at once. Each copies on several cores and keeps the copy engine busy
@@ -186,12 +190,12 @@ struct Counters {
     /// `ipc-import`s committed to this GPU's memory, and the bytes they allocated.
     imports: AtomicU64,
     imported_bytes: AtomicU64,
-    /// Allocations spills copied straight into the pinned spill memory, and uploads
-    /// (restores) copied straight from it, with their bytes.
+    /// Allocations spills copied straight into the pinned host memory, and uploads (of
+    /// message bodies and restores) copied straight from it, with their bytes.
     pinned_spill_copies: AtomicU64,
     pinned_spill_bytes: AtomicU64,
-    pinned_restore_copies: AtomicU64,
-    pinned_restore_bytes: AtomicU64,
+    pinned_upload_copies: AtomicU64,
+    pinned_upload_bytes: AtomicU64,
 }
 
 impl CudaBackend {
@@ -208,10 +212,10 @@ impl CudaBackend {
                 "no CUDA device was asked for".to_owned(),
             ));
         }
-        let spill_arena = SpillArena::default();
+        let pinned_arena = SharedArena::default();
         let devices: Vec<Gpu> = ordinals
             .iter()
-            .map(|&ordinal| Gpu::open(ordinal, &spill_arena))
+            .map(|&ordinal| Gpu::open(ordinal, &pinned_arena))
             .collect::<Result<_, _>>()?;
         let peer_access = devices
             .iter()
@@ -233,7 +237,9 @@ impl CudaBackend {
             devices,
             peer_access,
             whole_spills: true,
-            spill_arena,
+            pinned_arena,
+            pinned_bodies: AtomicU64::new(0),
+            pinned_body_bytes: AtomicU64::new(0),
         })
     }
 
@@ -259,7 +265,7 @@ impl CudaBackend {
 }
 
 impl Gpu {
-    fn open(ordinal: u32, spill_arena: &SpillArena) -> Result<Self, BackendError> {
+    fn open(ordinal: u32, pinned_arena: &SharedArena) -> Result<Self, BackendError> {
         if let Some(reason) = unavailable_reason(ordinal) {
             return Err(BackendError::Device(reason));
         }
@@ -319,7 +325,7 @@ impl Gpu {
                 context,
                 identity,
                 pool,
-                spill_arena: Arc::clone(spill_arena),
+                pinned_arena: Arc::clone(pinned_arena),
                 reuse: reuse::Reuse::new(total_bytes / KEPT_DEVICE_FRACTION),
                 upload_permits: Arc::new(tokio::sync::Semaphore::new(UPLOADS_AT_ONCE)),
                 streams: Mutex::new(Vec::new()),
@@ -366,34 +372,35 @@ impl CudaBackend {
         self
     }
 
-    /// Pins `bytes` of host memory for spills (`--pinned-spill-memory`), in the background:
-    /// `cuMemHostAlloc` pins a few GB a second, and the server need not wait for it. Until it
-    /// is done, and for partitions that do not fit in what is free of it, spills copy through
-    /// staging into ordinary memory. Once it is: a spill copies a partition straight from the
-    /// device into it, and a restore uploads straight from it, both at the link's rate.
-    pub fn with_pinned_spill_memory(self, bytes: u64) -> Self {
-        self.pin_spill_memory(bytes);
+    /// Pins `bytes` of host memory for transfers (`--pinned-host-memory`), in the background:
+    /// `cuMemHostAlloc` pins a few GB a second, and the server need not wait for it. Once it
+    /// is pinned, `DoPut` message bodies are received into it ([`Backend::pinned_copy`]) and
+    /// uploaded straight from it, a spill copies a partition straight from the device into it
+    /// and a restore uploads straight from it: all at the link's rate, without staging. Until
+    /// then, and for what does not fit in what is free of it, transfers go through staging.
+    pub fn with_pinned_host_memory(self, bytes: u64) -> Self {
+        self.pin_host_memory(bytes);
         self
     }
 
-    fn pin_spill_memory(&self, bytes: u64) {
+    fn pin_host_memory(&self, bytes: u64) {
         let Ok(bytes) = usize::try_from(bytes) else {
             tracing::warn!(
                 bytes,
-                "pinned spill memory larger than the address space: none pinned"
+                "pinned host memory larger than the address space: none pinned"
             );
             return;
         };
         let Some(first) = self.devices.first() else {
             return;
         };
-        if bytes == 0 || self.spill_arena.get().is_some() {
+        if bytes == 0 || self.pinned_arena.get().is_some() {
             return;
         }
         let context = Arc::clone(&first.shared.context);
-        let slot = Arc::clone(&self.spill_arena);
+        let slot = Arc::clone(&self.pinned_arena);
         let pinning = std::thread::Builder::new()
-            .name("gpu-flight-pin-spills".to_owned())
+            .name("gpu-flight-pin-memory".to_owned())
             .spawn(move || {
                 let started = std::time::Instant::now();
                 match PinnedArena::new(&context, bytes) {
@@ -402,24 +409,24 @@ impl CudaBackend {
                         tracing::info!(
                             bytes,
                             seconds = started.elapsed().as_secs_f64(),
-                            "pinned host memory for spills is ready"
+                            "pinned host memory for transfers is ready"
                         );
                     }
                     Err(error) => tracing::warn!(
                         %error,
                         bytes,
-                        "pinning host memory for spills failed; spills copy through staging"
+                        "pinning host memory for transfers failed; they go through staging"
                     ),
                 }
             });
         if let Err(error) = pinning {
-            tracing::warn!(%error, "no thread to pin host memory for spills");
+            tracing::warn!(%error, "no thread to pin host memory for transfers");
         }
     }
 
-    /// The pinned spill memory's size and the bytes of it in use, once it has been pinned.
-    pub fn pinned_spill_memory(&self) -> Option<(u64, u64)> {
-        let arena = self.spill_arena.get()?;
+    /// The pinned host memory's size and the bytes of it in use, once it has been pinned.
+    pub fn pinned_host_memory(&self) -> Option<(u64, u64)> {
+        let arena = self.pinned_arena.get()?;
         Some((arena.len() as u64, arena.used() as u64))
     }
 
@@ -937,8 +944,18 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
-    fn pin_spill_memory(&self, bytes: u64) {
-        CudaBackend::pin_spill_memory(self, bytes);
+    fn pin_host_memory(&self, bytes: u64) {
+        CudaBackend::pin_host_memory(self, bytes);
+    }
+
+    /// A block of the pinned host memory with `bytes` in it, copied over several cores.
+    fn pinned_copy(&self, bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
+        let mut block = self.pinned_arena.get()?.take(bytes.len())?;
+        crate::arrays::copy_all(vec![(bytes, block.as_mut_slice())]);
+        self.pinned_bodies.fetch_add(1, Ordering::Relaxed);
+        self.pinned_body_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Some(block.into_buffer())
     }
 
     /// The partition's allocations copied whole, on a blocking thread (`pieces::host_copy`).
@@ -1040,6 +1057,29 @@ impl Backend for CudaBackend {
                 all.insert(key, value);
             }
         }
+        let arena = self.pinned_arena.get();
+        // 0 until pinned (and without --pinned-host-memory).
+        let figures = [
+            (
+                "pinned_host_memory_bytes",
+                arena.map_or(0, |a| a.len() as u64),
+            ),
+            (
+                "pinned_host_memory_used_bytes",
+                arena.map_or(0, |a| a.used() as u64),
+            ),
+            (
+                "pinned_put_bodies",
+                self.pinned_bodies.load(Ordering::Relaxed),
+            ),
+            (
+                "pinned_put_body_bytes",
+                self.pinned_body_bytes.load(Ordering::Relaxed),
+            ),
+        ];
+        for (key, value) in figures {
+            all.insert(key.to_owned(), value.into());
+        }
         all
     }
 }
@@ -1093,13 +1133,10 @@ impl Shared {
             "filter_kernels_loaded": self.filter_kernels.is_some(),
             "imports": c.imports.load(Ordering::Relaxed),
             "imported_bytes": c.imported_bytes.load(Ordering::Relaxed),
-            // 0 until pinned (and without --pinned-spill-memory).
-            "pinned_spill_memory_bytes": self.spill_arena.get().map_or(0, |a| a.len()),
-            "pinned_spill_memory_used_bytes": self.spill_arena.get().map_or(0, |a| a.used()),
             "pinned_spill_copies": c.pinned_spill_copies.load(Ordering::Relaxed),
             "pinned_spill_bytes": c.pinned_spill_bytes.load(Ordering::Relaxed),
-            "pinned_restore_copies": c.pinned_restore_copies.load(Ordering::Relaxed),
-            "pinned_restore_bytes": c.pinned_restore_bytes.load(Ordering::Relaxed),
+            "pinned_upload_copies": c.pinned_upload_copies.load(Ordering::Relaxed),
+            "pinned_upload_bytes": c.pinned_upload_bytes.load(Ordering::Relaxed),
         });
         match counters {
             Value::Object(map) => map,

@@ -11,10 +11,10 @@
 //! offsets in one host buffer per allocation, so a restore uploads them in the same layout,
 //! into one allocation, without a concatenation.
 //!
-//! Where the backend has pinned memory for spills (`--pinned-spill-memory`) and a block of it
-//! is free, a spill copies the allocation straight into that block instead, with no staging
-//! and no CPU copy; a restore of such a copy (any upload whose buffers all lie in pinned spill
-//! memory) copies each buffer straight to the device. The host memory a spill writes through
+//! Where the backend has pinned host memory (`--pinned-host-memory`) and a block of it is
+//! free, a spill copies the allocation straight into that block instead, with no staging and
+//! no CPU copy; an upload whose buffers all lie there (a restore of such a copy, or a `DoPut`
+//! batch whose message body was received there) copies each buffer straight to the device. The host memory a spill writes through
 //! staging is fresh, and faulting it in bounds those spills (about 21 GB/s at best on the
 //! 16-core H100 machine, against 52 for the link).
 
@@ -123,7 +123,7 @@ pub(super) fn upload(
     plan: &UploadPlan,
     allocation: &DeviceAllocation,
 ) -> Result<UploadTimes, BackendError> {
-    if let Some(arena) = shared.spill_arena.get()
+    if let Some(arena) = shared.pinned_arena.get()
         && all_in(arena, plan)
     {
         return upload_pinned(shared, plan, allocation);
@@ -182,9 +182,20 @@ fn zero_tail<'a>(
     })
 }
 
-/// Whether every buffer `plan` uploads lies in a block of the pinned spill memory in use.
+/// Buffers smaller than this, on average, are staged even from pinned memory: each copy of
+/// its own costs the driver microseconds, more than staging so few bytes does.
+const DIRECT_MIN_AVERAGE_BYTES: usize = 64 << 10;
+
+/// Whether every buffer `plan` uploads lies in a block of the pinned host memory in use, and
+/// they are large enough on average to be copied one by one.
 fn all_in(arena: &PinnedArena, plan: &UploadPlan) -> bool {
-    !plan.sources.is_empty()
+    let regions = plan
+        .sources
+        .iter()
+        .filter(|(region, _)| region.len > 0)
+        .count();
+    regions > 0
+        && plan.used_bytes >= regions.saturating_mul(DIRECT_MIN_AVERAGE_BYTES)
         && plan.sources.iter().all(|(region, source)| {
             region.len == 0
                 || source
@@ -194,7 +205,7 @@ fn all_in(arena: &PinnedArena, plan: &UploadPlan) -> bool {
         })
 }
 
-/// Uploads `plan`, whose buffers all lie in pinned spill memory, straight from there: one
+/// Uploads `plan`, whose buffers all lie in pinned host memory, straight from there: one
 /// copy per buffer, the gaps between them (and the allocation's tail) zeroed on the device,
 /// as staging would have, all on one stream with one synchronization.
 fn upload_pinned(
@@ -228,10 +239,10 @@ fn upload_pinned(
     })?;
     let counters = &shared.counters;
     counters
-        .pinned_restore_copies
+        .pinned_upload_copies
         .fetch_add(1, Ordering::Relaxed);
     counters
-        .pinned_restore_bytes
+        .pinned_upload_bytes
         .fetch_add(plan.used_bytes as u64, Ordering::Relaxed);
     Ok(UploadTimes {
         fill: Duration::ZERO,
@@ -301,7 +312,7 @@ fn download(
     len: usize,
     cancelled: &AtomicBool,
 ) -> Result<Buffer, BackendError> {
-    if let Some(mut block) = shared.spill_arena.get().and_then(|arena| arena.take(len)) {
+    if let Some(mut block) = shared.pinned_arena.get().and_then(|arena| arena.take(len)) {
         // Straight into pinned memory: a piece at a time only so that a caller that went
         // away stops it early.
         shared.with_stream(|stream| {
