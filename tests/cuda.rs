@@ -628,8 +628,8 @@ async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() 
     // batch too small for pinned memory.
     let batches = vec![
         ints_and_strings(400_000, 4, 2),
-        ints_and_strings(300_000, 2, 1).slice(1000, 250_000),
-        int64_batch(1_000, 2, 7),
+        ints_and_strings(300_000, 4, 2).slice(1000, 250_000),
+        ints_and_strings(1_000, 4, 2),
     ];
     put(&mut client, path("pinned"), batches.clone())
         .await

@@ -163,6 +163,19 @@ def stage_probe(location, op):
     return probe
 
 
+def wait_for_pinned_memory(location, seconds=30.0):
+    """Waits until a cuda server has pinned its host memory (`--pinned-host-memory`, pinned in
+    the background at start, a core busy meanwhile), so that no measurement shares the machine
+    with it; returns at once for a server that pins none."""
+    deadline = time.time() + seconds
+    with connect(location) as client:
+        while time.time() < deadline:
+            document = json.loads(next(iter(client.do_action(flight.Action("status", b"")))).body.to_pybytes())
+            if not document.get("counters", {}).get("pinned_host_memory_pending_bytes"):
+                return
+            time.sleep(0.1)
+
+
 def best(args, measure):
     return max((measure() for _ in range(args.repeat)), key=float)
 
@@ -226,6 +239,9 @@ def main():
                 if not args.no_uds and encoder == encoders[0] and suffix == builds[0][0]:
                     targets.append((f"gpu-flight {backend}{suffix} uds", f"grpc+unix://{sock}", True,
                                     server.process.pid, True))
+        for label, location, ours, _, _ in targets:
+            if ours and "cuda" in label:
+                wait_for_pinned_memory(location)
         baseline = Process([sys.executable, str(ROOT / "examples" / "pyarrow_server.py")], r"serving on (grpc://\S+)")
         servers.append(baseline)
         targets.append(("pyarrow", baseline.match.group(1), False, baseline.process.pid, True))

@@ -111,6 +111,8 @@ pub struct CudaBackend {
     /// once it has been pinned ([`CudaBackend::with_pinned_host_memory`]), which takes
     /// seconds, in the background.
     pinned_arena: SharedArena,
+    /// Bytes being pinned in the background (0 once pinned, or if pinning failed).
+    pinning: Arc<AtomicU64>,
     /// Message bodies copied into that memory ([`Backend::pinned_copy`]), and their bytes.
     pinned_bodies: AtomicU64,
     pinned_body_bytes: AtomicU64,
@@ -238,6 +240,7 @@ impl CudaBackend {
             peer_access,
             whole_spills: true,
             pinned_arena,
+            pinning: Arc::default(),
             pinned_bodies: AtomicU64::new(0),
             pinned_body_bytes: AtomicU64::new(0),
         })
@@ -398,12 +401,22 @@ impl CudaBackend {
             return;
         }
         let context = Arc::clone(&first.shared.context);
+        // On the first GPU's NUMA node, as its staging is: first touch places the pages.
+        let cpus = first
+            .numa_node
+            .and_then(|node| super::numa::node_cpus(std::path::Path::new("/sys"), node));
         let slot = Arc::clone(&self.pinned_arena);
+        let pending = Arc::clone(&self.pinning);
+        pending.store(bytes as u64, Ordering::Release);
         let pinning = std::thread::Builder::new()
             .name("gpu-flight-pin-memory".to_owned())
             .spawn(move || {
                 let started = std::time::Instant::now();
-                match PinnedArena::new(&context, bytes) {
+                let pinned = match &cpus {
+                    Some(cpus) => super::numa::on_cpus(cpus, || PinnedArena::new(&context, bytes)),
+                    None => PinnedArena::new(&context, bytes),
+                };
+                match pinned {
                     Ok(arena) => {
                         let _ = slot.set(arena);
                         tracing::info!(
@@ -418,8 +431,10 @@ impl CudaBackend {
                         "pinning host memory for transfers failed; they go through staging"
                     ),
                 }
+                pending.store(0, Ordering::Release);
             });
         if let Err(error) = pinning {
+            self.pinning.store(0, Ordering::Release);
             tracing::warn!(%error, "no thread to pin host memory for transfers");
         }
     }
@@ -1067,6 +1082,10 @@ impl Backend for CudaBackend {
             (
                 "pinned_host_memory_used_bytes",
                 arena.map_or(0, |a| a.used() as u64),
+            ),
+            (
+                "pinned_host_memory_pending_bytes",
+                self.pinning.load(Ordering::Acquire),
             ),
             (
                 "pinned_put_bodies",
