@@ -135,13 +135,14 @@ pub struct ServeArgs {
     pub host_memory_limit: Option<ByteSize>,
 
     /// Host memory the CUDA backend pins for transfers, e.g. `8GiB`; `0` for none. Default:
-    /// a 32nd of the host's memory (or the container's limit), at most 4 GiB. `DoPut` message
+    /// a 32nd of the host's memory (or the container's limit), at most 4 GiB, pinned when a
+    /// large put or a spill first could use it (given: pinned at start). `DoPut` message
     /// bodies are received into it and uploaded straight from it, a spill copies a partition
     /// straight from the GPU into it and a restore uploads straight from it: at the link's
     /// rate, without a staging copy (ordinary memory must also be faulted in first). Pinned in
-    /// the background at startup and held for the life of the process, where nothing else on
-    /// the machine can use it or swap it out; what does not fit in what is free of it goes
-    /// through staging. At most half the host's memory; the spills it holds count in
+    /// the background and held for the life of the process, where nothing else on the machine
+    /// can use it or swap it out; what does not fit in what is free of it goes through
+    /// staging. At most half the host's memory; the spills it holds count in
     /// `--host-memory-limit`.
     #[arg(long, env = "GPU_FLIGHT_PINNED_HOST_MEMORY", value_parser = size)]
     pub pinned_host_memory: Option<ByteSize>,

@@ -116,10 +116,13 @@ where
         Some(_) if backend.holds_host_memory() => tracing::warn!(
             "--pinned-host-memory is ignored: the host backend has no transfers to pin it for"
         ),
-        Some(bytes) => backend.pin_host_memory(bytes),
-        None => backend.pin_host_memory(crate::config::default_pinned_host_memory(
-            crate::backend::host_memory_bytes(),
-        )),
+        // Asked for: pinned now. The default: when a transfer first could use it, so that a
+        // server that never moves much data never pins (nor unpins at exit) any.
+        Some(bytes) => backend.pin_host_memory(bytes, true),
+        None => backend.pin_host_memory(
+            crate::config::default_pinned_host_memory(crate::backend::host_memory_bytes()),
+            false,
+        ),
     }
     let listeners = addresses.bind().await.map_err(Failure::Start)?;
     let metrics_listener = bind::bind_side(args.metrics_listen.as_deref(), "--metrics-listen")

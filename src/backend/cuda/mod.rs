@@ -10,7 +10,8 @@
 //! - `pieces`: large uploads and whole-partition host copies (spills) through staging, a
 //!   piece at a time in two overlapping lanes; or, where `--pinned-host-memory` pinned host
 //!   memory for them, straight between the device and that memory.
-//! - `arena`: which blocks of that pinned memory are in use.
+//! - `pinned`: that pinned memory, pinned when first wanted; `arena`: which blocks of it are
+//!   in use.
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
@@ -40,6 +41,7 @@ mod import;
 mod ingest;
 mod layout;
 mod pieces;
+mod pinned;
 mod read;
 mod reuse;
 mod staging;
@@ -61,8 +63,9 @@ use super::{
     check_rows, downcast_all, downcast_one,
 };
 use concat::{Arrangement, Fragment};
-use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, PinnedArena, Stream};
+use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, Stream};
 use layout::{DeviceArray, Kind, UploadPlan};
+use pinned::PinnedHostMemory;
 use read::Stored;
 use staging::PinnedPool;
 
@@ -107,19 +110,12 @@ pub struct CudaBackend {
     /// Whether spills copy partitions whole ([`Backend::host_copy`]); off only for
     /// benchmarks comparing with reads in pieces.
     whole_spills: bool,
-    /// Pinned host memory for `DoPut` message bodies and spills, shared by every GPU: set
-    /// once it has been pinned ([`CudaBackend::with_pinned_host_memory`]), which takes
-    /// seconds, in the background.
-    pinned_arena: SharedArena,
-    /// Bytes being pinned in the background (0 once pinned, or if pinning failed).
-    pinning: Arc<AtomicU64>,
+    /// Pinned host memory for `DoPut` message bodies and spills, shared by every GPU.
+    pinned: Arc<PinnedHostMemory>,
     /// Message bodies copied into that memory ([`Backend::pinned_copy`]), and their bytes.
     pinned_bodies: AtomicU64,
     pinned_body_bytes: AtomicU64,
 }
-
-/// Where the pinned host memory will be, once there is any.
-type SharedArena = Arc<OnceLock<Arc<PinnedArena>>>;
 
 /// One GPU: its context, streams, staging pool and kernel, and what `status` says of it.
 #[derive(Debug)]
@@ -137,8 +133,8 @@ struct Shared {
     /// How `ipc-export` consumers recognise this GPU.
     identity: ExportDevice,
     pool: Arc<PinnedPool>,
-    /// The backend's pinned host memory (`pieces`), if any has been pinned.
-    pinned_arena: SharedArena,
+    /// The backend's pinned host memory (`pieces`).
+    pinned: Arc<PinnedHostMemory>,
     /// Freed device memory kept for the next allocation of its size.
     reuse: reuse::Reuse,
     /// Uploads running at once. Each copies on several cores and keeps the copy engine busy
@@ -214,11 +210,18 @@ impl CudaBackend {
                 "no CUDA device was asked for".to_owned(),
             ));
         }
-        let pinned_arena = SharedArena::default();
+        let pinned = Arc::new(PinnedHostMemory::default());
         let devices: Vec<Gpu> = ordinals
             .iter()
-            .map(|&ordinal| Gpu::open(ordinal, &pinned_arena))
+            .map(|&ordinal| Gpu::open(ordinal, &pinned))
             .collect::<Result<_, _>>()?;
+        if let Some(first) = devices.first() {
+            // On the first GPU's NUMA node, as its staging is.
+            let cpus = first
+                .numa_node
+                .and_then(|node| super::numa::node_cpus(std::path::Path::new("/sys"), node));
+            pinned.place(Arc::clone(&first.shared.context), cpus);
+        }
         let peer_access = devices
             .iter()
             .map(|a| {
@@ -239,8 +242,7 @@ impl CudaBackend {
             devices,
             peer_access,
             whole_spills: true,
-            pinned_arena,
-            pinning: Arc::default(),
+            pinned,
             pinned_bodies: AtomicU64::new(0),
             pinned_body_bytes: AtomicU64::new(0),
         })
@@ -268,7 +270,7 @@ impl CudaBackend {
 }
 
 impl Gpu {
-    fn open(ordinal: u32, pinned_arena: &SharedArena) -> Result<Self, BackendError> {
+    fn open(ordinal: u32, pinned: &Arc<PinnedHostMemory>) -> Result<Self, BackendError> {
         if let Some(reason) = unavailable_reason(ordinal) {
             return Err(BackendError::Device(reason));
         }
@@ -328,7 +330,7 @@ impl Gpu {
                 context,
                 identity,
                 pool,
-                pinned_arena: Arc::clone(pinned_arena),
+                pinned: Arc::clone(pinned),
                 reuse: reuse::Reuse::new(total_bytes / KEPT_DEVICE_FRACTION),
                 upload_permits: Arc::new(tokio::sync::Semaphore::new(UPLOADS_AT_ONCE)),
                 streams: Mutex::new(Vec::new()),
@@ -375,73 +377,23 @@ impl CudaBackend {
         self
     }
 
-    /// Pins `bytes` of host memory for transfers (`--pinned-host-memory`), in the background:
-    /// `cuMemHostAlloc` pins a few GB a second, and the server need not wait for it. Once it
-    /// is pinned, `DoPut` message bodies are received into it ([`Backend::pinned_copy`]) and
-    /// uploaded straight from it, a spill copies a partition straight from the device into it
-    /// and a restore uploads straight from it: all at the link's rate, without staging. Until
-    /// then, and for what does not fit in what is free of it, transfers go through staging.
+    /// Pins `bytes` of host memory for transfers now, in the background (`cuMemHostAlloc`
+    /// pins about 2 GB a second); [`CudaBackend::pinned_host_memory`] says when it is done.
+    /// Once it is pinned, `DoPut` message bodies are received into it
+    /// ([`Backend::pinned_copy`]) and uploaded straight from it, a spill copies a partition
+    /// straight from the device into it and a restore uploads straight from it: all at the
+    /// link's rate, without staging. Until then, and for what does not fit in what is free of
+    /// it, transfers go through staging. (A server pins when first needed instead:
+    /// [`Backend::pin_host_memory`].)
     pub fn with_pinned_host_memory(self, bytes: u64) -> Self {
-        self.pin_host_memory(bytes);
+        self.pinned.set_size(bytes);
+        self.pinned.start();
         self
-    }
-
-    fn pin_host_memory(&self, bytes: u64) {
-        let Ok(bytes) = usize::try_from(bytes) else {
-            tracing::warn!(
-                bytes,
-                "pinned host memory larger than the address space: none pinned"
-            );
-            return;
-        };
-        let Some(first) = self.devices.first() else {
-            return;
-        };
-        if bytes == 0 || self.pinned_arena.get().is_some() {
-            return;
-        }
-        let context = Arc::clone(&first.shared.context);
-        // On the first GPU's NUMA node, as its staging is: first touch places the pages.
-        let cpus = first
-            .numa_node
-            .and_then(|node| super::numa::node_cpus(std::path::Path::new("/sys"), node));
-        let slot = Arc::clone(&self.pinned_arena);
-        let pending = Arc::clone(&self.pinning);
-        pending.store(bytes as u64, Ordering::Release);
-        let pinning = std::thread::Builder::new()
-            .name("gpu-flight-pin-memory".to_owned())
-            .spawn(move || {
-                let started = std::time::Instant::now();
-                let pinned = match &cpus {
-                    Some(cpus) => super::numa::on_cpus(cpus, || PinnedArena::new(&context, bytes)),
-                    None => PinnedArena::new(&context, bytes),
-                };
-                match pinned {
-                    Ok(arena) => {
-                        let _ = slot.set(arena);
-                        tracing::info!(
-                            bytes,
-                            seconds = started.elapsed().as_secs_f64(),
-                            "pinned host memory for transfers is ready"
-                        );
-                    }
-                    Err(error) => tracing::warn!(
-                        %error,
-                        bytes,
-                        "pinning host memory for transfers failed; they go through staging"
-                    ),
-                }
-                pending.store(0, Ordering::Release);
-            });
-        if let Err(error) = pinning {
-            self.pinning.store(0, Ordering::Release);
-            tracing::warn!(%error, "no thread to pin host memory for transfers");
-        }
     }
 
     /// The pinned host memory's size and the bytes of it in use, once it has been pinned.
     pub fn pinned_host_memory(&self) -> Option<(u64, u64)> {
-        let arena = self.pinned_arena.get()?;
+        let arena = self.pinned.ready()?;
         Some((arena.len() as u64, arena.used() as u64))
     }
 
@@ -959,13 +911,16 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
-    fn pin_host_memory(&self, bytes: u64) {
-        CudaBackend::pin_host_memory(self, bytes);
+    fn pin_host_memory(&self, bytes: u64, now: bool) {
+        self.pinned.set_size(bytes);
+        if now {
+            self.pinned.start();
+        }
     }
 
     /// A block of the pinned host memory with `bytes` in it, copied over several cores.
     fn pinned_copy(&self, bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
-        let mut block = self.pinned_arena.get()?.take(bytes.len())?;
+        let mut block = self.pinned.wanted()?.take(bytes.len())?;
         crate::arrays::copy_all(vec![(bytes, block.as_mut_slice())]);
         self.pinned_bodies.fetch_add(1, Ordering::Relaxed);
         self.pinned_body_bytes
@@ -1072,7 +1027,7 @@ impl Backend for CudaBackend {
                 all.insert(key, value);
             }
         }
-        let arena = self.pinned_arena.get();
+        let arena = self.pinned.ready();
         // 0 until pinned (and without --pinned-host-memory).
         let figures = [
             (
@@ -1083,10 +1038,7 @@ impl Backend for CudaBackend {
                 "pinned_host_memory_used_bytes",
                 arena.map_or(0, |a| a.used() as u64),
             ),
-            (
-                "pinned_host_memory_pending_bytes",
-                self.pinning.load(Ordering::Acquire),
-            ),
+            ("pinned_host_memory_pending_bytes", self.pinned.pending()),
             (
                 "pinned_put_bodies",
                 self.pinned_bodies.load(Ordering::Relaxed),

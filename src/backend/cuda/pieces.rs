@@ -123,7 +123,7 @@ pub(super) fn upload(
     plan: &UploadPlan,
     allocation: &DeviceAllocation,
 ) -> Result<UploadTimes, BackendError> {
-    if let Some(arena) = shared.pinned_arena.get()
+    if let Some(arena) = shared.pinned.ready()
         && all_in(arena, plan)
     {
         return upload_pinned(shared, plan, allocation);
@@ -312,7 +312,7 @@ fn download(
     len: usize,
     cancelled: &AtomicBool,
 ) -> Result<Buffer, BackendError> {
-    if let Some(mut block) = shared.pinned_arena.get().and_then(|arena| arena.take(len)) {
+    if let Some(mut block) = shared.pinned.wanted().and_then(|arena| arena.take(len)) {
         // Straight into pinned memory: a piece at a time only so that a caller that went
         // away stops it early.
         shared.with_stream(|stream| {
