@@ -654,54 +654,6 @@ async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
-async fn a_server_pins_host_memory_when_a_large_put_first_could_use_it() {
-    let cuda = Arc::new(CudaBackend::open(0).expect("CUDA device 0"));
-    cuda.pin_host_memory(64 << 20, false);
-    let server = TestServer::start_with(
-        Arc::clone(&cuda) as Arc<dyn Backend>,
-        StoreOptions::default(),
-        ServeOptions::default(),
-    )
-    .await;
-    let mut client = server.client().await;
-    put(&mut client, path("small"), vec![int64_batch(1000, 2, 0)])
-        .await
-        .expect("put");
-    assert_eq!(cuda.pinned_host_memory(), None, "small puts pin nothing");
-    let large = vec![ints_and_strings(400_000, 4, 2)];
-    put(&mut client, path("large"), large.clone())
-        .await
-        .expect("put");
-    let mut pinned = cuda.pinned_host_memory();
-    for _ in 0..200 {
-        if pinned.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        pinned = cuda.pinned_host_memory();
-    }
-    assert_eq!(
-        pinned.map(|(size, _)| size),
-        Some(64 << 20),
-        "pinned once wanted"
-    );
-    put(&mut client, path("again"), large.clone())
-        .await
-        .expect("put");
-    let after = status(&mut client).await;
-    assert!(
-        counter(&after, "pinned_put_bodies") > 0,
-        "later puts receive their bodies into it: {}",
-        after["counters"]
-    );
-    for name in ["large", "again"] {
-        assert_same_data(&large, &get_by_name(&mut client, name).await.expect("get"));
-    }
-    server.shutdown_and_wait().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "needs a CUDA device"]
 async fn spills_too_large_for_the_pinned_host_memory_go_through_staging() {
     // 4 MiB: the small datasets' partitions fit, the 32 MB ones do not.
     let backend = with_pinned_host_memory(4 << 20).await;

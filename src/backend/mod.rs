@@ -166,10 +166,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
-    /// Pins `bytes` of host memory for transfers (`--pinned-host-memory`), in the background:
-    /// `now`, or when a transfer first could use it. The default: nothing, for a backend whose
-    /// transfers gain nothing from pinned memory.
-    fn pin_host_memory(&self, _bytes: u64, _now: bool) {}
+    /// Pins `bytes` of host memory for transfers (`--pinned-host-memory`), in the background.
+    /// The default: nothing, for a backend whose transfers gain nothing from pinned memory.
+    fn pin_host_memory(&self, _bytes: u64) {}
 
     /// `bytes` copied into host memory this backend uploads from directly (pinned), where it
     /// has such memory free: the `DoPut` decoder receives message bodies there, so that their

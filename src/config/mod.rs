@@ -134,15 +134,14 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_HOST_MEMORY_LIMIT", value_parser = size)]
     pub host_memory_limit: Option<ByteSize>,
 
-    /// Host memory the CUDA backend pins for transfers, e.g. `8GiB`; `0` for none. Default:
-    /// a 32nd of the host's memory (or the container's limit), at most 4 GiB, pinned when a
-    /// large put or a spill first could use it (given: pinned at start). `DoPut` message
-    /// bodies are received into it and uploaded straight from it, a spill copies a partition
-    /// straight from the GPU into it and a restore uploads straight from it: at the link's
-    /// rate, without a staging copy (ordinary memory must also be faulted in first). Pinned in
-    /// the background and held for the life of the process, where nothing else on the machine
-    /// can use it or swap it out; what does not fit in what is free of it goes through
-    /// staging. At most half the host's memory; the spills it holds count in
+    /// Host memory the CUDA backend pins for transfers, e.g. `4GiB`; default none. `DoPut`
+    /// message bodies (large, uncompressed, without dictionary columns) are copied into it and
+    /// uploaded straight from it, a spill copies a partition straight from the GPU into it (up
+    /// to half of it) and a restore uploads straight from it: at the link's rate, without a
+    /// staging copy. Pinned at start, in the background (about 2 GB a second, during which the
+    /// GPU's other transfers wait), and held for the life of the process, where nothing else
+    /// on the machine can use it or swap it out; what does not fit in what is free of it goes
+    /// through staging. At most half the host's memory; the spills it holds count in
     /// `--host-memory-limit`.
     #[arg(long, env = "GPU_FLIGHT_PINNED_HOST_MEMORY", value_parser = size)]
     pub pinned_host_memory: Option<ByteSize>,
@@ -467,24 +466,9 @@ fn bytes(size: ByteSize) -> usize {
     usize::try_from(size.as_u64().min(u64::from(u32::MAX))).unwrap_or(usize::MAX)
 }
 
-/// `--pinned-host-memory` when it is not given: a 32nd of `host_memory` (what this process
-/// may use), at most 4 GiB: room for the message bodies of many puts at once and for spills
-/// of a few partitions, a small share of the machine; none where the memory is unknown.
-pub fn default_pinned_host_memory(host_memory: Option<u64>) -> u64 {
-    host_memory.map_or(0, |memory| (memory / 32).min(4 << 30))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pinned_host_memory_defaults_to_a_32nd_of_the_memory_up_to_4_gib() {
-        const GIB: u64 = 1 << 30;
-        assert_eq!(default_pinned_host_memory(Some(64 * GIB)), 2 * GIB);
-        assert_eq!(default_pinned_host_memory(Some(2048 * GIB)), 4 * GIB);
-        assert_eq!(default_pinned_host_memory(None), 0);
-    }
 
     #[test]
     fn bare_invocation_serves_with_defaults() {

@@ -17,11 +17,12 @@
 //! must fit in `--max-put-message-bytes`, and is paid for by the caller (the `reserve` argument of [`PutDecoder::decode`]) before Arrow
 //! allocates anything. Arrow then refuses data that decompresses to more than it declared.
 //!
-//! Where the backend receives message bodies in memory it uploads from directly (the CUDA
-//! backend's `--pinned-host-memory`), an uncompressed record batch's body is first copied
-//! there ([`PutDecoder::with_pinned_bodies`]), 64-byte aligned: Arrow then reads its arrays in
-//! place, and their upload needs no staging copy. This copy takes the place of Arrow's
-//! realigning one (gRPC leaves a body wherever the protobuf framing put it).
+//! Where the backend has memory it uploads from directly (the CUDA backend's
+//! `--pinned-host-memory`), a large uncompressed record batch's body is first copied there
+//! ([`PutDecoder::with_pinned_bodies`]), 64-byte aligned: Arrow then reads its arrays in place,
+//! and their upload needs no staging copy. Without it, Arrow copies each buffer the protobuf
+//! framing left misaligned (most of them) into an allocation of its own, and the upload copies
+//! them again into staging.
 //!
 //! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns most
 //! buffers into allocations of its own, and the columns (and dictionaries) it decoded in place
@@ -111,6 +112,9 @@ pub(crate) type PinnedCopy = Box<dyn Fn(&[u8]) -> Option<Buffer> + Send + Sync>;
 /// Bodies smaller than this stay where they lie: their arrays go through staging anyway (an
 /// upload copies straight from pinned memory only buffers large enough to pay for a copy each).
 const PINNED_BODY_MIN_BYTES: usize = 256 << 10;
+/// The average buffer an upload copies straight from pinned memory must reach (the CUDA
+/// backend's `pieces::DIRECT_MIN_AVERAGE_BYTES`): a body of smaller buffers is staged anyway.
+const PINNED_MIN_AVERAGE_BUFFER_BYTES: usize = 64 << 10;
 
 /// Decodes one `DoPut` stream: remembers its schema and dictionaries between messages.
 #[derive(Debug)]
@@ -250,10 +254,7 @@ impl PutDecoder {
                 let buffers = self.pay_for_decompression(&header, &data.data_body, reserve)?;
                 check_layout(&schema, &header, &buffers, version)?;
                 let body = match &self.pinned {
-                    Some(PinnedBodies(copy))
-                        if header.compression().is_none()
-                            && data.data_body.len() >= PINNED_BODY_MIN_BYTES =>
-                    {
+                    Some(PinnedBodies(copy)) if worth_pinning(&schema, &header, body_len) => {
                         copy(&data.data_body).unwrap_or_else(|| self.body(&data.data_body))
                     }
                     _ => self.body(&data.data_body),
@@ -324,6 +325,25 @@ impl PutDecoder {
             .clone()
             .ok_or_else(|| invalid("the put sent data before its schema"))
     }
+}
+
+/// Whether a record batch's body is worth copying into pinned memory: its arrays would then be
+/// uploaded straight from there. Not where Arrow decompresses it into buffers of its own, nor
+/// where the batch has dictionary columns (their values come from other messages, so the
+/// upload stages them all), nor where its buffers are small on average or it is small.
+fn worth_pinning(schema: &Schema, batch: &ipc::RecordBatch<'_>, body_len: usize) -> bool {
+    let dictionaries = schema.fields().iter().any(|field| {
+        crate::arrays::contains(field.data_type(), &|t| {
+            matches!(t, DataType::Dictionary(..))
+        })
+    });
+    let buffers = batch.buffers().map_or(0, |buffers| {
+        buffers.iter().filter(|b| b.length() > 0).count()
+    });
+    batch.compression().is_none()
+        && !dictionaries
+        && body_len >= PINNED_BODY_MIN_BYTES
+        && body_len >= buffers.saturating_mul(PINNED_MIN_AVERAGE_BUFFER_BYTES)
 }
 
 /// The addresses a message body occupies, its end included: an empty buffer Arrow places
@@ -893,11 +913,16 @@ mod tests {
             pointers.iter().all(|p| made[0].contains(p)),
             "decoded in place"
         );
-        // Compressed bodies (Arrow decompresses them into buffers of its own) and small ones
-        // are not copied.
+        // Compressed bodies (Arrow decompresses them into buffers of its own), small ones, and
+        // those of batches with dictionary columns (staged whole anyway) are not copied.
         let small = large.slice(0, 1000);
         let lz4 = Some(arrow::ipc::CompressionType::LZ4_FRAME);
-        for (batch, codec) in [(large, lz4), (small, None)] {
+        let keys = arrow::array::Int32Array::from_iter_values((0..200_000).map(|i| i % 2));
+        let values = StringArray::from(vec!["red", "blue"]);
+        let colours = DictionaryArray::<Int32Type>::try_new(keys, Arc::new(values)).expect("dict");
+        let coloured =
+            RecordBatch::try_from_iter([("c", Arc::new(colours) as ArrayRef)]).expect("batch");
+        for (batch, codec) in [(large, lz4), (small, None), (coloured, None)] {
             let skipped = Arc::default();
             let mut pinned = decoder(&skipped);
             for message in encode(batch, codec) {

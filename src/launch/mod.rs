@@ -110,19 +110,15 @@ where
     for warning in capacity {
         tracing::warn!("{warning}");
     }
-    match args.pinned_host_memory.map(|bytes| bytes.as_u64()) {
-        Some(0) => {}
-        // `--backend auto` on a machine without a GPU: validation let it through.
-        Some(_) if backend.holds_host_memory() => tracing::warn!(
-            "--pinned-host-memory is ignored: the host backend has no transfers to pin it for"
-        ),
-        // Asked for: pinned now. The default: when a transfer first could use it, so that a
-        // server that never moves much data never pins (nor unpins at exit) any.
-        Some(bytes) => backend.pin_host_memory(bytes, true),
-        None => backend.pin_host_memory(
-            crate::config::default_pinned_host_memory(crate::backend::host_memory_bytes()),
-            false,
-        ),
+    if let Some(pinned) = args.pinned_host_memory.filter(|bytes| bytes.as_u64() > 0) {
+        if backend.holds_host_memory() {
+            // `--backend auto` on a machine without a GPU: validation let it through.
+            tracing::warn!(
+                "--pinned-host-memory is ignored: the host backend has no transfers to pin it for"
+            );
+        } else {
+            backend.pin_host_memory(pinned.as_u64());
+        }
     }
     let listeners = addresses.bind().await.map_err(Failure::Start)?;
     let metrics_listener = bind::bind_side(args.metrics_listen.as_deref(), "--metrics-listen")

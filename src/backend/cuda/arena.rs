@@ -36,10 +36,10 @@ impl Ranges {
     }
 
     /// A block of `len` bytes (rounded up to the alignment), or `None` where no free range
-    /// holds one (or `len` is 0).
-    pub(super) fn take(&mut self, len: usize) -> Option<Range<usize>> {
+    /// holds one, `len` is 0, or the blocks in use would then hold more than `most` bytes.
+    pub(super) fn take(&mut self, len: usize, most: usize) -> Option<Range<usize>> {
         let rounded = len.checked_next_multiple_of(BLOCK_ALIGNMENT)?;
-        if rounded == 0 {
+        if rounded == 0 || self.used.checked_add(rounded)? > most {
             return None;
         }
         let range = self
@@ -83,12 +83,14 @@ impl Ranges {
 mod tests {
     use super::*;
 
+    const ALL: usize = usize::MAX;
+
     #[test]
     fn blocks_are_aligned_disjoint_and_come_back_whole() {
         let mut ranges = Ranges::new(1 << 20);
-        let a = ranges.take(100).expect("room");
-        let b = ranges.take(1).expect("room");
-        let c = ranges.take(4096).expect("room");
+        let a = ranges.take(100, ALL).expect("room");
+        let b = ranges.take(1, ALL).expect("room");
+        let c = ranges.take(4096, ALL).expect("room");
         for block in [&a, &b, &c] {
             assert_eq!(block.start % BLOCK_ALIGNMENT, 0, "{block:?}");
             assert_eq!(block.len() % BLOCK_ALIGNMENT, 0, "{block:?}");
@@ -105,27 +107,42 @@ mod tests {
         ranges.give_back(c);
         assert_eq!(ranges.used(), 0);
         // The whole arena is one free range again.
-        assert_eq!(ranges.take(1 << 20), Some(0..1 << 20));
+        assert_eq!(ranges.take(1 << 20, ALL), Some(0..1 << 20));
+    }
+
+    #[test]
+    fn a_block_that_would_pass_the_share_allowed_is_refused() {
+        let mut ranges = Ranges::new(1 << 20);
+        let half = 1 << 19;
+        let a = ranges.take(half - 64, half).expect("within half");
+        assert_eq!(ranges.take(128, half), None, "past half");
+        assert!(ranges.take(64, half).is_some(), "exactly half");
+        // Others may still take the rest.
+        assert!(ranges.take(1 << 18, ALL).is_some());
+        ranges.give_back(a);
+        // 64 + 256 KiB in use: another 128 KiB keeps within half, 256 KiB would not.
+        assert_eq!(ranges.take(1 << 18, half), None);
+        assert!(ranges.take(1 << 17, half).is_some());
     }
 
     #[test]
     fn a_block_too_large_for_any_free_range_is_refused() {
         let mut ranges = Ranges::new(1024);
-        assert_eq!(ranges.take(0), None);
-        assert_eq!(ranges.take(1025), None);
-        assert_eq!(ranges.take(usize::MAX), None);
-        let a = ranges.take(512).expect("room");
-        let _b = ranges.take(512).expect("room");
+        assert_eq!(ranges.take(0, ALL), None);
+        assert_eq!(ranges.take(1025, ALL), None);
+        assert_eq!(ranges.take(usize::MAX, ALL), None);
+        let a = ranges.take(512, ALL).expect("room");
+        let _b = ranges.take(512, ALL).expect("room");
         ranges.give_back(a);
-        assert_eq!(ranges.take(513), None, "512 bytes free");
-        assert!(ranges.take(512).is_some());
+        assert_eq!(ranges.take(513, ALL), None, "512 bytes free");
+        assert!(ranges.take(512, ALL).is_some());
     }
 
     #[test]
     fn a_range_is_found_in_the_block_it_lies_in_only() {
         let mut ranges = Ranges::new(1 << 16);
-        let a = ranges.take(1000).expect("room");
-        let b = ranges.take(1000).expect("room");
+        let a = ranges.take(1000, ALL).expect("room");
+        let b = ranges.take(1000, ALL).expect("room");
         assert_eq!(
             ranges.block_holding(&(a.start..a.start + 10)),
             Some(a.clone())

@@ -401,7 +401,8 @@ pub(super) struct PinnedBuffer {
 
 // SAFETY: the buffer exclusively owns its allocation; access goes through &/&mut self.
 unsafe impl Send for PinnedBuffer {}
-// SAFETY: shared access is read-only (`as_slice`).
+// SAFETY: shared access is read-only (`as_slice`), or, for a PinnedArena's memory, through
+// the disjoint ranges of its blocks, each written by its one owner (`ArenaBlock`).
 unsafe impl Sync for PinnedBuffer {}
 impl RefUnwindSafe for PinnedBuffer {}
 
@@ -490,7 +491,13 @@ impl PinnedArena {
 
     /// A block of `len` bytes, or `None` where no free range holds one.
     pub(super) fn take(self: &Arc<Self>, len: usize) -> Option<ArenaBlock> {
-        let range = self.lock().take(len)?;
+        self.take_within(len, usize::MAX)
+    }
+
+    /// A block of `len` bytes, or `None` where no free range holds one or the blocks in use
+    /// would then hold more than `most` bytes.
+    pub(super) fn take_within(self: &Arc<Self>, len: usize, most: usize) -> Option<ArenaBlock> {
+        let range = self.lock().take(len, most)?;
         Some(ArenaBlock {
             arena: Arc::clone(self),
             range,

@@ -10,8 +10,8 @@
 //! - `pieces`: large uploads and whole-partition host copies (spills) through staging, a
 //!   piece at a time in two overlapping lanes; or, where `--pinned-host-memory` pinned host
 //!   memory for them, straight between the device and that memory.
-//! - `pinned`: that pinned memory, pinned when first wanted; `arena`: which blocks of it are
-//!   in use.
+//! - `pinned`: that pinned memory, pinned on a thread of its own; `arena`: which blocks of
+//!   it are in use.
 //! - `concat`: one-launch concatenation of many batches into compact columns
 //!   (`kernels/concat.cu`, loaded once from the committed PTX).
 //! - `import`: the consumer's side of `ipc-export`, mapping another process's allocations.
@@ -194,6 +194,12 @@ struct Counters {
     pinned_spill_bytes: AtomicU64,
     pinned_upload_copies: AtomicU64,
     pinned_upload_bytes: AtomicU64,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        self.pinned.finish();
+    }
 }
 
 impl CudaBackend {
@@ -383,11 +389,9 @@ impl CudaBackend {
     /// ([`Backend::pinned_copy`]) and uploaded straight from it, a spill copies a partition
     /// straight from the device into it and a restore uploads straight from it: all at the
     /// link's rate, without staging. Until then, and for what does not fit in what is free of
-    /// it, transfers go through staging. (A server pins when first needed instead:
-    /// [`Backend::pin_host_memory`].)
+    /// it, transfers go through staging.
     pub fn with_pinned_host_memory(self, bytes: u64) -> Self {
-        self.pinned.set_size(bytes);
-        self.pinned.start();
+        self.pinned.start(bytes);
         self
     }
 
@@ -911,16 +915,13 @@ impl Backend for CudaBackend {
         task.map(flatten_join).boxed()
     }
 
-    fn pin_host_memory(&self, bytes: u64, now: bool) {
-        self.pinned.set_size(bytes);
-        if now {
-            self.pinned.start();
-        }
+    fn pin_host_memory(&self, bytes: u64) {
+        self.pinned.start(bytes);
     }
 
     /// A block of the pinned host memory with `bytes` in it, copied over several cores.
     fn pinned_copy(&self, bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
-        let mut block = self.pinned.wanted()?.take(bytes.len())?;
+        let mut block = self.pinned.ready()?.take(bytes.len())?;
         crate::arrays::copy_all(vec![(bytes, block.as_mut_slice())]);
         self.pinned_bodies.fetch_add(1, Ordering::Relaxed);
         self.pinned_body_bytes

@@ -129,6 +129,11 @@ pub(super) fn upload(
         return upload_pinned(shared, plan, allocation);
     }
     let len = plan.used_bytes;
+    if len == 0 {
+        // No piece to end with the tail: all of it is tail.
+        shared.with_stream(|stream| stream.copies(|batch| zero_tail(batch, allocation, 0)))?;
+        return Ok(UploadTimes::default());
+    }
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
     let times = std::sync::Mutex::new(UploadTimes::default());
     in_lanes(lanes, |lane, failed| {
@@ -312,7 +317,13 @@ fn download(
     len: usize,
     cancelled: &AtomicBool,
 ) -> Result<Buffer, BackendError> {
-    if let Some(mut block) = shared.pinned.wanted().and_then(|arena| arena.take(len)) {
+    // Spills hold their blocks until restored: at most half of the memory, so that message
+    // bodies always find room.
+    let block = shared
+        .pinned
+        .ready()
+        .and_then(|arena| arena.take_within(len, arena.len() / 2));
+    if let Some(mut block) = block {
         // Straight into pinned memory: a piece at a time only so that a caller that went
         // away stops it early.
         shared.with_stream(|stream| {

@@ -1,14 +1,15 @@
-//! The pinned host memory of `--pinned-host-memory` ([`PinnedHostMemory`]): how much to pin,
-//! where, and when.
+//! The pinned host memory of `--pinned-host-memory` ([`PinnedHostMemory`]): pinned once, on
+//! a thread of its own, on the first GPU's side of the machine; transfers use it once it is
+//! there and go the staging way until then.
 //!
-//! Pinning is slow (`cuMemHostAlloc` pins about 2 GB a second, on one core) and so is giving
-//! the memory back at exit, so a server does not pin at start: the first transfer that could
-//! use the memory (a `DoPut` message body large enough, or a spill) starts pinning it on a
-//! thread of its own, and goes the staging way itself; later ones use it once it is there. A
-//! server that never moves much data never pins any.
+//! Pinning is slow: `cuMemHostAlloc` pins about 2 GB a second, and while it runs the GPU's
+//! other driver calls wait (a server killed 0.5-2 s after start, pinning 4 GiB, had taken no
+//! put in four tries), which is why it is not on by default. Pinning in smaller allocations
+//! registered one after the other would bound that wait (not done).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 
 use super::ffi::{Context, PinnedArena};
 use crate::backend::numa;
@@ -17,14 +18,14 @@ use crate::backend::numa;
 #[derive(Debug, Default)]
 pub(super) struct PinnedHostMemory {
     arena: OnceLock<Arc<PinnedArena>>,
-    /// Bytes to pin when first wanted; 0 for none.
-    size: AtomicU64,
     started: AtomicBool,
     /// Bytes being pinned now.
     pending: AtomicU64,
     /// Where to pin: the first GPU's context, and the CPUs of its NUMA node (the first touch
     /// of a page places it).
     place: OnceLock<(Arc<Context>, Option<Vec<usize>>)>,
+    /// The pinning thread, joined before the backend goes ([`PinnedHostMemory::finish`]).
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl PinnedHostMemory {
@@ -33,26 +34,9 @@ impl PinnedHostMemory {
         let _ = self.place.set((context, cpus));
     }
 
-    /// How much to pin once wanted; ignored once pinning has started.
-    pub(super) fn set_size(&self, bytes: u64) {
-        if !self.started.load(Ordering::Acquire) {
-            self.size.store(bytes, Ordering::Release);
-        }
-    }
-
-    /// The memory, if it has been pinned; pins nothing.
+    /// The memory, if it has been pinned.
     pub(super) fn ready(&self) -> Option<&Arc<PinnedArena>> {
         self.arena.get()
-    }
-
-    /// The memory, if it has been pinned; otherwise starts pinning it (once), for later
-    /// transfers.
-    pub(super) fn wanted(self: &Arc<Self>) -> Option<&Arc<PinnedArena>> {
-        if let Some(arena) = self.arena.get() {
-            return Some(arena);
-        }
-        self.start();
-        None
     }
 
     /// Bytes being pinned now.
@@ -60,10 +44,9 @@ impl PinnedHostMemory {
         self.pending.load(Ordering::Acquire)
     }
 
-    /// Starts pinning on a thread of its own, unless it has started before or there is
-    /// nothing to pin.
-    pub(super) fn start(self: &Arc<Self>) {
-        let size = self.size.load(Ordering::Acquire);
+    /// Starts pinning `size` bytes on a thread of its own, unless it has started before or
+    /// there is nothing to pin.
+    pub(super) fn start(self: &Arc<Self>, size: u64) {
         let Ok(bytes) = usize::try_from(size) else {
             tracing::warn!(
                 size,
@@ -104,9 +87,23 @@ impl PinnedHostMemory {
                 }
                 this.pending.store(0, Ordering::Release);
             });
-        if let Err(error) = pinning {
-            self.pending.store(0, Ordering::Release);
-            tracing::warn!(%error, "no thread to pin host memory for transfers");
+        match pinning {
+            Ok(thread) => *self.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread),
+            Err(error) => {
+                self.pending.store(0, Ordering::Release);
+                tracing::warn!(%error, "no thread to pin host memory for transfers");
+            }
+        }
+    }
+
+    /// Waits for pinning to end, if it has not: a process must not exit (nor tear down the
+    /// driver) while a thread is still inside `cuMemHostAlloc`.
+    pub(super) fn finish(&self) {
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(thread) = thread
+            && thread.join().is_err()
+        {
+            tracing::warn!("the thread pinning host memory panicked");
         }
     }
 }
