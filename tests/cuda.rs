@@ -637,7 +637,7 @@ async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() 
     let after = status(&mut client).await;
     assert!(
         counter(&after, "pinned_put_bodies") > 0 && counter(&after, "pinned_upload_copies") > 0,
-        "bodies received into pinned memory and uploaded from there: {}",
+        "bodies copied into pinned memory and uploaded from there: {}",
         after["counters"]
     );
     assert_same_data(

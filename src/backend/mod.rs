@@ -171,9 +171,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn pin_host_memory(&self, _bytes: u64) {}
 
     /// `bytes` copied into host memory this backend uploads from directly (pinned), where it
-    /// has such memory free: the `DoPut` decoder receives message bodies there, so that their
-    /// arrays need no staging copy. `None` (the default): the decoder keeps the body where it
-    /// lies.
+    /// has such memory free: the `DoPut` decoder copies large message bodies there, so that
+    /// their arrays need no staging copy. `None` (the default): the decoder keeps the body
+    /// where it lies.
     fn pinned_copy(&self, _bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
         None
     }

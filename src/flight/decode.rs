@@ -156,9 +156,9 @@ impl PutDecoder {
         }
     }
 
-    /// Copies each uncompressed record batch body of at least [`PINNED_BODY_MIN_BYTES`] with
-    /// `copy` first, where it returns one. For a backend that does not keep the arrays it is
-    /// given (the copy is not detached).
+    /// Copies each record batch body worth it ([`worth_pinning`]) with `copy` first, and
+    /// decodes the copy where `copy` returns one. For a backend that does not keep the arrays
+    /// it is given (the copy is not detached).
     pub(crate) fn with_pinned_bodies(mut self, copy: PinnedCopy) -> Self {
         self.pinned = Some(PinnedBodies(copy));
         self

@@ -1,13 +1,14 @@
 //! Which ranges of the pinned host memory are in use ([`Ranges`]): the bookkeeping behind
 //! `ffi::PinnedArena`, kept apart from the memory so that it can be tested without a GPU.
 //!
-//! `DoPut` message bodies are received into blocks of the arena and their arrays uploaded
+//! `DoPut` message bodies are copied into blocks of the arena and their arrays uploaded
 //! straight from there; spills copy a partition's allocation whole into one block, straight
 //! from the device (no staging copy, no fresh pages to fault in), and a restore uploads the
-//! arrays of such a copy straight from it. Blocks are handed out best-fit by `range-alloc`, which merges
-//! neighbours as they come back; this adds what the memory side needs: every block starts at
-//! a 64-byte boundary (Arrow's alignment), and a lookup of the block a host range lies in, so
-//! an upload can tell arrays that lie in pinned memory from those that do not.
+//! arrays of such a copy straight from it. Blocks are handed out best-fit by `range-alloc`,
+//! which merges neighbours as they come back; this adds what the memory side needs: every
+//! block starts at a 64-byte boundary (Arrow's alignment), a cap on what one kind of user may
+//! hold (spills: half), and a lookup of the block a host range lies in, so an upload can tell
+//! arrays that lie in pinned memory from those that do not.
 
 use std::collections::BTreeMap;
 use std::ops::Range;

@@ -7,7 +7,8 @@
 //!   pool: pool memory cannot be exported with `cuIpcGetMemHandle`, which zero-copy export needs.
 //! - [`PinnedBuffer`]: page-locked host memory from `cuMemHostAlloc(…, 0)`: cacheable, so the CPU
 //!   reads it at full speed (cudarc's `alloc_pinned` is write-combined, slow for the CPU to read).
-//!   [`PinnedArena`]: one such allocation, made once, handed out in blocks to message bodies and spills.
+//!   [`PinnedArena`]: one such allocation, made once, handed out in blocks to message bodies
+//!   and spills.
 //! - [`Stream`] and [`CopyBatch`]: asynchronous copies and kernel launches whose memory stays
 //!   borrowed until the stream has synchronized, so no buffer can be freed or reused under them.
 //!   A batch is only lent to a closure ([`Stream::copies`]), never owned by a caller, so even
@@ -461,7 +462,7 @@ impl Drop for PinnedBuffer {
     }
 }
 
-/// Host memory pinned once, at startup, that `DoPut` bodies are received into and spills copy
+/// Host memory pinned once, at startup, that `DoPut` bodies are copied into and spills copy
 /// partitions into straight from the device, and that uploads copy from, handed out in
 /// blocks ([`ArenaBlock`]; the bookkeeping is [`Ranges`]). Portable: every GPU's context
 /// copies to and from it.

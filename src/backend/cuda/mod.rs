@@ -385,7 +385,7 @@ impl CudaBackend {
 
     /// Pins `bytes` of host memory for transfers now, in the background (`cuMemHostAlloc`
     /// pins about 2 GB a second); [`CudaBackend::pinned_host_memory`] says when it is done.
-    /// Once it is pinned, `DoPut` message bodies are received into it
+    /// Once it is pinned, large `DoPut` message bodies are copied into it
     /// ([`Backend::pinned_copy`]) and uploaded straight from it, a spill copies a partition
     /// straight from the device into it and a restore uploads straight from it: all at the
     /// link's rate, without staging. Until then, and for what does not fit in what is free of
@@ -567,10 +567,9 @@ impl Shared {
         let times = pieces::upload(self, &plan, &allocation.inner)?;
         let counters = &self.counters;
         counters.uploads.fetch_add(1, Ordering::Relaxed);
-        counters.upload_syncs.fetch_add(
-            plan.used_bytes.div_ceil(pieces::PIECE_BYTES).max(1) as u64,
-            Ordering::Relaxed,
-        );
+        counters
+            .upload_syncs
+            .fetch_add(times.syncs, Ordering::Relaxed);
         let nanos = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         let add = |counter: &AtomicU64, d| counter.fetch_add(nanos(d), Ordering::Relaxed);
         add(&counters.upload_allocate_ns, allocated);

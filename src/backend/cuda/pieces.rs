@@ -14,9 +14,9 @@
 //! Where the backend has pinned host memory (`--pinned-host-memory`) and a block of it is
 //! free, a spill copies the allocation straight into that block instead, with no staging and
 //! no CPU copy; an upload whose buffers all lie there (a restore of such a copy, or a `DoPut`
-//! batch whose message body was received there) copies each buffer straight to the device. The host memory a spill writes through
-//! staging is fresh, and faulting it in bounds those spills (about 21 GB/s at best on the
-//! 16-core H100 machine, against 52 for the link).
+//! batch whose message body was copied there) copies each buffer straight to the device. The
+//! host memory a spill writes through staging is fresh, and faulting it in bounds those spills
+//! (about 21 GB/s at best on the 16-core H100 machine, against 52 for the link).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -114,6 +114,8 @@ fn another_failed(failed: &AtomicBool) -> Result<(), BackendError> {
 pub(super) struct UploadTimes {
     pub(super) fill: Duration,
     pub(super) copy: Duration,
+    /// Stream synchronizations the upload waited for.
+    pub(super) syncs: u64,
 }
 
 /// Copies `plan`'s host bytes into `allocation` from its start, in pieces (see the module
@@ -132,7 +134,10 @@ pub(super) fn upload(
     if len == 0 {
         // No piece to end with the tail: all of it is tail.
         shared.with_stream(|stream| stream.copies(|batch| zero_tail(batch, allocation, 0)))?;
-        return Ok(UploadTimes::default());
+        return Ok(UploadTimes {
+            syncs: 1,
+            ..UploadTimes::default()
+        });
     }
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
     let times = std::sync::Mutex::new(UploadTimes::default());
@@ -166,7 +171,9 @@ pub(super) fn upload(
         total.copy += spent.copy;
         Ok(())
     })?;
-    Ok(times.into_inner().unwrap_or_else(|p| p.into_inner()))
+    let mut times = times.into_inner().unwrap_or_else(|p| p.into_inner());
+    times.syncs = len.div_ceil(PIECE_BYTES) as u64;
+    Ok(times)
 }
 
 /// Zeroes `allocation` past `end`: the rounding of its size, which `ipc-export` consumers map
@@ -252,6 +259,7 @@ fn upload_pinned(
     Ok(UploadTimes {
         fill: Duration::ZERO,
         copy: started.elapsed(),
+        syncs: 1,
     })
 }
 
