@@ -559,16 +559,21 @@ async fn with_pinned_host_memory(bytes: u64) -> Arc<CudaBackend> {
     panic!("{bytes} bytes of pinned host memory not ready after 30 s");
 }
 
+/// A server over `backend`, which keeps its pinned host memory, with `options`.
+async fn serve_pinned(backend: &Arc<CudaBackend>, options: StoreOptions) -> TestServer {
+    TestServer::start_with(
+        Arc::clone(backend) as Arc<dyn Backend>,
+        options,
+        ServeOptions::default(),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
 async fn spills_go_straight_into_pinned_host_memory_and_restores_come_from_it() {
     let backend = with_pinned_host_memory(512 << 20).await;
-    let server = TestServer::start_with(
-        Arc::clone(&backend) as Arc<dyn Backend>,
-        spilling(),
-        ServeOptions::default(),
-    )
-    .await;
+    let server = serve_pinned(&backend, spilling()).await;
     let (before, after) = spill_and_restore_every_type(&server).await;
     let spills = before["tiers"]["spills"].as_u64().expect("spills");
     assert_eq!(
@@ -617,12 +622,7 @@ async fn pinned_in_use(backend: &CudaBackend) -> Option<(u64, u64)> {
 #[ignore = "needs a CUDA device"]
 async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() {
     let backend = with_pinned_host_memory(256 << 20).await;
-    let server = TestServer::start_with(
-        Arc::clone(&backend) as Arc<dyn Backend>,
-        StoreOptions::default(),
-        ServeOptions::default(),
-    )
-    .await;
+    let server = serve_pinned(&backend, StoreOptions::default()).await;
     let mut client = server.client().await;
     // Nulls and strings in 2 MiB messages, a slice (its messages start past row 0), and a
     // batch too small for pinned memory.
@@ -657,12 +657,7 @@ async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() 
 async fn spills_too_large_for_the_pinned_host_memory_go_through_staging() {
     // 4 MiB: the small datasets' partitions fit, the 32 MB ones do not.
     let backend = with_pinned_host_memory(4 << 20).await;
-    let server = TestServer::start_with(
-        Arc::clone(&backend) as Arc<dyn Backend>,
-        spilling(),
-        ServeOptions::default(),
-    )
-    .await;
+    let server = serve_pinned(&backend, spilling()).await;
     let (before, _) = spill_and_restore_every_type(&server).await;
     let spills = before["tiers"]["spills"].as_u64().expect("spills");
     let pinned = counter(&before, "pinned_spill_copies");
