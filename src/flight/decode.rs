@@ -932,6 +932,81 @@ mod tests {
         }
     }
 
+    #[test]
+    fn damaged_messages_decode_alike_with_and_without_pinned_bodies() {
+        use rand::{Rng, SeedableRng};
+        // Client bytes reach Arrow through the pinned copy too: whatever a damaged message
+        // does to the plain decoder (a batch, or an error), it must do the same there, and
+        // never panic (a caught panic is an Internal error).
+        let ints: ArrayRef = Arc::new(Int64Array::from_iter(
+            (0..40_000).map(|i| (i % 7 != 0).then_some(i)),
+        ));
+        let words: ArrayRef = Arc::new(StringArray::from_iter_values(
+            (0..40_000).map(|i| format!("w{}", i % 1000)),
+        ));
+        let batch = RecordBatch::try_from_iter([("n", ints), ("s", words)]).expect("batch");
+        let messages = encode(batch, None);
+        let copies = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let pinned = || {
+            let copies = Arc::clone(&copies);
+            PutDecoder::new(64 << 20, 64 << 20, false).with_pinned_bodies(Box::new(move |body| {
+                copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some(Buffer::from(aligned(body)))
+            }))
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(20261125);
+        let mut outcomes = [0usize; 2];
+        for _ in 0..400 {
+            let mut damaged = messages.clone();
+            let last = damaged.last_mut().expect("a batch message");
+            let mut header = last.data_header.to_vec();
+            let mut body = last.data_body.to_vec();
+            for _ in 0..rng.random_range(1..4) {
+                match rng.random_range(0..3) {
+                    0 => {
+                        let at = rng.random_range(0..header.len());
+                        header[at] = rng.random();
+                    }
+                    1 => {
+                        let at = rng.random_range(0..body.len());
+                        body[at] = rng.random();
+                    }
+                    _ => body.truncate(rng.random_range(0..body.len())),
+                }
+            }
+            last.data_header = header.into();
+            last.data_body = body.into();
+            let decode = |mut decoder: PutDecoder| {
+                let mut last = Ok(Decoded::Nothing);
+                for message in &damaged {
+                    last = decoder.decode(message, |_| Ok(()));
+                    if last.is_err() {
+                        break;
+                    }
+                }
+                last
+            };
+            match (
+                decode(PutDecoder::new(64 << 20, 64 << 20, false)),
+                decode(pinned()),
+            ) {
+                (Ok(Decoded::Batch(plain)), Ok(Decoded::Batch(copied))) => {
+                    assert_eq!(plain, copied);
+                    outcomes[0] += 1;
+                }
+                (Err(plain), Err(copied)) => {
+                    assert!(!matches!(plain, Error::Internal(_)), "{plain}");
+                    assert!(!matches!(copied, Error::Internal(_)), "{copied}");
+                    outcomes[1] += 1;
+                }
+                (plain, copied) => panic!("plain {plain:?}, pinned {copied:?}"),
+            }
+        }
+        assert!(outcomes[1] > 0, "some damage is refused: {outcomes:?}");
+        let copies = copies.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(copies > 50, "bodies went through the pinned copy: {copies}");
+    }
+
     fn encode(batch: RecordBatch, codec: Option<arrow::ipc::CompressionType>) -> Vec<FlightData> {
         let options = arrow::ipc::writer::IpcWriteOptions::default()
             .try_with_compression(codec)
