@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::auth::Role;
 use crate::backend::{BackendChoice, GpuSelection};
 use crate::flight::FlightOptions;
-use crate::server::{ConnectionLimits, DoGetEncoder, Http2Settings, ServeOptions};
+use crate::server::{ConnectionLimits, DoGetEncoder, DoPutDecoder, Http2Settings, ServeOptions};
 use crate::store::{Durability, StoreOptions};
 
 mod checks;
@@ -302,6 +302,12 @@ pub struct ServeArgs {
     #[arg(long, hide = true, value_enum, default_value = "framed")]
     pub doget_encoder: DoGetEncoder,
 
+    /// How DoPut messages are read: `framed` (straight from the HTTP/2 frames, each body
+    /// copied once into aligned memory) or `plain` (tonic's codec, then Arrow's realignment).
+    /// Hidden: for measuring one against the other.
+    #[arg(long, hide = true, value_enum, default_value = "framed")]
+    pub doput_decoder: DoPutDecoder,
+
     /// Where statements' and reads' filters run: `device` (where the rows live, when the
     /// backend can) or `host` (after the rows were copied to host memory). Hidden: for
     /// measuring one against the other.
@@ -417,6 +423,7 @@ impl ServeArgs {
             keepalive_interval: Duration::from_secs(self.keepalive_interval_seconds),
             keepalive_timeout: Duration::from_secs(self.keepalive_timeout_seconds),
             doget_encoder: self.doget_encoder,
+            doput_decoder: self.doput_decoder,
             http2: Http2Settings {
                 stream_window_bytes: window(self.tuning.h2_stream_window_bytes),
                 connection_window_bytes: window(self.tuning.h2_connection_window_bytes),

@@ -24,10 +24,13 @@
 //! framing left misaligned (most of them) into an allocation of its own, and the upload copies
 //! them again into staging.
 //!
-//! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns most
-//! buffers into allocations of its own, and the columns (and dictionaries) it decoded in place
-//! are copied. A batch kept by a backend therefore never keeps a client's message alive, with
-//! whatever padding it carried, and the host backend can keep Arrow's buffers as they are.
+//! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns
+//! misaligned buffers into allocations of its own, and the columns (and dictionaries) it decoded
+//! in place are copied. A batch kept by a backend therefore never keeps a client's message alive,
+//! with whatever padding it carried, and the host backend can keep Arrow's buffers as they are.
+//! The exception is a record batch body that arrived in an aligned allocation of its own
+//! (`put_stream`) and holds nothing but the batch's arrays ([`holds_only`]): Arrow decodes
+//! them in place and they keep the body, which is then no more than what they are charged for.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -44,6 +47,7 @@ use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use arrow_flight::FlightData;
 use serde::Deserialize;
 
+use super::put_stream::PutMessage;
 use crate::arrays::owned;
 use crate::error::Error;
 
@@ -164,11 +168,32 @@ impl PutDecoder {
         self
     }
 
+    /// Decodes one message as [`Self::decode`] does; where its body came alone
+    /// ([`PutMessage::body_alone`]) and holds nothing but a record batch's arrays, those arrays
+    /// stay in it, even for a backend that keeps them.
+    pub(crate) fn decode_message(
+        &mut self,
+        message: &PutMessage,
+        reserve: impl FnOnce(u64) -> Result<(), Error>,
+    ) -> Result<Decoded, Error> {
+        self.decode_body(&message.data, message.body_alone, reserve)
+    }
+
     /// Decodes one message. For a compressed one, `reserve` is first asked to pay for the bytes
     /// its buffers decompress to; its error is returned as it is.
+    #[cfg(test)]
     pub(crate) fn decode(
         &mut self,
         data: &FlightData,
+        reserve: impl FnOnce(u64) -> Result<(), Error>,
+    ) -> Result<Decoded, Error> {
+        self.decode_body(data, false, reserve)
+    }
+
+    fn decode_body(
+        &mut self,
+        data: &FlightData,
+        body_alone: bool,
         reserve: impl FnOnce(u64) -> Result<(), Error>,
     ) -> Result<Decoded, Error> {
         if data.data_header.is_empty() {
@@ -274,7 +299,7 @@ impl PutDecoder {
                 for column in batch.columns() {
                     check_values(&column.to_data())?;
                 }
-                if !self.detach {
+                if !self.detach || (body_alone && holds_only(&batch, &header, body_len)) {
                     return Ok(Decoded::Batch(batch));
                 }
                 let message = body_range(body.as_slice());
@@ -344,6 +369,19 @@ fn worth_pinning(schema: &Schema, batch: &ipc::RecordBatch<'_>, body_len: usize)
         && !dictionaries
         && body_len >= PINNED_BODY_MIN_BYTES
         && body_len >= buffers.saturating_mul(PINNED_MIN_AVERAGE_BUFFER_BYTES)
+}
+
+/// Whether a body of `body_len` bytes holds nothing but `batch`'s arrays and their alignment
+/// padding: then arrays that point into it may keep it, since what they are charged for
+/// ([`crate::arrays::batch_bytes`]) is what they keep. A body with room to spare (buffers longer
+/// than their arrays need, bytes no buffer covers) is not kept: a client could otherwise have
+/// the server hold memory nobody pays for.
+fn holds_only(batch: &RecordBatch, header: &ipc::RecordBatch<'_>, body_len: usize) -> bool {
+    /// Padding Arrow writers leave after each buffer: at most 63 bytes (64-byte alignment).
+    const PADDING: u64 = 64;
+    let buffers = header.buffers().map_or(0, |buffers| buffers.len()) as u64;
+    let slack = PADDING.saturating_mul(buffers.saturating_add(1));
+    crate::arrays::batch_bytes(batch).saturating_add(slack) >= body_len as u64
 }
 
 /// The addresses a message body occupies, its end included: an empty buffer Arrow places
@@ -872,6 +910,58 @@ mod tests {
                 "an array points into a message body"
             );
         }
+    }
+
+    #[test]
+    fn a_body_alone_is_kept_only_where_it_holds_nothing_but_its_arrays() {
+        let batch = RecordBatch::try_from_iter([
+            (
+                "n",
+                Arc::new(Int64Array::from_iter_values(0..10_000)) as ArrayRef,
+            ),
+            (
+                "s",
+                Arc::new(StringArray::from_iter_values(
+                    (0..10_000).map(|i| format!("value {i}")),
+                )) as ArrayRef,
+            ),
+        ])
+        .expect("batch");
+        // `room` bytes no buffer covers at the body's end.
+        let decode = |room: usize| {
+            let mut decoder = PutDecoder::new(64 << 20, 64 << 20, true);
+            let mut decoded = None;
+            for message in encode(batch.clone(), None) {
+                let mut body = message.data_body.to_vec();
+                body.resize(body.len() + room, 0);
+                let message = PutMessage {
+                    data: FlightData {
+                        data_body: aligned(&body),
+                        ..message
+                    },
+                    body_alone: true,
+                };
+                let start = message.data.data_body.as_ptr() as usize;
+                let body = start..start + message.data.data_body.len();
+                if let Decoded::Batch(batch) = decoder
+                    .decode_message(&message, |_| Ok(()))
+                    .expect("decode")
+                {
+                    decoded = Some((batch, body));
+                }
+            }
+            let (decoded, body) = decoded.expect("a batch");
+            assert_eq!(decoded, batch);
+            let mut pointers = Vec::new();
+            for column in decoded.columns() {
+                addresses(&column.to_data(), &mut pointers);
+            }
+            pointers.iter().filter(|p| body.contains(p)).count()
+        };
+        // Values, offsets and string bytes: all read in place.
+        assert_eq!(decode(0), 3, "a tight body is kept");
+        assert_eq!(decode(64), 3, "padding is not room");
+        assert_eq!(decode(1 << 20), 0, "a body with room to spare is not kept");
     }
 
     #[test]

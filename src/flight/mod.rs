@@ -14,7 +14,9 @@
 //!   `lease-renew`, `shm-read`, `ipc-import`, `move`, `copy`).
 //! - [`ipc_export`]: the document `ipc-export` returns (and Rust consumers parse), and the one
 //!   `ipc-import` takes; `ipc_import`: a producer's GPU columns committed as a put.
-//! - `put` and `decode`: the `DoPut` ingest loop and the checked decoding of its messages.
+//! - `put`, `put_stream` and `decode`: the `DoPut` ingest loop, its messages read from the
+//!   HTTP/2 frames with one copy (the `do_put` handler reads them through tonic's codec), and
+//!   the checked decoding of each.
 //! - `read`: what a `DoGet` ticket reads; `doget`: the framed fast path that sends it without
 //!   copying (the `do_get` handler is the plain encoder, arrow-flight's).
 //! - `shared`: `shm-read`, the same read staged in shared memory for a process on this node.
@@ -32,7 +34,8 @@ pub(crate) mod doget;
 pub mod ipc_export;
 mod ipc_import;
 mod lifecycle;
-mod put;
+pub(crate) mod put;
+mod put_stream;
 mod read;
 mod shared;
 pub mod sql;
@@ -205,6 +208,29 @@ fn call<T>(request: &Request<T>) -> Option<Arc<Call>> {
 
 type Stream<T> = BoxStream<'static, Result<T, Status>>;
 
+/// A request compressed with anything but `identity` is UNIMPLEMENTED, naming the encoding
+/// this server accepts, as gRPC asks (and as tonic answers for the other methods).
+fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
+    let encoding = headers.get("grpc-encoding")?;
+    if encoding.as_bytes() == b"identity" {
+        return None;
+    }
+    let mut metadata = tonic::metadata::MetadataMap::new();
+    metadata.insert(
+        "grpc-accept-encoding",
+        tonic::metadata::MetadataValue::from_static("identity"),
+    );
+    Some(Status::with_metadata(
+        tonic::Code::Unimplemented,
+        format!(
+            "the request is compressed with {:?}, which this server does not accept; send it \
+             uncompressed",
+            String::from_utf8_lossy(encoding.as_bytes())
+        ),
+        metadata,
+    ))
+}
+
 impl Service {
     fn ensure_serving(&self) -> Result<(), Error> {
         if self.lifecycle.is_shutting_down() {
@@ -212,6 +238,31 @@ impl Service {
         } else {
             Ok(())
         }
+    }
+
+    /// A whole `DoPut`, whichever reader its messages come from, and the one result it answers.
+    async fn put(
+        &self,
+        request: Request<impl put_stream::PutMessages>,
+    ) -> Result<PutResult, Error> {
+        self.ensure_serving()?;
+        let _running = self.lifecycle.track();
+        let caller = principal(&request)?;
+        let metadata = match put::receive(self, request, &caller).await? {
+            put::Answer::Put(summary) => serde_json::to_vec(&summary)
+                .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?,
+            put::Answer::Ingested(summary) => arrow_flight::sql::DoPutUpdateResult {
+                record_count: i64::try_from(summary.rows).unwrap_or(i64::MAX),
+            }
+            .encode_to_vec(),
+            put::Answer::Bound(handle) => arrow_flight::sql::DoPutPreparedStatementResult {
+                prepared_statement_handle: Some(handle),
+            }
+            .encode_to_vec(),
+        };
+        Ok(PutResult {
+            app_metadata: metadata.into(),
+        })
     }
 
     /// The FlightInfo of `dataset`, whose tickets read `columns` (all for `None`; checked
@@ -741,25 +792,13 @@ impl FlightService for Service {
         &self,
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
-        self.ensure_serving()?;
-        let _running = self.lifecycle.track();
-        let caller = principal(&request)?;
-        let answer = put::receive(self, request, &caller).await?;
-        let metadata = match answer {
-            put::Answer::Put(summary) => serde_json::to_vec(&summary)
-                .map_err(|e| Error::Internal(format!("encoding put summary: {e}")))?,
-            put::Answer::Ingested(summary) => arrow_flight::sql::DoPutUpdateResult {
-                record_count: i64::try_from(summary.rows).unwrap_or(i64::MAX),
-            }
-            .encode_to_vec(),
-            put::Answer::Bound(handle) => arrow_flight::sql::DoPutPreparedStatementResult {
-                prepared_statement_handle: Some(handle),
-            }
-            .encode_to_vec(),
-        };
-        Ok(Response::new(one(PutResult {
-            app_metadata: metadata.into(),
-        })))
+        let inbound = request
+            .extensions()
+            .get::<Inbound>()
+            .cloned()
+            .unwrap_or_default();
+        let request = request.map(|stream| put_stream::TonicMessages::new(stream, inbound));
+        Ok(Response::new(one(self.put(request).await?)))
     }
 
     async fn do_exchange(

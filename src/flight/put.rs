@@ -14,22 +14,31 @@
 //! receiving task dying for any reason ends the put with an error instead, and dropping the
 //! pending put frees everything it had uploaded.
 //!
-//! Receiving runs on its own task a few messages ahead of decoding: gRPC's copy out of the
-//! HTTP/2 frames and Arrow's copy of each body into aligned memory then proceed on different
-//! cores. If the put fails, the receiving task is aborted and its request stream dropped.
+//! Receiving runs on its own task a few messages ahead of decoding: the copy out of the HTTP/2
+//! frames (`put_stream`) and decoding then proceed on different cores. If the put fails, the
+//! receiving task is aborted and its request stream dropped.
+//!
+//! The server routes `DoPut` here ([`respond`]) past the generated server, whose codec would copy
+//! each message once more, unless `--doput-decoder plain` keeps it there (the `do_put` handler).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use arrow_flight::FlightData;
+use arrow_flight::PutResult;
+use bytes::{BufMut, BytesMut};
 use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
-use tonic::{Code, Request, Status, Streaming};
+use http_body::Frame;
+use prost::Message;
+use tonic::body::Body;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Status};
 
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
+use super::put_stream::{FrameReader, PutMessage, PutMessages};
 use super::sql::{self, IngestCheck, SqlPut};
 use super::stages::Stages;
 use super::{FlightOptions, Service};
@@ -109,9 +118,63 @@ pub(super) fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Er
     }
 }
 
+/// Answers one `DoPut` request, its messages read by [`FrameReader`].
+pub(crate) async fn respond(
+    service: &Service,
+    request: http::Request<Body>,
+) -> http::Response<Body> {
+    if let Some(refused) = super::unsupported_encoding(request.headers()) {
+        return refused.into_http();
+    }
+    let (parts, body) = request.into_parts();
+    let inbound = parts
+        .extensions
+        .get::<Inbound>()
+        .cloned()
+        .unwrap_or_default();
+    let messages = FrameReader::new(body, inbound);
+    let request = Request::from_parts(
+        MetadataMap::from_headers(parts.headers),
+        parts.extensions,
+        messages,
+    );
+    match service.put(request).await {
+        Ok(result) => reply(&result),
+        Err(error) => Status::from(error).into_http(),
+    }
+}
+
+/// A reply of one message, `result`, and an OK status, as tonic's server frames it.
+fn reply(result: &PutResult) -> http::Response<Body> {
+    let message = result.encode_to_vec();
+    let Ok(length) = u32::try_from(message.len()) else {
+        return Status::internal("the put's result is over 4 GiB").into_http();
+    };
+    let mut framed = BytesMut::with_capacity(5 + message.len());
+    framed.put_u8(0);
+    framed.put_u32(length);
+    framed.put_slice(&message);
+    let mut trailers = http::HeaderMap::new();
+    if let Err(status) = Status::ok("").add_header(&mut trailers) {
+        return status.into_http();
+    }
+    let frames = [
+        Ok::<_, Status>(Frame::data(framed.freeze())),
+        Ok(Frame::trailers(trailers)),
+    ];
+    let mut response = http::Response::new(Body::new(http_body_util::StreamBody::new(
+        futures::stream::iter(frames),
+    )));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    response
+}
+
 /// What the receiving task hands the decoder.
 enum Received {
-    Message(FlightData, Option<Reservation>),
+    Message(PutMessage, Option<Reservation>),
     /// The client ended its stream cleanly: the only way a put commits.
     End,
     Failed(Error),
@@ -131,7 +194,7 @@ pub(crate) enum Answer {
 /// statement's parameters.
 pub(crate) async fn receive(
     service: &Service,
-    request: Request<Streaming<FlightData>>,
+    request: Request<impl PutMessages>,
     caller: &Principal,
 ) -> Result<Answer, Error> {
     let store = &service.store;
@@ -144,24 +207,20 @@ pub(crate) async fn receive(
         .unwrap_or_default();
     let call = request.extensions().get::<Arc<Call>>().cloned();
     let mut input = request.into_inner();
-    let first = match input.message().await {
-        Ok(Some(first)) => first,
-        Ok(None) => {
-            return Err(Error::InvalidIpc(
-                "the DoPut stream was empty; send a descriptor and a schema first".to_owned(),
-            ));
-        }
-        Err(status) => return Err(stream_failure(&inbound, status)),
+    let Some(first) = input.message().await? else {
+        return Err(Error::InvalidIpc(
+            "the DoPut stream was empty; send a descriptor and a schema first".to_owned(),
+        ));
     };
     let first_charge = inbound.take_charge();
     // DoPut is admitted at the read role, which binding parameters needs; a put of data needs
     // the write role, checked before any batch is read.
     let put = Operation::Action(auth::Action::Put);
-    let (target, ingested) = match sql::put_command(first.flight_descriptor.as_ref())? {
+    let (target, ingested) = match sql::put_command(first.data.flight_descriptor.as_ref())? {
         None => {
             caller.authorize(put)?;
             (
-                descriptor::put_target(first.flight_descriptor.as_ref())?,
+                descriptor::put_target(first.data.flight_descriptor.as_ref())?,
                 None,
             )
         }
@@ -196,7 +255,7 @@ pub(crate) async fn receive(
             let item = match input.message().await {
                 Ok(Some(message)) => Received::Message(message, inbound.take_charge()),
                 Ok(None) => Received::End,
-                Err(status) => Received::Failed(stream_failure(&inbound, status)),
+                Err(error) => Received::Failed(error),
             };
             let last = !matches!(item, Received::Message(..));
             if sender.send(item).await.is_err() || last {
@@ -238,11 +297,11 @@ pub(crate) async fn receive(
         Stages::add(&stages.put_messages, 1);
         Stages::add(
             &stages.put_bytes,
-            (message.data_header.len() + message.data_body.len()) as u64,
+            (message.data.data_header.len() + message.data.data_body.len()) as u64,
         );
         // A compressed message also pays, before it is decompressed, for what it decompresses
         // to; that charge follows its batch until uploaded, like the message's own.
-        let decoded = decoder.decode(&message, |bytes| {
+        let decoded = decoder.decode_message(&message, |bytes| {
             match &mut charge {
                 Some(charge) => store.grow_message(charge, bytes)?,
                 None => charge = Some(store.reserve_message(bytes)?),
@@ -303,8 +362,8 @@ pub(crate) async fn receive(
 /// The record batches of a prepared statement's parameters: at most
 /// `sql::MAX_PARAMETER_BYTES` of them, held until bound.
 async fn receive_parameters(
-    first: FlightData,
-    mut input: Streaming<FlightData>,
+    first: PutMessage,
+    mut input: impl PutMessages,
     inbound: &Inbound,
     options: &FlightOptions,
 ) -> Result<Vec<arrow::record_batch::RecordBatch>, Error> {
@@ -319,15 +378,14 @@ async fn receive_parameters(
     loop {
         let message = match next.take() {
             Some(message) => message,
-            None => match input.message().await {
-                Ok(Some(message)) => message,
-                Ok(None) => break,
-                Err(status) => return Err(stream_failure(inbound, status)),
+            None => match input.message().await? {
+                Some(message) => message,
+                None => break,
             },
         };
         // Each message was paid for as it arrived; it is small or refused below.
         drop(inbound.take_charge());
-        match decoder.decode(&message, |_| Ok(()))? {
+        match decoder.decode_message(&message, |_| Ok(()))? {
             Decoded::Batch(batch) => {
                 held = held.saturating_add(batch.get_array_memory_size());
                 if held > sql::MAX_PARAMETER_BYTES {
@@ -343,55 +401,4 @@ async fn receive_parameters(
         }
     }
     Ok(batches)
-}
-
-/// Why the request stream failed: what the layer reading the body found (a limit, the budget,
-/// a stream that ended without END_STREAM), else undecodable bytes, else the transport.
-fn stream_failure(inbound: &Inbound, status: Status) -> Error {
-    if let Some(error) = inbound.take_failure() {
-        return error;
-    }
-    match status.code() {
-        // What tonic's prost decoder says of a message that is not protobuf: the client's
-        // mistake. Known by prost's own words, so that any other INTERNAL stays the server's.
-        Code::Internal if status.message().starts_with(PROST_DECODE_ERROR) => {
-            Error::Undecodable(format!(
-                "the request is not a valid FlightData protobuf message: {}",
-                status.message()
-            ))
-        }
-        Code::Internal => {
-            Error::Internal(format!("the request stream failed: {}", status.message()))
-        }
-        _ => Error::ClientGone(status.message().to_owned()),
-    }
-}
-
-/// How a `prost::DecodeError` begins when displayed, which tonic's codec sends as the message
-/// of an INTERNAL status.
-const PROST_DECODE_ERROR: &str = "failed to decode Protobuf message";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_prost_decode_errors_are_the_clients() {
-        let inbound = Inbound::default();
-        let undecodable = <arrow_flight::FlightData as prost::Message>::decode(&[0xff_u8][..])
-            .expect_err("not protobuf")
-            .to_string();
-        assert!(matches!(
-            stream_failure(&inbound, Status::internal(undecodable)),
-            Error::Undecodable(_)
-        ));
-        assert!(matches!(
-            stream_failure(&inbound, Status::internal("h2 protocol error")),
-            Error::Internal(_)
-        ));
-        assert!(matches!(
-            stream_failure(&inbound, Status::cancelled("gone")),
-            Error::ClientGone(_)
-        ));
-    }
 }

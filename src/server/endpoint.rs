@@ -8,8 +8,9 @@
 //! 4. panic containment (`panics`).
 //!
 //! Inside them, `DoGet` goes to the framed fast path (`crate::flight::doget`) unless
-//! `--doget-encoder plain` picks arrow-flight's encoder, which the generated server runs like
-//! every other method. Paths the protocol does not have are answered here.
+//! `--doget-encoder plain` picks arrow-flight's encoder, and `DoPut` to its reader of the HTTP/2
+//! frames (`crate::flight::put`) unless `--doput-decoder plain` picks tonic's codec; the
+//! generated server runs every other method. Paths the protocol does not have are answered here.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ use super::limits::RequestLimits;
 use super::method::{Method, method_of};
 use super::panics;
 use crate::auth::Auth;
-use crate::flight::{FlightOptions, Lifecycle, Service, doget};
+use crate::flight::{FlightOptions, Lifecycle, Service, doget, put};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -41,6 +42,17 @@ pub enum DoGetEncoder {
     #[default]
     Framed,
     /// arrow-flight's `FlightDataEncoderBuilder`, through the generated server.
+    Plain,
+}
+
+/// How `DoPut` messages are read: a hidden switch, kept for measuring one against the other
+/// (docs/performance-notes.md has the A/B).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DoPutDecoder {
+    /// Straight from the HTTP/2 frames, each body copied once into aligned memory.
+    #[default]
+    Framed,
+    /// tonic's codec, through the generated server.
     Plain,
 }
 
@@ -81,6 +93,7 @@ pub(super) fn flight(
     store: Store,
     options: FlightOptions,
     encoder: DoGetEncoder,
+    decoder: DoPutDecoder,
     lifecycle: Lifecycle,
     auth: Auth,
     metrics: Option<Arc<Metrics>>,
@@ -105,6 +118,7 @@ pub(super) fn flight(
             .max_encoding_message_size(usize::MAX),
         service,
         encoder,
+        decoder,
     };
     FlightEndpoint(BoxCloneSyncService::new(
         ServiceBuilder::new()
@@ -122,6 +136,7 @@ struct Routes {
     generated: FlightServiceServer<Service>,
     service: Arc<Service>,
     encoder: DoGetEncoder,
+    decoder: DoPutDecoder,
 }
 
 impl tower::Service<http::Request<Body>> for Routes {
@@ -138,6 +153,10 @@ impl tower::Service<http::Request<Body>> for Routes {
             Method::DoGet if self.encoder == DoGetEncoder::Framed => {
                 let service = Arc::clone(&self.service);
                 Box::pin(async move { Ok(doget::respond(&service, request).await) })
+            }
+            Method::DoPut if self.decoder == DoPutDecoder::Framed => {
+                let service = Arc::clone(&self.service);
+                Box::pin(async move { Ok(put::respond(&service, request).await) })
             }
             Method::Unknown => Box::pin(std::future::ready(Ok(Status::unimplemented(
                 "no such method; gpu-flight serves arrow.flight.protocol.FlightService",

@@ -37,7 +37,7 @@ mod tls;
 mod unix_authority;
 
 pub use connection::ConnectionLimits;
-pub use endpoint::DoGetEncoder;
+pub use endpoint::{DoGetEncoder, DoPutDecoder};
 pub use listener::{ListenAddr, Listener};
 pub use peer::{ConnectionInfo, ConnectionStreams, Peer};
 pub use tls::TlsFiles;
@@ -93,6 +93,8 @@ pub struct ServeOptions {
     pub metrics: Option<Arc<Metrics>>,
     /// How `DoGet` replies are encoded (`--doget-encoder`, hidden: for measuring).
     pub doget_encoder: DoGetEncoder,
+    /// How `DoPut` messages are read (`--doput-decoder`, hidden: for measuring).
+    pub doput_decoder: DoPutDecoder,
     /// HTTP/2 windows and frame size.
     pub http2: Http2Settings,
 }
@@ -110,6 +112,7 @@ impl Default for ServeOptions {
             auth: Auth::Off,
             metrics: None,
             doget_encoder: DoGetEncoder::default(),
+            doput_decoder: DoPutDecoder::default(),
             http2: Http2Settings::default(),
         }
     }
@@ -174,6 +177,7 @@ pub async fn run(
         store,
         options.flight,
         options.doget_encoder,
+        options.doput_decoder,
         lifecycle.clone(),
         options.auth,
         options.metrics.clone(),

@@ -10,8 +10,10 @@
 //!   counts rewritten consistently or not, truncation, extension) and the message sequence
 //!   (swapped, duplicated, dropped, shuffled, spliced from another stream, schema-only, batches
 //!   before the schema); and the descriptor (odd JSON commands, names, types).
-//! - protobuf: the encoded FlightData bit-flipped, truncated, padded, or with invalid UTF-8 in
-//!   a descriptor string.
+//! - protobuf: the encoded FlightData bit-flipped, truncated, padded, with invalid UTF-8 in a
+//!   descriptor string, or valid with its fields rearranged (reversed, a short body before the
+//!   real one, unknown fields), which the server's own reader of FlightData must read as prost
+//!   does.
 //!
 //! `unary_mutations` sends mutated GetFlightInfo, GetSchema, PollFlightInfo (descriptors), DoGet
 //! (server-issued tickets, bare names, forged tickets), DoAction (every action type with odd

@@ -330,7 +330,68 @@ pub(crate) fn mutate_protobuf(rng: &mut StdRng, encoded: &mut [Vec<u8>], log: &m
     };
     if i == 0 && rng.random_bool(0.3) {
         corrupt_utf8(&mut encoded[0], NAME.as_bytes(), rng, log);
+    } else if rng.random_bool(0.3) {
+        rearrange_fields(rng, &mut encoded[i], log, i);
     } else {
         mutate_bytes(rng, &mut encoded[i], log, &format!("protobuf {i}"));
     }
+}
+
+/// Valid protobuf with the message's meaning, in a layout Flight writers do not use: the server
+/// reads FlightData's fields itself (the body apart, aligned), and must read these as prost
+/// does.
+fn rearrange_fields(rng: &mut StdRng, encoded: &mut Vec<u8>, log: &mut Log, i: usize) {
+    let Some(fields) = fields(encoded) else {
+        return log.push(format!("protobuf {i}: not fields (left as it was)"));
+    };
+    let mut fields: Vec<Vec<u8>> = fields.into_iter().map(<[u8]>::to_vec).collect();
+    match rng.random_range(0..3) {
+        0 => {
+            fields.reverse();
+            log.push(format!("protobuf {i}: fields reversed"));
+        }
+        1 => {
+            // Field 1000 (data_body), three bytes, first: the later body replaces it.
+            fields.insert(0, vec![0xc2, 0x3e, 3, 1, 2, 3]);
+            log.push(format!("protobuf {i}: a short body before the real one"));
+        }
+        _ => {
+            // Field 15 (unknown), a varint and a length-delimited one, at a random place.
+            let at = rng.random_range(0..=fields.len());
+            fields.insert(at, vec![0x78, 0x96, 0x01, 0x7a, 2, 9, 9]);
+            log.push(format!("protobuf {i}: unknown fields at {at}"));
+        }
+    }
+    *encoded = fields.concat();
+}
+
+/// The top-level fields of an encoded message, each with its tag; `None` where it is not
+/// well formed (only what FlightData uses: varints and length-delimited fields).
+fn fields(mut bytes: &[u8]) -> Option<Vec<&[u8]>> {
+    fn varint(bytes: &[u8]) -> Option<(u64, usize)> {
+        let mut value = 0u64;
+        for (i, &byte) in bytes.iter().enumerate().take(10) {
+            value |= u64::from(byte & 0x7f) << (7 * i);
+            if byte & 0x80 == 0 {
+                return Some((value, i + 1));
+            }
+        }
+        None
+    }
+    let mut fields = Vec::new();
+    while !bytes.is_empty() {
+        let (tag, tag_len) = varint(bytes)?;
+        let (value, value_len) = varint(&bytes[tag_len..])?;
+        let len = match tag & 7 {
+            0 => tag_len + value_len,
+            2 => tag_len + value_len + usize::try_from(value).ok()?,
+            _ => return None,
+        };
+        if len > bytes.len() {
+            return None;
+        }
+        fields.push(&bytes[..len]);
+        bytes = &bytes[len..];
+    }
+    Some(fields)
 }

@@ -41,7 +41,7 @@ pub(crate) async fn respond(
     service: &Service,
     request: http::Request<Body>,
 ) -> http::Response<Body> {
-    if let Some(refused) = unsupported_encoding(request.headers()) {
+    if let Some(refused) = super::unsupported_encoding(request.headers()) {
         return refused.into_http();
     }
     let limit = service.options.max_request_bytes;
@@ -89,29 +89,6 @@ pub(crate) async fn respond(
         http::HeaderValue::from_static("application/grpc"),
     );
     response
-}
-
-/// A request compressed with anything but `identity` is UNIMPLEMENTED, naming the encoding
-/// this server accepts, as gRPC asks (and as tonic answers for the other methods).
-fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {
-    let encoding = headers.get("grpc-encoding")?;
-    if encoding.as_bytes() == b"identity" {
-        return None;
-    }
-    let mut metadata = tonic::metadata::MetadataMap::new();
-    metadata.insert(
-        "grpc-accept-encoding",
-        tonic::metadata::MetadataValue::from_static("identity"),
-    );
-    Some(Status::with_metadata(
-        tonic::Code::Unimplemented,
-        format!(
-            "the request is compressed with {:?}, which this server does not accept; send it \
-             uncompressed",
-            String::from_utf8_lossy(encoding.as_bytes())
-        ),
-        metadata,
-    ))
 }
 
 #[cfg(test)]

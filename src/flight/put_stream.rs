@@ -1,0 +1,521 @@
+//! `DoPut`'s request stream read straight from its HTTP/2 frames: FlightData messages with one
+//! copy of each byte, each record batch body in an allocation of its own, 64-byte aligned.
+//!
+//! tonic's codec copies every frame into a buffer per message, where the body lies wherever the
+//! protobuf fields before it left it, so Arrow copies most of its buffers again (it realigns
+//! what is misaligned) into fresh memory of its own. [`FrameReader`] gathers the fields before
+//! the body (descriptor, IPC header, app_metadata: small) apart, and copies the body's bytes out
+//! of the frames once, into an allocation that starts 64-byte aligned: Arrow reads its arrays
+//! in place, and a backend that keeps them keeps that allocation ([`PutMessage::body_alone`]).
+//!
+//! Protobuf leaves the order of fields to the writer. Flight implementations write the body
+//! (field 1000) last; a message whose body comes first, twice or not at all is read as protobuf
+//! says (the last occurrence wins), only without the aligned copy for a later occurrence.
+//! Bytes that are not a FlightData message are INVALID_ARGUMENT, as on tonic's path, which the
+//! generated server still serves under `--doput-decoder plain` ([`TonicMessages`]).
+//!
+//! The request body has passed the server's request-limits layer: each message's declared
+//! length is within `--max-put-message-bytes` and paid for as its bytes arrive, and the body
+//! fails unless it really ended. A body's allocation is made when its field's length is read,
+//! before its bytes arrive: address space, whose pages are written (and so used) only as the
+//! paid-for bytes come.
+
+use std::collections::VecDeque;
+use std::future::Future;
+
+use arrow::buffer::{Buffer, MutableBuffer};
+use arrow_flight::FlightData;
+use bytes::{Buf, Bytes, BytesMut};
+use http_body_util::BodyExt;
+use prost::Message;
+use tonic::body::Body;
+use tonic::{Code, Status, Streaming};
+
+use super::Inbound;
+use crate::error::Error;
+
+/// One `DoPut` message.
+#[derive(Debug)]
+pub(crate) struct PutMessage {
+    pub data: FlightData,
+    /// `data.data_body` is an allocation of its own, 64-byte aligned, holding nothing but the
+    /// body: arrays decoded in place may keep it without keeping anything else of the message.
+    pub body_alone: bool,
+}
+
+/// Where a put's messages come from.
+pub(crate) trait PutMessages: Send + 'static {
+    /// The next message; `None` once the stream ended cleanly.
+    fn message(&mut self) -> impl Future<Output = Result<Option<PutMessage>, Error>> + Send;
+}
+
+/// The generated server's stream: tonic's codec over the same guarded body.
+pub(crate) struct TonicMessages {
+    stream: Streaming<FlightData>,
+    inbound: Inbound,
+}
+
+impl TonicMessages {
+    pub(crate) fn new(stream: Streaming<FlightData>, inbound: Inbound) -> Self {
+        Self { stream, inbound }
+    }
+}
+
+impl PutMessages for TonicMessages {
+    async fn message(&mut self) -> Result<Option<PutMessage>, Error> {
+        match self.stream.message().await {
+            Ok(message) => Ok(message.map(|data| PutMessage {
+                data,
+                body_alone: false,
+            })),
+            Err(status) => Err(stream_failure(&self.inbound, status)),
+        }
+    }
+}
+
+/// Most bytes of a field's tag and length: two varints of at most 10 bytes.
+const MAX_FIELD_HEAD_BYTES: usize = 20;
+/// `data_body`'s field number in `FlightData`.
+const BODY_FIELD: u64 = 1000;
+
+/// Reads FlightData messages from a `DoPut` request's body; see the module doc.
+pub(crate) struct FrameReader {
+    body: Body,
+    inbound: Inbound,
+    /// Frames received and not yet read, in order.
+    chunks: VecDeque<Bytes>,
+    /// Bytes in `chunks`.
+    buffered: usize,
+    /// The body has no more frames.
+    ended: bool,
+}
+
+impl PutMessages for FrameReader {
+    async fn message(&mut self) -> Result<Option<PutMessage>, Error> {
+        self.next_message().await
+    }
+}
+
+impl FrameReader {
+    pub(crate) fn new(body: Body, inbound: Inbound) -> Self {
+        Self {
+            body,
+            inbound,
+            chunks: VecDeque::new(),
+            buffered: 0,
+            ended: false,
+        }
+    }
+
+    async fn next_message(&mut self) -> Result<Option<PutMessage>, Error> {
+        if !self.fill(1).await? {
+            return Ok(None);
+        }
+        if !self.fill(5).await? {
+            return Err(truncated());
+        }
+        let mut prefix = [0u8; 5];
+        self.peek(&mut prefix);
+        self.skip(5);
+        if prefix[0] != 0 {
+            return Err(Error::Undecodable(
+                "compressed gRPC messages are not accepted; send them uncompressed".to_owned(),
+            ));
+        }
+        let mut remaining =
+            u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+        // Every field but the first body, as it came: protobuf fields are self-delimiting, so
+        // they still make a message without it.
+        let mut rest = BytesMut::new();
+        let mut body: Option<MutableBuffer> = None;
+        while remaining > 0 {
+            let want = remaining.min(MAX_FIELD_HEAD_BYTES);
+            if !self.fill(want).await? {
+                return Err(truncated());
+            }
+            let mut head = [0u8; MAX_FIELD_HEAD_BYTES];
+            self.peek(&mut head[..want]);
+            match field_head(&head[..want]) {
+                Some(field)
+                    if field.number == BODY_FIELD
+                        && field.delimited
+                        && body.is_none()
+                        && field.total() <= remaining =>
+                {
+                    self.skip(field.head);
+                    let mut buffer = MutableBuffer::with_capacity(field.length);
+                    self.copy(field.length, |bytes| buffer.extend_from_slice(bytes))
+                        .await?;
+                    remaining -= field.total();
+                    body = Some(buffer);
+                }
+                Some(field) if field.total() <= remaining => {
+                    self.copy(field.total(), |bytes| rest.extend_from_slice(bytes))
+                        .await?;
+                    remaining -= field.total();
+                }
+                // Not a field this reader can step over: the rest goes to prost as it is,
+                // which says what is wrong with it (or reads it, where it is a group).
+                _ => {
+                    self.copy(remaining, |bytes| rest.extend_from_slice(bytes))
+                        .await?;
+                    remaining = 0;
+                }
+            }
+        }
+        let mut data = FlightData::decode(rest.freeze()).map_err(|e| {
+            Error::Undecodable(format!(
+                "the request is not a valid FlightData protobuf message: {e}"
+            ))
+        })?;
+        let body_alone = match body {
+            // A later occurrence of the body replaced this one.
+            Some(_) if !data.data_body.is_empty() => false,
+            Some(body) => {
+                data.data_body = Bytes::from(Buffer::from(body));
+                true
+            }
+            None => false,
+        };
+        Ok(Some(PutMessage { data, body_alone }))
+    }
+
+    /// Receives one more frame; false once the body has none.
+    async fn receive(&mut self) -> Result<bool, Error> {
+        while !self.ended {
+            match self.body.frame().await {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if data.is_empty() => {}
+                    Ok(data) => {
+                        self.buffered += data.len();
+                        self.chunks.push_back(data);
+                        return Ok(true);
+                    }
+                    // Trailers end a request as END_STREAM does.
+                    Err(_trailers) => self.ended = true,
+                },
+                Some(Err(status)) => return Err(stream_failure(&self.inbound, status)),
+                None => self.ended = true,
+            }
+        }
+        Ok(false)
+    }
+
+    /// Receives until `n` bytes are buffered; false if the body ended first.
+    async fn fill(&mut self, n: usize) -> Result<bool, Error> {
+        while self.buffered < n {
+            if !self.receive().await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Copies the first buffered bytes into `out`, as many as it holds, leaving them buffered.
+    fn peek(&self, out: &mut [u8]) {
+        let mut filled = 0;
+        for chunk in &self.chunks {
+            if filled == out.len() {
+                break;
+            }
+            let n = chunk.len().min(out.len() - filled);
+            out[filled..filled + n].copy_from_slice(&chunk[..n]);
+            filled += n;
+        }
+    }
+
+    /// Drops `n` buffered bytes.
+    fn skip(&mut self, mut n: usize) {
+        while n > 0 {
+            let Some(chunk) = self.chunks.front_mut() else {
+                break;
+            };
+            let step = n.min(chunk.len());
+            chunk.advance(step);
+            self.buffered -= step;
+            n -= step;
+            if chunk.is_empty() {
+                self.chunks.pop_front();
+            }
+        }
+    }
+
+    /// Hands the next `n` bytes of the body to `to`, frame by frame, receiving as needed.
+    async fn copy(&mut self, mut n: usize, mut to: impl FnMut(&[u8])) -> Result<(), Error> {
+        while n > 0 {
+            if self.chunks.is_empty() && !self.receive().await? {
+                return Err(truncated());
+            }
+            let Some(chunk) = self.chunks.front_mut() else {
+                continue;
+            };
+            let step = n.min(chunk.len());
+            to(&chunk[..step]);
+            chunk.advance(step);
+            self.buffered -= step;
+            n -= step;
+            if chunk.is_empty() {
+                self.chunks.pop_front();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A field's tag and, for a length-delimited field, its length.
+#[derive(Debug, PartialEq, Eq)]
+struct FieldHead {
+    number: u64,
+    delimited: bool,
+    /// Bytes of the tag and length.
+    head: usize,
+    /// Bytes of the value after them.
+    length: usize,
+}
+
+impl FieldHead {
+    fn total(&self) -> usize {
+        self.head.saturating_add(self.length)
+    }
+}
+
+/// The field that `bytes` (at most [`MAX_FIELD_HEAD_BYTES`] of a message) begins with, where
+/// its extent is known from them: not groups, nor anything cut short or malformed.
+fn field_head(bytes: &[u8]) -> Option<FieldHead> {
+    let (tag, tag_len) = varint(bytes)?;
+    let number = tag >> 3;
+    let after = &bytes[tag_len..];
+    let (delimited, head, length) = match tag & 7 {
+        0 => (false, tag_len, varint(after)?.1),
+        1 => (false, tag_len, 8),
+        2 => {
+            let (length, length_len) = varint(after)?;
+            (true, tag_len + length_len, usize::try_from(length).ok()?)
+        }
+        5 => (false, tag_len, 4),
+        _ => return None,
+    };
+    Some(FieldHead {
+        number,
+        delimited,
+        head,
+        length,
+    })
+}
+
+/// A protobuf varint at the start of `bytes`, and its length in bytes.
+fn varint(bytes: &[u8]) -> Option<(u64, usize)> {
+    let mut value = 0u64;
+    for (i, &byte) in bytes.iter().enumerate().take(10) {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            // The tenth byte may carry one bit only.
+            return (i < 9 || byte <= 1).then_some((value, i + 1));
+        }
+    }
+    None
+}
+
+fn truncated() -> Error {
+    Error::Undecodable("the request ended in the middle of a gRPC message".to_owned())
+}
+
+/// Why the request stream failed: what the layer reading the body found (a limit, the budget,
+/// a stream that ended without END_STREAM), else undecodable bytes, else the transport.
+fn stream_failure(inbound: &Inbound, status: Status) -> Error {
+    if let Some(error) = inbound.take_failure() {
+        return error;
+    }
+    match status.code() {
+        // What tonic's prost decoder says of a message that is not protobuf: the client's
+        // mistake. Known by prost's own words, so that any other INTERNAL stays the server's.
+        Code::Internal if status.message().starts_with(PROST_DECODE_ERROR) => {
+            Error::Undecodable(format!(
+                "the request is not a valid FlightData protobuf message: {}",
+                status.message()
+            ))
+        }
+        Code::Internal => {
+            Error::Internal(format!("the request stream failed: {}", status.message()))
+        }
+        _ => Error::ClientGone(status.message().to_owned()),
+    }
+}
+
+/// How a `prost::DecodeError` begins when displayed, which tonic's codec sends as the message
+/// of an INTERNAL status.
+const PROST_DECODE_ERROR: &str = "failed to decode Protobuf message";
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use arrow_flight::FlightDescriptor;
+    use http_body::Frame;
+
+    use super::*;
+
+    #[test]
+    fn only_prost_decode_errors_are_the_clients() {
+        let inbound = Inbound::default();
+        let undecodable = <arrow_flight::FlightData as prost::Message>::decode(&[0xff_u8][..])
+            .expect_err("not protobuf")
+            .to_string();
+        assert!(matches!(
+            stream_failure(&inbound, Status::internal(undecodable)),
+            Error::Undecodable(_)
+        ));
+        assert!(matches!(
+            stream_failure(&inbound, Status::internal("h2 protocol error")),
+            Error::Internal(_)
+        ));
+        assert!(matches!(
+            stream_failure(&inbound, Status::cancelled("gone")),
+            Error::ClientGone(_)
+        ));
+    }
+
+    /// A request body that yields `frames`, then ends.
+    struct Frames(VecDeque<Result<Bytes, Status>>);
+
+    impl http_body::Body for Frames {
+        type Data = Bytes;
+        type Error = Status;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+            Poll::Ready(self.0.pop_front().map(|f| f.map(Frame::data)))
+        }
+    }
+
+    /// `messages` framed for gRPC, cut into frames of `size` bytes.
+    fn framed(messages: &[Vec<u8>], size: usize) -> Vec<Result<Bytes, Status>> {
+        let mut stream = Vec::new();
+        for message in messages {
+            stream.push(0);
+            stream.extend((message.len() as u32).to_be_bytes());
+            stream.extend(message);
+        }
+        stream
+            .chunks(size)
+            .map(|chunk| Ok(Bytes::copy_from_slice(chunk)))
+            .collect()
+    }
+
+    fn reader(frames: Vec<Result<Bytes, Status>>) -> FrameReader {
+        FrameReader::new(Body::new(Frames(frames.into())), Inbound::default())
+    }
+
+    async fn read_all(mut reader: FrameReader) -> Result<Vec<PutMessage>, Error> {
+        let mut messages = Vec::new();
+        while let Some(message) = reader.message().await? {
+            messages.push(message);
+        }
+        Ok(messages)
+    }
+
+    fn flight_data(body_len: usize) -> FlightData {
+        FlightData {
+            flight_descriptor: Some(FlightDescriptor::new_path(vec!["a".into(), "b".into()])),
+            data_header: Bytes::from(vec![7u8; 300]),
+            app_metadata: Bytes::from_static(b"metadata"),
+            data_body: (0..body_len).map(|i| i as u8).collect::<Vec<u8>>().into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn messages_read_alike_however_the_frames_cut_them() {
+        let messages = [flight_data(5000), flight_data(0), flight_data(1)];
+        let encoded: Vec<Vec<u8>> = messages.iter().map(|m| m.encode_to_vec()).collect();
+        for size in [1, 2, 3, 5, 7, 64, 301, 4096, 1 << 20] {
+            let read = read_all(reader(framed(&encoded, size)))
+                .await
+                .expect("valid messages");
+            assert_eq!(read.len(), messages.len(), "frames of {size}");
+            for (got, sent) in read.iter().zip(&messages) {
+                assert_eq!(&got.data, sent, "frames of {size}");
+                // Every body was its own allocation (protobuf leaves an empty one out).
+                let sent_body = !sent.data_body.is_empty();
+                assert_eq!(got.body_alone, sent_body, "frames of {size}");
+                if sent_body {
+                    assert_eq!(got.data.data_body.as_ptr() as usize % 64, 0, "aligned");
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn fields_in_any_order_read_as_protobuf_says() {
+        let sent = flight_data(100);
+        let body_field = |body: &[u8]| {
+            let mut field = vec![0xc2, 0x3e, body.len() as u8];
+            field.extend(body);
+            field
+        };
+        let header_only = FlightData {
+            data_body: Bytes::new(),
+            ..sent.clone()
+        }
+        .encode_to_vec();
+        // The body first, then the other fields.
+        let mut first = body_field(&sent.data_body);
+        first.extend(&header_only);
+        // The body twice: the last occurrence wins.
+        let mut twice = body_field(&[1, 2, 3]);
+        twice.extend(&header_only);
+        twice.extend(body_field(&sent.data_body));
+        // An unknown field, and a varint one.
+        let mut unknown = vec![0x28, 0x96, 0x01, 0x3a, 2, 9, 9];
+        unknown.extend(sent.encode_to_vec());
+        for (name, message, alone) in [
+            ("body first", first, true),
+            ("body twice", twice, false),
+            ("unknown fields", unknown, true),
+        ] {
+            let read = read_all(reader(framed(&[message], 3))).await.expect(name);
+            assert_eq!(read.len(), 1, "{name}");
+            assert_eq!(read[0].data, sent, "{name}");
+            assert_eq!(read[0].body_alone, alone, "{name}");
+        }
+    }
+
+    #[tokio::test]
+    async fn what_is_not_protobuf_is_undecodable() {
+        for message in [
+            // Field 1, length-delimited, declaring 100 bytes where there are 2.
+            vec![0x0a, 100, 1, 2],
+            // A body declaring more than the message holds.
+            vec![0xc2, 0x3e, 50, 1],
+            // A varint that never ends.
+            vec![
+                0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+            ],
+            // Field number 0.
+            vec![0x02, 0],
+        ] {
+            let error = read_all(reader(framed(std::slice::from_ref(&message), 2)))
+                .await
+                .expect_err("not protobuf");
+            assert!(
+                matches!(&error, Error::Undecodable(m) if m.starts_with("the request is not a valid FlightData")),
+                "{message:?}: {error:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_in_a_message_or_failing_is_an_error() {
+        let mut frames = framed(&[flight_data(1000).encode_to_vec()], 100);
+        frames.truncate(5);
+        let error = read_all(reader(frames)).await.expect_err("truncated");
+        assert!(matches!(error, Error::Undecodable(_)), "{error:?}");
+
+        let mut frames = framed(&[flight_data(10).encode_to_vec()], 100);
+        frames.push(Err(Status::cancelled("reset")));
+        let error = read_all(reader(frames)).await.expect_err("failed");
+        assert!(matches!(error, Error::ClientGone(_)), "{error:?}");
+    }
+}
