@@ -9,7 +9,7 @@ mod parallel;
 mod size;
 mod types;
 
-pub(crate) use owned::{compact_views, owned, owns_its_buffers};
+pub(crate) use owned::{batch_owns_its_allocations, compact_views, owned, owns_its_buffers};
 pub(crate) use parallel::{copied_array, copies_as_is, copy_all};
 pub use size::{array_bytes, array_count, batch_bytes, schema_bytes, type_array_count};
 pub use types::contains;

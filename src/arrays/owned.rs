@@ -3,13 +3,17 @@
 //! Arrays decoded from a Flight message point into that message's body, so keeping any of them
 //! keeps the whole body: bytes after the last buffer, buffers longer than their rows need,
 //! whatever else the client sent alongside. A backend that keeps host arrays keeps copies made
-//! here instead, so the memory it holds is what the budget charged for.
+//! here instead, so the memory it holds is what the budget charged for, unless the batch's
+//! allocations hold nothing else ([`batch_owns_its_allocations`]).
+
+use std::collections::HashMap;
 
 use arrow::array::{Array, ArrayData, BinaryViewArray, MutableArrayData, StringViewArray};
 use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
+use arrow::record_batch::RecordBatch;
 
-use crate::arrays::array_bytes;
+use crate::arrays::{array_bytes, batch_bytes};
 
 /// Bytes an allocation may hold beyond what its array uses and still count as the array's own:
 /// Arrow rounds allocations up to 64 bytes, and the IPC format pads buffers to 8.
@@ -27,9 +31,10 @@ pub(crate) fn owns_its_buffers(data: &ArrayData) -> bool {
         }
         let nulls = data.nulls().map(|n| n.buffer());
         for buffer in data.buffers().iter().chain(nulls) {
-            // A slice; or, capacity zero, memory Arrow does not own. (Arrays decoded in place
-            // from a message are copied by the decoder: a `Buffer` over `bytes::Bytes` reports
-            // its length as its capacity, so this test cannot see them.)
+            // A slice; or, capacity zero, memory Arrow does not own. (A `Buffer` over
+            // `bytes::Bytes` reports its length as its capacity, so this test cannot see what
+            // else a message holds: the decoder copies arrays decoded in place from a message
+            // unless their body came alone and holds only them.)
             if buffer.capacity() == 0 || buffer.ptr_offset() != 0 {
                 return false;
             }
@@ -42,6 +47,39 @@ pub(crate) fn owns_its_buffers(data: &ArrayData) -> bool {
     }
     let (mut total, mut count) = (0, 0);
     allocations(data, &mut total, &mut count) && total <= array_bytes(data) + count * ROUNDING_SLACK
+}
+
+/// Whether `batch` can be kept as it is, its arrays sharing allocations: every buffer (children
+/// and dictionaries included) lies in allocations that together hold no more than the batch's
+/// arrays use, give or take rounding. That is how `DoPut` leaves a record batch decoded in place
+/// from a body read into an allocation of its own (`flight::put_stream`), which holds its
+/// columns one after another. Views never pass, as in [`owns_its_buffers`].
+pub(crate) fn batch_owns_its_allocations(batch: &RecordBatch) -> bool {
+    fn allocations(data: &ArrayData, seen: &mut HashMap<usize, usize>, count: &mut u64) -> bool {
+        if matches!(data.data_type(), DataType::Utf8View | DataType::BinaryView) {
+            return false;
+        }
+        let nulls = data.nulls().map(|n| n.buffer());
+        for buffer in data.buffers().iter().chain(nulls) {
+            if buffer.capacity() == 0 {
+                return false;
+            }
+            // A slice starts `ptr_offset` bytes into its allocation.
+            let start = (buffer.as_ptr() as usize).wrapping_sub(buffer.ptr_offset());
+            seen.insert(start, buffer.capacity());
+            *count += 1;
+        }
+        data.child_data()
+            .iter()
+            .all(|child| allocations(child, seen, count))
+    }
+    let (mut seen, mut count) = (HashMap::new(), 0u64);
+    let all = batch
+        .columns()
+        .iter()
+        .all(|column| allocations(&column.to_data(), &mut seen, &mut count));
+    let held: u64 = seen.values().map(|&capacity| capacity as u64).sum();
+    all && held <= batch_bytes(batch) + (count + 1) * ROUNDING_SLACK
 }
 
 /// `data` copied into fresh buffers holding exactly its rows (rounded up to Arrow's 64-byte
@@ -88,7 +126,7 @@ fn own_shared(data: ArrayData) -> Result<ArrayData, ArrowError> {
 mod tests {
     use std::sync::Arc;
 
-    use arrow::array::{ArrayRef, DictionaryArray, Int64Array, ListArray, StringArray};
+    use arrow::array::{ArrayRef, DictionaryArray, Int64Array, ListArray, StringArray, make_array};
     use arrow::buffer::Buffer;
     use arrow::datatypes::{Int32Type, Int64Type};
 
@@ -160,6 +198,43 @@ mod tests {
             .build()
             .expect("array");
         assert!(!owns_its_buffers(&oversized));
+    }
+
+    #[test]
+    fn a_batch_may_share_an_allocation_that_holds_nothing_else() {
+        // Two columns one after another in one allocation, as a body read whole holds them.
+        let batch_in = |body: &Buffer| {
+            let column = |at: usize| {
+                make_array(
+                    ArrayData::builder(DataType::Int64)
+                        .len(1000)
+                        .add_buffer(body.slice_with_length(at, 8000))
+                        .build()
+                        .expect("array"),
+                )
+            };
+            RecordBatch::try_from_iter([("a", column(0)), ("b", column(8000))]).expect("batch")
+        };
+        let tight = Buffer::from_vec(vec![7u8; 16_000]);
+        let batch = batch_in(&tight);
+        assert!(batch_owns_its_allocations(&batch));
+        assert!(
+            batch
+                .columns()
+                .iter()
+                .all(|c| !owns_its_buffers(&c.to_data())),
+            "no column alone owns its buffer"
+        );
+        // The same columns in an allocation with room to spare, or half of them: not kept.
+        let roomy = Buffer::from_vec(vec![7u8; 1 << 20]);
+        assert!(!batch_owns_its_allocations(&batch_in(&roomy)));
+        assert!(!batch_owns_its_allocations(
+            &batch.project(&[0]).expect("one")
+        ));
+        // Views never.
+        let views: ArrayRef = Arc::new(StringViewArray::from_iter_values(["a"; 10]));
+        let views = RecordBatch::try_from_iter([("v", views)]).expect("batch");
+        assert!(!batch_owns_its_allocations(&views));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use super::{
     dictionary, downcast_all, downcast_one,
 };
 use crate::arrays::batch_bytes;
-use crate::arrays::{owned, owns_its_buffers};
+use crate::arrays::{batch_owns_its_allocations, owned, owns_its_buffers};
 
 /// Partitions averaging fewer bytes than this are concatenated at commit.
 pub const COALESCE_BELOW: u64 = 1 << 20;
@@ -212,9 +212,13 @@ fn has_dictionary(data_type: &DataType) -> bool {
     crate::arrays::contains(data_type, &|t| matches!(t, DataType::Dictionary(_, _)))
 }
 
-/// `batch` in buffers of its own (see [`crate::arrays::owned`]): columns whose buffers are already
-/// allocations of their own are kept, the others copied.
+/// `batch` in buffers of its own (see [`crate::arrays::owned`]): kept whole where its allocations
+/// hold nothing else (a `DoPut` body decoded in place); otherwise columns whose buffers are
+/// already allocations of their own are kept, the others copied.
 fn owned_batch(batch: &RecordBatch) -> Result<RecordBatch, BackendError> {
+    if batch_owns_its_allocations(batch) {
+        return Ok(batch.clone());
+    }
     let copy_failed =
         |e: arrow::error::ArrowError| BackendError::Device(format!("copying a batch: {e}"));
     let columns = batch
