@@ -43,6 +43,8 @@ pub enum Error {
         flag: &'static str,
         hint: &'static str,
     },
+    #[error("the server's host memory could not hold {0} more bytes now; retry later")]
+    HostMemory(usize),
     #[error(
         "a record batch of this dataset cannot be sent within the {limit}-byte message limit \
          (--max-message-bytes): {what} alone takes {needed} bytes; raise --max-message-bytes \
@@ -116,7 +118,7 @@ impl Error {
             | Self::InvalidIpc(_)
             | Self::Undecodable(_)
             | Self::RequestTooLarge { .. } => Code::InvalidArgument,
-            Self::MessageTooLarge { .. } => Code::ResourceExhausted,
+            Self::MessageTooLarge { .. } | Self::HostMemory(_) => Code::ResourceExhausted,
             Self::ReplyTooLarge { .. } => Code::FailedPrecondition,
             Self::UnknownAction(_) | Self::Unsupported(_) => Code::Unimplemented,
             Self::ClientGone(_) => Code::Cancelled,

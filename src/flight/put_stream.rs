@@ -143,7 +143,9 @@ impl FrameReader {
                         && field.total() <= remaining =>
                 {
                     self.skip(field.head);
-                    let mut buffer = MutableBuffer::with_capacity(field.length);
+                    // Fallible: the process's memory, unlike its budget, is not ours to count.
+                    let mut buffer = MutableBuffer::try_with_capacity(field.length)
+                        .map_err(|_| Error::HostMemory(field.length))?;
                     self.copy(field.length, |bytes| buffer.extend_from_slice(bytes))
                         .await?;
                     remaining -= field.total();
