@@ -67,7 +67,7 @@ pub use decode::MAX_BATCH_ROWS;
 use descriptor::ReadOptions;
 pub use lifecycle::{Lifecycle, StreamGuard};
 use prost::Message;
-pub(crate) use put::Inbound;
+pub(crate) use put_stream::Inbound;
 pub use shared::{MAX_SHARED_FILES, default_writers};
 pub use stages::{DoGetStages, PutStages, StagesDocument};
 use ticket::{DatasetMetadata, EndpointMetadata};

@@ -21,8 +21,7 @@
 //! The server routes `DoPut` here ([`respond`]) past the generated server, whose codec would copy
 //! each message once more, unless `--doput-decoder plain` keeps it there (the `do_put` handler).
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use arrow_flight::PutResult;
@@ -38,7 +37,7 @@ use tonic::{Request, Status};
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder};
 use super::descriptor::{self, DeviceRef};
-use super::put_stream::{FrameReader, PutMessage, PutMessages};
+use super::put_stream::{FrameReader, Inbound, PutMessage, PutMessages};
 use super::sql::{self, IngestCheck, SqlPut};
 use super::stages::Stages;
 use super::{FlightOptions, Service};
@@ -50,44 +49,6 @@ use crate::task::AbortOnDrop;
 
 /// Messages received ahead of the decoder.
 const RECEIVE_AHEAD: usize = 4;
-
-/// What the layer reading a `DoPut` body learned that its handler needs: the reservations paid
-/// for each message, in arrival order, and why the body failed if it failed it. The layer
-/// fills it as bytes arrive; the handler drains it as it receives each message.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Inbound(Arc<Mutex<InboundState>>);
-
-#[derive(Debug, Default)]
-struct InboundState {
-    charges: VecDeque<Reservation>,
-    failure: Option<Error>,
-}
-
-impl Inbound {
-    fn lock(&self) -> std::sync::MutexGuard<'_, InboundState> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Records the charge of the next whole message.
-    pub(crate) fn push_charge(&self, charge: Reservation) {
-        self.lock().charges.push_back(charge);
-    }
-
-    /// Records why the body failed (the stream then reports a status that says less).
-    pub(crate) fn set_failure(&self, error: Error) {
-        self.lock().failure = Some(error);
-    }
-
-    /// The reservation for the next message the handler receives.
-    pub(crate) fn take_charge(&self) -> Option<Reservation> {
-        self.lock().charges.pop_front()
-    }
-
-    /// Why the body failed, if the layer failed it (rather than the transport).
-    pub(crate) fn take_failure(&self) -> Option<Error> {
-        self.lock().failure.take()
-    }
-}
 
 /// The store's number for a device a client named by number (checked by the store) or UUID.
 pub(super) fn resolve_device(store: &Store, device: DeviceRef) -> Result<u32, Error> {

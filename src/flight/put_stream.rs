@@ -15,13 +15,15 @@
 //! generated server still serves under `--doput-decoder plain` ([`TonicMessages`]).
 //!
 //! The request body has passed the server's request-limits layer: each message's declared
-//! length is within `--max-put-message-bytes` and paid for as its bytes arrive, and the body
+//! length is within `--max-put-message-bytes` and paid for as its bytes arrive (the charges,
+//! and why the layer failed a body, wait in the request's [`Inbound`] ledger), and the body
 //! fails unless it really ended. A body's allocation is made when its field's length is read,
 //! before its bytes arrive: address space, whose pages are written (and so used) only as the
 //! paid-for bytes come.
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 
 use arrow::buffer::{Buffer, MutableBuffer};
 use arrow_flight::FlightData;
@@ -31,8 +33,46 @@ use prost::Message;
 use tonic::body::Body;
 use tonic::{Code, Status, Streaming};
 
-use super::Inbound;
 use crate::error::Error;
+use crate::store::memory::Reservation;
+
+/// What the layer reading a `DoPut` body learned that its handler needs: the reservations paid
+/// for each message, in arrival order, and why the body failed if it failed it. The layer
+/// fills it as bytes arrive; the handler drains it as it receives each message.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Inbound(Arc<Mutex<InboundState>>);
+
+#[derive(Debug, Default)]
+struct InboundState {
+    charges: VecDeque<Reservation>,
+    failure: Option<Error>,
+}
+
+impl Inbound {
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboundState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the charge of the next whole message.
+    pub(crate) fn push_charge(&self, charge: Reservation) {
+        self.lock().charges.push_back(charge);
+    }
+
+    /// Records why the body failed (the stream then reports a status that says less).
+    pub(crate) fn set_failure(&self, error: Error) {
+        self.lock().failure = Some(error);
+    }
+
+    /// The reservation for the next message the handler receives.
+    pub(crate) fn take_charge(&self) -> Option<Reservation> {
+        self.lock().charges.pop_front()
+    }
+
+    /// Why the body failed, if the layer failed it (rather than the transport).
+    pub(crate) fn take_failure(&self) -> Option<Error> {
+        self.lock().failure.take()
+    }
+}
 
 /// One `DoPut` message.
 #[derive(Debug)]
