@@ -29,8 +29,9 @@
 //! in place are copied. A batch kept by a backend therefore never keeps a client's message alive,
 //! with whatever padding it carried, and the host backend can keep Arrow's buffers as they are.
 //! The exception is a record batch body that arrived in an aligned allocation of its own
-//! (`put_stream`) and holds nothing but the batch's arrays ([`holds_only`]): Arrow decodes
-//! them in place and they keep the body, which is then no more than what they are charged for.
+//! (`put_stream`) and holds nothing but the batch's arrays
+//! ([`crate::arrays::batch_owns_its_allocations`]): Arrow decodes them in place and they keep
+//! the body, which is then no more than what they are charged for.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -48,7 +49,7 @@ use arrow_flight::FlightData;
 use serde::Deserialize;
 
 use super::put_stream::PutMessage;
-use crate::arrays::owned;
+use crate::arrays::{batch_owns_its_allocations, owned};
 use crate::error::Error;
 
 /// Most rows a record batch, or any array in it, may declare. cuDF columns have the same limit,
@@ -299,7 +300,10 @@ impl PutDecoder {
                 for column in batch.columns() {
                     check_values(&column.to_data())?;
                 }
-                if !self.detach || (body_alone && holds_only(&batch, &header, body_len)) {
+                // A body that came alone is its allocation's whole length (a `Buffer` over
+                // `bytes::Bytes` reports its length as its capacity, so only then is it
+                // measured whole).
+                if !self.detach || (body_alone && batch_owns_its_allocations(&batch)) {
                     return Ok(Decoded::Batch(batch));
                 }
                 let message = body_range(body.as_slice());
@@ -369,19 +373,6 @@ fn worth_pinning(schema: &Schema, batch: &ipc::RecordBatch<'_>, body_len: usize)
         && !dictionaries
         && body_len >= PINNED_BODY_MIN_BYTES
         && body_len >= buffers.saturating_mul(PINNED_MIN_AVERAGE_BUFFER_BYTES)
-}
-
-/// Whether a body of `body_len` bytes holds nothing but `batch`'s arrays and their alignment
-/// padding: then arrays that point into it may keep it, since what they are charged for
-/// ([`crate::arrays::batch_bytes`]) is what they keep. A body with room to spare (buffers longer
-/// than their arrays need, bytes no buffer covers) is not kept: a client could otherwise have
-/// the server hold memory nobody pays for.
-fn holds_only(batch: &RecordBatch, header: &ipc::RecordBatch<'_>, body_len: usize) -> bool {
-    /// Padding Arrow writers leave after each buffer: at most 63 bytes (64-byte alignment).
-    const PADDING: u64 = 64;
-    let buffers = header.buffers().map_or(0, |buffers| buffers.len()) as u64;
-    let slack = PADDING.saturating_mul(buffers.saturating_add(1));
-    crate::arrays::batch_bytes(batch).saturating_add(slack) >= body_len as u64
 }
 
 /// The addresses a message body occupies, its end included: an empty buffer Arrow places
