@@ -956,6 +956,45 @@ mod tests {
     }
 
     #[test]
+    fn a_dictionarys_values_do_not_pay_for_room_in_the_keys_body() {
+        // 100 KB of values, kept apart; 4 KB of keys, in a body with 64 KB of room.
+        let values = StringArray::from_iter_values((0..1000).map(|i| format!("{i:0100}")));
+        let keys = Int32Array::from_iter_values((0..1000).map(|i| i % 1000));
+        let colours = DictionaryArray::<Int32Type>::try_new(keys, Arc::new(values)).expect("dict");
+        let batch =
+            RecordBatch::try_from_iter([("c", Arc::new(colours) as ArrayRef)]).expect("batch");
+        let mut decoder = PutDecoder::new(64 << 20, 64 << 20, true);
+        let mut decoded = None;
+        for message in encode(batch.clone(), None) {
+            let mut body = message.data_body.to_vec();
+            body.resize(body.len() + (64 << 10), 0);
+            let message = PutMessage {
+                data: FlightData {
+                    data_body: aligned(&body),
+                    ..message
+                },
+                body_alone: true,
+            };
+            let start = message.data.data_body.as_ptr() as usize;
+            let body = start..start + message.data.data_body.len();
+            if let Decoded::Batch(batch) = decoder
+                .decode_message(&message, |_| Ok(()))
+                .expect("decode")
+            {
+                decoded = Some((batch, body));
+            }
+        }
+        let (decoded, body) = decoded.expect("a batch");
+        assert_eq!(decoded, batch);
+        let mut pointers = Vec::new();
+        addresses(&decoded.column(0).to_data(), &mut pointers);
+        assert!(
+            !pointers.iter().any(|p| body.contains(p)),
+            "the keys' roomy body is kept"
+        );
+    }
+
+    #[test]
     fn large_uncompressed_bodies_are_decoded_in_the_pinned_copy() {
         use std::sync::Mutex;
         // A stand-in for the backend's pinned memory: a 64-byte aligned copy, remembered.
