@@ -88,11 +88,14 @@ pub(crate) async fn respond(
         return refused.into_http();
     }
     let (parts, body) = request.into_parts();
-    let inbound = parts
-        .extensions
-        .get::<Inbound>()
-        .cloned()
-        .unwrap_or_default();
+    // Left by the request-limits layer, which also bounds and charges every message and fails
+    // a body that did not really end: without it, nothing is read.
+    let Some(inbound) = parts.extensions.get::<Inbound>().cloned() else {
+        return Status::from(Error::Internal(
+            "a DoPut reached its handler without the request-limits layer".to_owned(),
+        ))
+        .into_http();
+    };
     let messages = FrameReader::new(body, inbound);
     let request = Request::from_parts(
         MetadataMap::from_headers(parts.headers),
@@ -348,7 +351,9 @@ async fn receive_parameters(
         drop(inbound.take_charge());
         match decoder.decode_message(&message, |_| Ok(()))? {
             Decoded::Batch(batch) => {
-                held = held.saturating_add(batch.get_array_memory_size());
+                // What the batch holds: its arrays' bytes (Arrow's own measure would count
+                // the whole body once per buffer decoded in place from it).
+                held = held.saturating_add(crate::arrays::batch_bytes(&batch) as usize);
                 if held > sql::MAX_PARAMETER_BYTES {
                     return Err(Error::InvalidCommand(format!(
                         "a prepared statement's parameters are at most {} bytes",
@@ -362,4 +367,51 @@ async fn receive_parameters(
         }
     }
     Ok(batches)
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow::array::{ArrayRef, Int64Array};
+    use arrow::record_batch::RecordBatch;
+    use arrow_flight::encode::FlightDataEncoderBuilder;
+    use futures::TryStreamExt;
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    /// `batch` as a `DoPut` request body read by [`FrameReader`], and its first message.
+    async fn messages(batch: RecordBatch) -> (PutMessage, FrameReader) {
+        let messages: Vec<arrow_flight::FlightData> = FlightDataEncoderBuilder::new()
+            .build(futures::stream::iter([Ok(batch)]))
+            .try_collect()
+            .await
+            .expect("encode");
+        let mut framed = Vec::new();
+        for message in messages {
+            let encoded = message.encode_to_vec();
+            framed.push(0);
+            framed.extend((encoded.len() as u32).to_be_bytes());
+            framed.extend(encoded);
+        }
+        let body =
+            http_body_util::Full::new(bytes::Bytes::from(framed)).map_err(|never| match never {});
+        let mut reader = FrameReader::new(Body::new(body), Inbound::default());
+        let first = reader.message().await.expect("read").expect("a message");
+        (first, reader)
+    }
+
+    #[tokio::test]
+    async fn parameters_are_measured_by_what_they_hold() {
+        // 480 KB of parameters, under the 1 MiB cap; decoded in place from one body, which
+        // Arrow's measure counts once per column.
+        let column = || Arc::new(Int64Array::from_iter_values(0..20_000)) as ArrayRef;
+        let batch = RecordBatch::try_from_iter([("a", column()), ("b", column()), ("c", column())])
+            .expect("batch");
+        let (first, reader) = messages(batch.clone()).await;
+        let options = FlightOptions::default();
+        let batches = receive_parameters(first, reader, &Inbound::default(), &options)
+            .await
+            .expect("within the cap");
+        assert_eq!(batches, vec![batch]);
+    }
 }

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 
 use arrow::buffer::{Buffer, MutableBuffer};
 use arrow_flight::FlightData;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use http_body_util::BodyExt;
 use prost::Message;
 use tonic::body::Body;
@@ -166,8 +166,10 @@ impl FrameReader {
             u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
         // Every field but the first body, as it came: protobuf fields are self-delimiting, so
         // they still make a message without it.
-        let mut rest = BytesMut::new();
+        let mut rest: Vec<u8> = Vec::new();
         let mut body: Option<MutableBuffer> = None;
+        // A later body field replaces the first, an empty one too: the last occurrence wins.
+        let mut replaced = false;
         while remaining > 0 {
             let want = remaining.min(MAX_FIELD_HEAD_BYTES);
             if !self.fill(want).await? {
@@ -192,27 +194,41 @@ impl FrameReader {
                     body = Some(buffer);
                 }
                 Some(field) if field.total() <= remaining => {
+                    replaced |= field.number == BODY_FIELD && body.is_some();
+                    reserve(&mut rest, field.total())?;
                     self.copy(field.total(), |bytes| rest.extend_from_slice(bytes))
                         .await?;
                     remaining -= field.total();
                 }
                 // Not a field this reader can step over: the rest goes to prost as it is,
-                // which says what is wrong with it (or reads it, where it is a group).
+                // which says what is wrong with it (or reads it, where it is a group). The body
+                // taken out goes back first, where it was among the body fields, for prost to
+                // weigh against any later one.
                 _ => {
+                    if let Some(taken) = body.take().filter(|_| !replaced) {
+                        reserve(&mut rest, taken.len().saturating_add(MAX_FIELD_HEAD_BYTES))?;
+                        prost::encoding::encode_key(
+                            BODY_FIELD as u32,
+                            prost::encoding::WireType::LengthDelimited,
+                            &mut rest,
+                        );
+                        prost::encoding::encode_varint(taken.len() as u64, &mut rest);
+                        rest.extend_from_slice(taken.as_slice());
+                    }
+                    reserve(&mut rest, remaining)?;
                     self.copy(remaining, |bytes| rest.extend_from_slice(bytes))
                         .await?;
                     remaining = 0;
                 }
             }
         }
-        let mut data = FlightData::decode(rest.freeze()).map_err(|e| {
+        let mut data = FlightData::decode(Bytes::from(rest)).map_err(|e| {
             Error::Undecodable(format!(
                 "the request is not a valid FlightData protobuf message: {e}"
             ))
         })?;
         let body_alone = match body {
-            // A later occurrence of the body replaced this one.
-            Some(_) if !data.data_body.is_empty() => false,
+            Some(_) if replaced => false,
             Some(body) => {
                 data.data_body = Bytes::from(Buffer::from(body));
                 true
@@ -237,6 +253,16 @@ impl FrameReader {
                     Err(_trailers) => self.ended = true,
                 },
                 Some(Err(status)) => return Err(stream_failure(&self.inbound, status)),
+                // The request-limits layer fails a body that ends without END_STREAM (hyper
+                // ends one that was reset as if it were over); checked again here so that a
+                // reset can never read as a clean end.
+                None if !http_body::Body::is_end_stream(&self.body) => {
+                    return Err(Error::ClientGone(
+                        "the request stream was reset or its connection closed before the \
+                         client ended it"
+                            .to_owned(),
+                    ));
+                }
                 None => self.ended = true,
             }
         }
@@ -358,6 +384,11 @@ fn varint(bytes: &[u8]) -> Option<(u64, usize)> {
     None
 }
 
+/// Room for `more` bytes in `rest`, or the error that the host has none.
+fn reserve(rest: &mut Vec<u8>, more: usize) -> Result<(), Error> {
+    rest.try_reserve(more).map_err(|_| Error::HostMemory(more))
+}
+
 fn truncated() -> Error {
     Error::Undecodable("the request ended in the middle of a gRPC message".to_owned())
 }
@@ -418,8 +449,11 @@ mod tests {
         ));
     }
 
-    /// A request body that yields `frames`, then ends.
-    struct Frames(VecDeque<Result<Bytes, Status>>);
+    /// A request body that yields `frames`, then ends; `end_stream`: with END_STREAM.
+    struct Frames {
+        frames: VecDeque<Result<Bytes, Status>>,
+        end_stream: bool,
+    }
 
     impl http_body::Body for Frames {
         type Data = Bytes;
@@ -429,7 +463,11 @@ mod tests {
             mut self: Pin<&mut Self>,
             _cx: &mut Context<'_>,
         ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-            Poll::Ready(self.0.pop_front().map(|f| f.map(Frame::data)))
+            Poll::Ready(self.frames.pop_front().map(|f| f.map(Frame::data)))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.frames.is_empty() && self.end_stream
         }
     }
 
@@ -448,7 +486,11 @@ mod tests {
     }
 
     fn reader(frames: Vec<Result<Bytes, Status>>) -> FrameReader {
-        FrameReader::new(Body::new(Frames(frames.into())), Inbound::default())
+        let frames = Frames {
+            frames: frames.into(),
+            end_stream: true,
+        };
+        FrameReader::new(Body::new(frames), Inbound::default())
     }
 
     async fn read_all(mut reader: FrameReader) -> Result<Vec<PutMessage>, Error> {
@@ -502,24 +544,61 @@ mod tests {
             ..sent.clone()
         }
         .encode_to_vec();
-        // The body first, then the other fields.
-        let mut first = body_field(&sent.data_body);
-        first.extend(&header_only);
-        // The body twice: the last occurrence wins.
-        let mut twice = body_field(&[1, 2, 3]);
-        twice.extend(&header_only);
-        twice.extend(body_field(&sent.data_body));
-        // An unknown field, and a varint one.
-        let mut unknown = vec![0x28, 0x96, 0x01, 0x3a, 2, 9, 9];
-        unknown.extend(sent.encode_to_vec());
-        for (name, message, alone) in [
-            ("body first", first, true),
-            ("body twice", twice, false),
-            ("unknown fields", unknown, true),
-        ] {
+        let joined = |parts: &[&[u8]]| parts.concat();
+        // An unknown group (field 5: start and end), which this reader does not step over.
+        let group: &[u8] = &[0x2b, 0x2c];
+        let cases = [
+            (
+                "body first",
+                joined(&[&body_field(&sent.data_body), &header_only]),
+                true,
+            ),
+            (
+                "body twice",
+                joined(&[
+                    &body_field(&[1, 2, 3]),
+                    &header_only,
+                    &body_field(&sent.data_body),
+                ]),
+                false,
+            ),
+            (
+                "a later empty body",
+                joined(&[&body_field(&sent.data_body), &header_only, &body_field(&[])]),
+                false,
+            ),
+            (
+                "unknown fields",
+                joined(&[&[0x28, 0x96, 0x01, 0x3a, 2, 9, 9], &sent.encode_to_vec()]),
+                true,
+            ),
+            (
+                "a group after the body",
+                joined(&[&body_field(&sent.data_body), group, &header_only]),
+                false,
+            ),
+            (
+                "a group first",
+                joined(&[group, &sent.encode_to_vec()]),
+                false,
+            ),
+            (
+                "a group between two bodies",
+                joined(&[
+                    &body_field(&[1, 2, 3]),
+                    &header_only,
+                    group,
+                    &body_field(&[4]),
+                ]),
+                false,
+            ),
+        ];
+        for (name, message, alone) in cases {
+            // What prost makes of the same bytes is the answer.
+            let expected = FlightData::decode(&message[..]).expect(name);
             let read = read_all(reader(framed(&[message], 3))).await.expect(name);
             assert_eq!(read.len(), 1, "{name}");
-            assert_eq!(read[0].data, sent, "{name}");
+            assert_eq!(read[0].data, expected, "{name}");
             assert_eq!(read[0].body_alone, alone, "{name}");
         }
     }
@@ -558,6 +637,15 @@ mod tests {
         let mut frames = framed(&[flight_data(10).encode_to_vec()], 100);
         frames.push(Err(Status::cancelled("reset")));
         let error = read_all(reader(frames)).await.expect_err("failed");
+        assert!(matches!(error, Error::ClientGone(_)), "{error:?}");
+
+        // Whole messages, then an end without END_STREAM (a reset, as hyper reports one).
+        let frames = Frames {
+            frames: framed(&[flight_data(10).encode_to_vec()], 100).into(),
+            end_stream: false,
+        };
+        let reader = FrameReader::new(Body::new(frames), Inbound::default());
+        let error = read_all(reader).await.expect_err("no clean end");
         assert!(matches!(error, Error::ClientGone(_)), "{error:?}");
     }
 }
