@@ -918,6 +918,7 @@ mod tests {
                     ..message
                 },
                 body_alone: true,
+                charge: None,
             };
             let start = message.data.data_body.as_ptr() as usize;
             let body = start..start + message.data.data_body.len();

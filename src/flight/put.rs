@@ -43,7 +43,6 @@ use super::stages::Stages;
 use super::{FlightOptions, Service};
 use crate::auth::{self, Operation, Principal};
 use crate::error::Error;
-use crate::store::memory::Reservation;
 use crate::store::{PutSummary, Store};
 use crate::task::AbortOnDrop;
 
@@ -138,7 +137,7 @@ fn reply(result: &PutResult) -> http::Response<Body> {
 
 /// What the receiving task hands the decoder.
 enum Received {
-    Message(PutMessage, Option<Reservation>),
+    Message(PutMessage),
     /// The client ended its stream cleanly: the only way a put commits.
     End,
     Failed(Error),
@@ -164,11 +163,6 @@ pub(crate) async fn receive(
     let store = &service.store;
     let options = &service.options;
     let depth = options.put_pipeline_depth.max(1);
-    let inbound = request
-        .extensions()
-        .get::<Inbound>()
-        .cloned()
-        .unwrap_or_default();
     let call = request.extensions().get::<Arc<Call>>().cloned();
     let mut input = request.into_inner();
     let Some(first) = input.message().await? else {
@@ -176,7 +170,6 @@ pub(crate) async fn receive(
             "the DoPut stream was empty; send a descriptor and a schema first".to_owned(),
         ));
     };
-    let first_charge = inbound.take_charge();
     // DoPut is admitted at the read role, which binding parameters needs; a put of data needs
     // the write role, checked before any batch is read.
     let put = Operation::Action(auth::Action::Put);
@@ -193,8 +186,7 @@ pub(crate) async fn receive(
             (target, Some(check))
         }
         Some(SqlPut::Parameters(handle)) => {
-            drop(first_charge);
-            let batches = receive_parameters(first, input, &inbound, options).await?;
+            let batches = receive_parameters(first, input, options).await?;
             service.prepared.bind(&handle, batches, caller)?;
             return Ok(Answer::Bound(handle));
         }
@@ -212,12 +204,10 @@ pub(crate) async fn receive(
     }
 
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
-    let receiving_inbound = inbound.clone();
     let _receiving = AbortOnDrop(tokio::spawn(async move {
-        let inbound = receiving_inbound;
         loop {
             let item = match input.message().await {
-                Ok(Some(message)) => Received::Message(message, inbound.take_charge()),
+                Ok(Some(message)) => Received::Message(message),
                 Ok(None) => Received::End,
                 Err(error) => Received::Failed(error),
             };
@@ -240,14 +230,14 @@ pub(crate) async fn receive(
     let mut uploads = FuturesOrdered::new();
     // Dictionaries stay referenced by the decoder until the put ends; so do their charges.
     let mut dictionary_charges = Vec::new();
-    let mut next = Some((first, first_charge));
+    let mut next = Some(first);
     let stages = &service.stages;
     let mut started = Instant::now();
     loop {
-        let (message, mut charge) = match next.take() {
+        let mut message = match next.take() {
             Some(message) => message,
             None => match receiver.recv().await {
-                Some(Received::Message(message, charge)) => (message, charge),
+                Some(Received::Message(message)) => message,
                 Some(Received::End) => break,
                 Some(Received::Failed(error)) => return Err(error),
                 None => {
@@ -258,6 +248,7 @@ pub(crate) async fn receive(
             },
         };
         started = Stages::lap(&stages.put_receive_wait_nanos, started);
+        let mut charge = message.charge.take();
         Stages::add(&stages.put_messages, 1);
         Stages::add(
             &stages.put_bytes,
@@ -328,7 +319,6 @@ pub(crate) async fn receive(
 async fn receive_parameters(
     first: PutMessage,
     mut input: impl PutMessages,
-    inbound: &Inbound,
     options: &FlightOptions,
 ) -> Result<Vec<arrow::record_batch::RecordBatch>, Error> {
     let mut decoder = PutDecoder::new(
@@ -347,8 +337,8 @@ async fn receive_parameters(
                 None => break,
             },
         };
-        // Each message was paid for as it arrived; it is small or refused below.
-        drop(inbound.take_charge());
+        // Each message was paid for as it arrived (its charge goes with it); it is small or
+        // refused below.
         match decoder.decode_message(&message, |_| Ok(()))? {
             Decoded::Batch(batch) => {
                 // What the batch holds: its arrays' bytes (Arrow's own measure would count
@@ -409,7 +399,7 @@ mod tests {
             .expect("batch");
         let (first, reader) = messages(batch.clone()).await;
         let options = FlightOptions::default();
-        let batches = receive_parameters(first, reader, &Inbound::default(), &options)
+        let batches = receive_parameters(first, reader, &options)
             .await
             .expect("within the cap");
         assert_eq!(batches, vec![batch]);

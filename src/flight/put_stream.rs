@@ -81,6 +81,9 @@ pub(crate) struct PutMessage {
     /// `data.data_body` is an allocation of its own, 64-byte aligned, holding nothing but the
     /// body: arrays decoded in place may keep it without keeping anything else of the message.
     pub body_alone: bool,
+    /// What the request-limits layer charged for the message's bytes, taken from the
+    /// [`Inbound`] ledger as the message is handed out (the layer records it first).
+    pub charge: Option<Reservation>,
 }
 
 /// Where a put's messages come from.
@@ -107,6 +110,7 @@ impl PutMessages for TonicMessages {
             Ok(message) => Ok(message.map(|data| PutMessage {
                 data,
                 body_alone: false,
+                charge: self.inbound.take_charge(),
             })),
             Err(status) => Err(stream_failure(&self.inbound, status)),
         }
@@ -235,7 +239,11 @@ impl FrameReader {
             }
             None => false,
         };
-        Ok(Some(PutMessage { data, body_alone }))
+        Ok(Some(PutMessage {
+            data,
+            body_alone,
+            charge: self.inbound.take_charge(),
+        }))
     }
 
     /// Receives one more frame; false once the body has none.
