@@ -121,6 +121,9 @@ impl PutMessages for TonicMessages {
 const MAX_FIELD_HEAD_BYTES: usize = 20;
 /// `data_body`'s field number in `FlightData`.
 const BODY_FIELD: u64 = 1000;
+/// Fields of a message stepped over one by one; FlightData has four, and a message of many tiny
+/// unknown fields would otherwise cost a walk per few bytes. Past this, prost reads the rest.
+const MAX_FIELDS_WALKED: usize = 16;
 
 /// Reads FlightData messages from a `DoPut` request's body; see the module doc.
 pub(crate) struct FrameReader {
@@ -174,6 +177,7 @@ impl FrameReader {
         let mut body: Option<MutableBuffer> = None;
         // A later body field replaces the first, an empty one too: the last occurrence wins.
         let mut replaced = false;
+        let mut walked = 0;
         while remaining > 0 {
             let want = remaining.min(MAX_FIELD_HEAD_BYTES);
             if !self.fill(want).await? {
@@ -181,7 +185,11 @@ impl FrameReader {
             }
             let mut head = [0u8; MAX_FIELD_HEAD_BYTES];
             self.peek(&mut head[..want]);
-            match field_head(&head[..want]) {
+            walked += 1;
+            let field = (walked <= MAX_FIELDS_WALKED)
+                .then(|| field_head(&head[..want]))
+                .flatten();
+            match field {
                 Some(field)
                     if field.number == BODY_FIELD
                         && field.delimited
@@ -204,8 +212,9 @@ impl FrameReader {
                         .await?;
                     remaining -= field.total();
                 }
-                // Not a field this reader can step over: the rest goes to prost as it is,
-                // which says what is wrong with it (or reads it, where it is a group). The body
+                // Not a field this reader can step over, or one too many: the rest goes to
+                // prost as it is, which says what is wrong with it (or reads it, where it is a
+                // group or just many fields). The body
                 // taken out goes back first, where it was among the body fields, for prost to
                 // weigh against any later one.
                 _ => {
@@ -588,6 +597,20 @@ mod tests {
             (
                 "a group first",
                 joined(&[group, &sent.encode_to_vec()]),
+                false,
+            ),
+            (
+                "many fields before the body",
+                joined(&[&[0x28, 0x01].repeat(1000), &sent.encode_to_vec()]),
+                false,
+            ),
+            (
+                "many fields after the body",
+                joined(&[
+                    &body_field(&sent.data_body),
+                    &[0x28, 0x01].repeat(1000),
+                    &header_only,
+                ]),
                 false,
             ),
             (
