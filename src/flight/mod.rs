@@ -68,6 +68,8 @@ use descriptor::ReadOptions;
 pub use lifecycle::{Lifecycle, StreamGuard};
 use prost::Message;
 pub(crate) use put_stream::Inbound;
+#[cfg(test)]
+pub(crate) use put_stream::Scripted;
 pub use shared::{MAX_SHARED_FILES, default_writers};
 pub use stages::{DoGetStages, PutStages, StagesDocument};
 use ticket::{DatasetMetadata, EndpointMetadata};

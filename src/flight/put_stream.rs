@@ -436,13 +436,48 @@ fn stream_failure(inbound: &Inbound, status: Status) -> Error {
 /// of an INTERNAL status.
 const PROST_DECODE_ERROR: &str = "failed to decode Protobuf message";
 
+/// A request body for tests: it yields its frames, then ends; `end_stream` is what h2 would say
+/// about whether END_STREAM arrived.
+#[cfg(test)]
+pub(crate) struct Scripted {
+    frames: VecDeque<Result<Bytes, Status>>,
+    end_stream: bool,
+}
+
+#[cfg(test)]
+impl Scripted {
+    pub(crate) fn new(frames: Vec<Result<Bytes, Status>>, end_stream: bool) -> Self {
+        Self {
+            frames: frames.into(),
+            end_stream,
+        }
+    }
+}
+
+#[cfg(test)]
+impl http_body::Body for Scripted {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        std::task::Poll::Ready(
+            self.frames
+                .pop_front()
+                .map(|f| f.map(http_body::Frame::data)),
+        )
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.end_stream
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::pin::Pin;
-    use std::task::{Context, Poll};
-
     use arrow_flight::FlightDescriptor;
-    use http_body::Frame;
 
     use super::*;
 
@@ -466,28 +501,6 @@ mod tests {
         ));
     }
 
-    /// A request body that yields `frames`, then ends; `end_stream`: with END_STREAM.
-    struct Frames {
-        frames: VecDeque<Result<Bytes, Status>>,
-        end_stream: bool,
-    }
-
-    impl http_body::Body for Frames {
-        type Data = Bytes;
-        type Error = Status;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-            Poll::Ready(self.frames.pop_front().map(|f| f.map(Frame::data)))
-        }
-
-        fn is_end_stream(&self) -> bool {
-            self.frames.is_empty() && self.end_stream
-        }
-    }
-
     /// `messages` framed for gRPC, cut into frames of `size` bytes.
     fn framed(messages: &[Vec<u8>], size: usize) -> Vec<Result<Bytes, Status>> {
         let mut stream = Vec::new();
@@ -503,11 +516,7 @@ mod tests {
     }
 
     fn reader(frames: Vec<Result<Bytes, Status>>) -> FrameReader {
-        let frames = Frames {
-            frames: frames.into(),
-            end_stream: true,
-        };
-        FrameReader::new(Body::new(frames), Inbound::default())
+        FrameReader::new(Body::new(Scripted::new(frames, true)), Inbound::default())
     }
 
     async fn read_all(mut reader: FrameReader) -> Result<Vec<PutMessage>, Error> {
@@ -671,11 +680,8 @@ mod tests {
         assert!(matches!(error, Error::ClientGone(_)), "{error:?}");
 
         // Whole messages, then an end without END_STREAM (a reset, as hyper reports one).
-        let frames = Frames {
-            frames: framed(&[flight_data(10).encode_to_vec()], 100).into(),
-            end_stream: false,
-        };
-        let reader = FrameReader::new(Body::new(frames), Inbound::default());
+        let frames = framed(&[flight_data(10).encode_to_vec()], 100);
+        let reader = FrameReader::new(Body::new(Scripted::new(frames, false)), Inbound::default());
         let error = read_all(reader).await.expect_err("no clean end");
         assert!(matches!(error, Error::ClientGone(_)), "{error:?}");
     }

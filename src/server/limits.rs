@@ -378,40 +378,13 @@ impl HttpBody for GuardedBody {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::VecDeque;
-
     use http_body_util::BodyExt;
 
     use super::*;
-
-    /// A request body that yields `frames`, then ends; `end_stream` is what h2 would say about
-    /// whether END_STREAM arrived.
-    struct Scripted {
-        frames: VecDeque<Result<Bytes, Status>>,
-        end_stream: bool,
-    }
-
-    impl HttpBody for Scripted {
-        type Data = Bytes;
-        type Error = Status;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-            Poll::Ready(self.frames.pop_front().map(|f| f.map(Frame::data)))
-        }
-
-        fn is_end_stream(&self) -> bool {
-            self.frames.is_empty() && self.end_stream
-        }
-    }
+    use crate::flight::Scripted;
 
     fn body(guard: Guard, frames: Vec<Result<Bytes, Status>>, end_stream: bool) -> Body {
-        let request = http::Request::new(Body::new(Scripted {
-            frames: frames.into(),
-            end_stream,
-        }));
+        let request = http::Request::new(Body::new(Scripted::new(frames, end_stream)));
         guard.apply(request).into_body()
     }
 
