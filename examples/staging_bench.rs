@@ -12,14 +12,18 @@
 //! host memory to the device and back with nothing else (`CudaBackend::plain_copies`).
 //!
 //! With `--pinned-gib`, the cuda backend pins that much host memory (`--pinned-host-memory`),
-//! and each table's buffers are copied into it before the puts, as `DoPut` receives message
-//! bodies there (that copy takes the place of the decoder's realigning one, so it is not
-//! timed): the uploads then copy straight from it.
+//! and each batch is encoded as an Arrow IPC message whose body is copied into it and decoded
+//! in place, as `DoPut` does with a message body (that copy is the one `DoPut` makes out of
+//! the network's frames, so it is not timed): the uploads then copy straight from it.
+//! `--body-alignment 8` lays the bodies out as pyarrow writes them.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow::array::{ArrayRef, Int64Array, StringArray, make_array};
+use arrow::array::{ArrayRef, Int64Array, StringArray};
+use arrow::ipc::MetadataVersion;
+use arrow::ipc::reader::read_record_batch;
+use arrow::ipc::writer::{DictionaryTracker, IpcDataGenerator, IpcWriteOptions};
 use arrow::record_batch::RecordBatch;
 use clap::Parser;
 use futures::TryStreamExt;
@@ -57,28 +61,36 @@ struct Args {
     /// GiB of pinned host memory the tables are put from (cuda); 0 for none.
     #[arg(long, default_value_t = 0.0)]
     pinned_gib: f64,
+    /// With `--pinned-gib`: the alignment of buffers in the message bodies (64 as arrow-rs
+    /// writes them, 8 as pyarrow does).
+    #[arg(long, default_value_t = 64)]
+    body_alignment: usize,
 }
 
-/// `batch` with every buffer copied into the backend's pinned host memory.
-fn in_pinned_memory(backend: &dyn Backend, batch: &RecordBatch) -> RecordBatch {
-    let columns = batch
-        .columns()
-        .iter()
-        .map(|column| {
-            let data = column.to_data();
-            let buffers = data
-                .buffers()
-                .iter()
-                .map(|buffer| {
-                    backend
-                        .pinned_copy(buffer.as_slice())
-                        .expect("room in the pinned host memory (raise --pinned-gib)")
-                })
-                .collect();
-            make_array(data.into_builder().buffers(buffers).build().expect("array"))
-        })
-        .collect();
-    RecordBatch::try_new(batch.schema(), columns).expect("batch")
+/// `batch` as `DoPut` holds it with `--pinned-host-memory`: encoded as an Arrow IPC message
+/// body whose buffers start `alignment` bytes apart (arrow-rs writes 64, pyarrow 8), the body
+/// copied into the backend's pinned host memory, and the batch decoded in place there.
+fn as_pinned_body(backend: &dyn Backend, batch: &RecordBatch, alignment: usize) -> RecordBatch {
+    let options = IpcWriteOptions::try_new(alignment, false, MetadataVersion::V5)
+        .expect("an IPC alignment of 8, 16, 32 or 64");
+    let mut tracker = DictionaryTracker::new(false);
+    let (_, encoded) = IpcDataGenerator::default()
+        .encode(batch, &mut tracker, &options, &mut Default::default())
+        .expect("encode");
+    let body = backend
+        .pinned_copy(&encoded.arrow_data)
+        .expect("room in the pinned host memory (raise --pinned-gib)");
+    let message = arrow::ipc::root_as_message(&encoded.ipc_message).expect("message");
+    let header = message.header_as_record_batch().expect("a record batch");
+    read_record_batch(
+        &body,
+        header,
+        batch.schema(),
+        &Default::default(),
+        None,
+        &message.version(),
+    )
+    .expect("decode in place")
 }
 
 fn tables(gib: f64, batch_rows: usize) -> Vec<(&'static str, Vec<RecordBatch>)> {
@@ -153,7 +165,7 @@ async fn main() {
             let backend = store.backend();
             batches
                 .iter()
-                .map(|batch| in_pinned_memory(backend.as_ref(), batch))
+                .map(|batch| as_pinned_body(backend.as_ref(), batch, args.body_alignment))
                 .collect()
         } else {
             batches

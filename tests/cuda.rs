@@ -654,6 +654,35 @@ async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
+async fn a_body_laid_out_as_on_the_device_is_uploaded_in_one_copy() {
+    let backend = with_pinned_host_memory(256 << 20).await;
+    let server = serve_pinned(&backend, StoreOptions::default()).await;
+    let mut client = server.client().await;
+    // arrow-rs writes buffers 64-byte aligned, as the device layout places them: 8 columns
+    // of 128 KiB lie in each 1 MiB body as they will on the device.
+    let batches: Vec<RecordBatch> = (0..4).map(|_| ints_and_strings(16_384, 8, 0)).collect();
+    let before = status(&mut client).await;
+    put(&mut client, path("runs"), batches.clone())
+        .await
+        .expect("put");
+    let after = status(&mut client).await;
+    let grew = |name: &str| counter(&after, name) - counter(&before, name);
+    assert_eq!(grew("pinned_upload_copies"), 4, "{}", after["counters"]);
+    assert_eq!(
+        grew("pinned_upload_runs"),
+        4,
+        "one copy per body: {}",
+        after["counters"]
+    );
+    assert_same_data(
+        &batches,
+        &get_by_name(&mut client, "runs").await.expect("get"),
+    );
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
 async fn spills_too_large_for_the_pinned_host_memory_go_through_staging() {
     // 4 MiB: the small datasets' partitions fit, the 32 MB ones do not.
     let backend = with_pinned_host_memory(4 << 20).await;

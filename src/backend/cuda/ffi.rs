@@ -508,13 +508,43 @@ impl PinnedArena {
 
     /// Whether `bytes` lie in one block of this arena that is in use (and so are pinned).
     pub(super) fn holds(&self, bytes: &[u8]) -> bool {
+        let start = bytes.as_ptr() as usize;
+        start
+            .checked_add(bytes.len())
+            .is_some_and(|end| self.holds_addresses(start..end))
+    }
+
+    /// Whether the host addresses `span` (end exclusive) lie in one block in use.
+    pub(super) fn holds_addresses(&self, span: std::ops::Range<usize>) -> bool {
         let base = self.memory.ptr.as_ptr() as usize;
-        let Some(start) = (bytes.as_ptr() as usize).checked_sub(base) else {
-            return false;
-        };
-        self.lock()
-            .block_holding(&(start..start + bytes.len()))
-            .is_some()
+        match (span.start.checked_sub(base), span.end.checked_sub(base)) {
+            (Some(start), Some(end)) if start <= end => {
+                self.lock().block_holding(&(start..end)).is_some()
+            }
+            _ => false,
+        }
+    }
+
+    /// The bytes from the start of `first` to the end of `last`, the bytes between them
+    /// included, where that span lies in one block of this arena that is in use.
+    pub(super) fn span<'s>(&self, first: &'s [u8], last: &'s [u8]) -> Option<&'s [u8]> {
+        let base = self.memory.ptr.as_ptr() as usize;
+        let start = (first.as_ptr() as usize).checked_sub(base)?;
+        let end = (last.as_ptr() as usize)
+            .checked_sub(base)?
+            .checked_add(last.len())?;
+        if end < start {
+            return None;
+        }
+        self.lock().block_holding(&(start..end))?;
+        // SAFETY: `start..end` lies inside one block in use (checked under the lock), so inside
+        // the arena's allocation, and pinned memory holds valid `u8`s (see
+        // `ArenaBlock::as_mut_slice`). That block stays in use, and unwritten, for `'s`: `first`
+        // lies in it, and a block is written only by its one owner before it is shared, and
+        // goes back only when the last buffer over it is dropped.
+        Some(unsafe {
+            std::slice::from_raw_parts(self.memory.ptr.as_ptr().add(start), end - start)
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ranges> {

@@ -442,6 +442,41 @@ pub(super) fn fill_staging(plan: &UploadPlan, range: Range<usize>, target: &mut 
     copy_all(pairs);
 }
 
+/// Groups `sources` (regions in allocation order, each with the host address its bytes start
+/// at) into runs that one host-to-device copy each can fill: a region joins the run before it
+/// where its source lies as far from the run's first source as the region lies from the run's
+/// first region, so the bytes between them are copied as they lie, and where `one_block` says
+/// the whole source span (addresses, end exclusive) lies in one block of pinned memory: the
+/// bytes between two buffers are then their message's own (its padding), never another
+/// block's. Returns each run as a range of indices into `sources`.
+///
+/// A message body laid out as the device allocation is (64-byte aligned buffers, as
+/// arrow-rs writes them) becomes one copy instead of one per buffer.
+pub(super) fn copy_runs(
+    sources: &[(Region, usize)],
+    one_block: impl Fn(Range<usize>) -> bool,
+) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (index, &(region, address)) in sources.iter().enumerate() {
+        let joins = runs.last().is_some_and(|run| {
+            let (first, first_address) = sources[run.start];
+            let (last, _) = sources[index - 1];
+            let placed_after = region.offset >= last.offset + last.len;
+            let distance = region.offset - first.offset;
+            placed_after
+                && first_address.checked_add(distance) == Some(address)
+                && address
+                    .checked_add(region.len)
+                    .is_some_and(|end| one_block(first_address..end))
+        });
+        match runs.last_mut() {
+            Some(run) if joins => run.end = index + 1,
+            _ => runs.push(index..index + 1),
+        }
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -640,5 +675,47 @@ mod tests {
             allocation_bytes(ALLOCATION_GRANULARITY + 1),
             2 * ALLOCATION_GRANULARITY
         );
+    }
+    fn run(regions: &[(usize, usize, usize)]) -> Vec<Range<usize>> {
+        let sources: Vec<(Region, usize)> = regions
+            .iter()
+            .map(|&(offset, len, address)| (Region { offset, len }, address))
+            .collect();
+        // One block: 10_000..20_000.
+        copy_runs(&sources, |span| span.start >= 10_000 && span.end <= 20_000)
+    }
+
+    #[test]
+    fn regions_whose_sources_lie_as_they_do_are_copied_as_one() {
+        // A body laid out as the allocation: one run, gaps and all.
+        assert_eq!(
+            run(&[(0, 64, 10_000), (64, 100, 10_064), (192, 8, 10_192)]),
+            vec![0..3]
+        );
+        // The second source 8 bytes on from where the layout puts it (pyarrow pads to 8):
+        // a new run there, which the third continues.
+        assert_eq!(
+            run(&[(0, 100, 10_000), (128, 64, 10_104), (192, 64, 10_168)]),
+            vec![0..1, 1..3]
+        );
+        // Sources in another order than the regions.
+        assert_eq!(run(&[(0, 64, 10_128), (64, 64, 10_000)]), vec![0..1, 1..2]);
+    }
+
+    #[test]
+    fn a_run_never_spans_two_blocks_or_wraps() {
+        // Spaced as the regions are, but the second source is outside the block: the bytes
+        // between would be another block's.
+        assert_eq!(run(&[(0, 64, 19_936), (64, 64, 20_000)]), vec![0..1, 1..2]);
+        // The second source ends past the block.
+        assert_eq!(run(&[(0, 64, 19_872), (64, 65, 19_936)]), vec![0..1, 1..2]);
+        // Addresses near the top of the address space do not wrap.
+        let top = usize::MAX - 10;
+        let sources = [
+            (Region { offset: 0, len: 4 }, top),
+            (Region { offset: 4, len: 20 }, top + 4),
+        ];
+        assert_eq!(copy_runs(&sources, |_| true), vec![0..1, 1..2]);
+        assert_eq!(copy_runs(&[], |_| true), Vec::<Range<usize>>::new());
     }
 }

@@ -194,6 +194,9 @@ struct Counters {
     pinned_spill_bytes: AtomicU64,
     pinned_upload_copies: AtomicU64,
     pinned_upload_bytes: AtomicU64,
+    /// The host-to-device copies those uploads made: one per run of buffers lying in pinned
+    /// memory as they do on the device (`layout::copy_runs`).
+    pinned_upload_runs: AtomicU64,
 }
 
 impl Drop for CudaBackend {
@@ -1107,6 +1110,7 @@ impl Shared {
             "pinned_spill_copies": c.pinned_spill_copies.load(Ordering::Relaxed),
             "pinned_spill_bytes": c.pinned_spill_bytes.load(Ordering::Relaxed),
             "pinned_upload_copies": c.pinned_upload_copies.load(Ordering::Relaxed),
+            "pinned_upload_runs": c.pinned_upload_runs.load(Ordering::Relaxed),
             "pinned_upload_bytes": c.pinned_upload_bytes.load(Ordering::Relaxed),
         });
         match counters {

@@ -14,7 +14,8 @@
 //! Where the backend has pinned host memory (`--pinned-host-memory`) and a block of it is
 //! free, a spill copies the allocation straight into that block instead, with no staging and
 //! no CPU copy; an upload whose buffers all lie there (a restore of such a copy, or a `DoPut`
-//! batch whose message body was copied there) copies each buffer straight to the device. The
+//! batch whose message body lies there) copies them straight to the device, one copy
+//! per run of buffers that lie there as they will on the device (`layout::copy_runs`). The
 //! host memory a spill writes through staging is fresh, and faulting it in bounds those spills
 //! (about 21 GB/s at best on the 16-core H100 machine, against 52 for the link).
 
@@ -126,9 +127,9 @@ pub(super) fn upload(
     allocation: &DeviceAllocation,
 ) -> Result<UploadTimes, BackendError> {
     if let Some(arena) = shared.pinned.ready()
-        && all_in(arena, plan)
+        && let Some(runs) = direct_runs(arena, plan)
     {
-        return upload_pinned(shared, plan, allocation);
+        return upload_pinned(shared, plan, &runs, allocation);
     }
     let len = plan.used_bytes;
     if len == 0 {
@@ -194,57 +195,80 @@ fn zero_tail<'a>(
     })
 }
 
-/// Buffers smaller than this, on average, are staged even from pinned memory: each copy of
-/// its own costs the driver microseconds, more than staging so few bytes does.
+/// Copies smaller than this, on average, are staged even from pinned memory: each copy of its
+/// own costs the driver microseconds, more than staging so few bytes does.
 const DIRECT_MIN_AVERAGE_BYTES: usize = 64 << 10;
 
-/// Whether every buffer `plan` uploads lies in a block of the pinned host memory in use, and
-/// they are large enough on average to be copied one by one.
-fn all_in(arena: &PinnedArena, plan: &UploadPlan) -> bool {
-    let regions = plan
+/// The buffers `plan` uploads, grouped into one copy per run of them that lie in pinned host
+/// memory as they will on the device (`layout::copy_runs`): `None` unless every buffer lies
+/// in a block of the pinned memory in use and the copies are large enough on average to be
+/// made one by one.
+fn direct_runs<'p>(arena: &PinnedArena, plan: &'p UploadPlan) -> Option<Vec<Run<'p>>> {
+    let sources = plan
         .sources
         .iter()
         .filter(|(region, _)| region.len > 0)
-        .count();
-    regions > 0
-        && plan.used_bytes >= regions.saturating_mul(DIRECT_MIN_AVERAGE_BYTES)
-        && plan.sources.iter().all(|(region, source)| {
-            region.len == 0
-                || source
-                    .as_slice()
-                    .get(..region.len)
-                    .is_some_and(|bytes| arena.holds(bytes))
+        .map(|(region, source)| {
+            let bytes = source.as_slice().get(..region.len)?;
+            arena.holds(bytes).then_some((*region, bytes))
         })
+        .collect::<Option<Vec<_>>>()?;
+    let addresses: Vec<(layout::Region, usize)> = sources
+        .iter()
+        .map(|(region, bytes)| (*region, bytes.as_ptr() as usize))
+        .collect();
+    let runs = layout::copy_runs(&addresses, |span| arena.holds_addresses(span));
+    if runs.is_empty() || plan.used_bytes < runs.len().saturating_mul(DIRECT_MIN_AVERAGE_BYTES) {
+        return None;
+    }
+    runs.into_iter()
+        .map(|run| {
+            let (first_region, first) = sources[run.start];
+            let (last_region, last) = sources[run.end - 1];
+            Some(Run {
+                offset: first_region.offset,
+                end: last_region.offset + last_region.len,
+                bytes: arena.span(first, last)?,
+            })
+        })
+        .collect()
 }
 
-/// Uploads `plan`, whose buffers all lie in pinned host memory, straight from there: one
-/// copy per buffer, the gaps between them (and the allocation's tail) zeroed on the device,
+/// One host-to-device copy of an upload from pinned memory: `bytes` to `offset..end`.
+struct Run<'p> {
+    offset: usize,
+    end: usize,
+    bytes: &'p [u8],
+}
+
+/// Uploads `runs` of a plan whose buffers all lie in pinned host memory straight from there:
+/// one copy per run, the gaps between runs (and the allocation's tail) zeroed on the device,
 /// as staging would have, all on one stream with one synchronization.
 fn upload_pinned(
     shared: &Shared,
     plan: &UploadPlan,
+    runs: &[Run<'_>],
     allocation: &DeviceAllocation,
 ) -> Result<UploadTimes, BackendError> {
     let started = Instant::now();
     shared.with_stream(|stream| {
         stream.copies(|batch| {
             let mut at = 0;
-            for (region, source) in &plan.sources {
-                if region.len == 0 {
-                    continue;
-                }
-                if region.offset > at {
+            for run in runs {
+                if run.offset > at {
                     batch.zero(Span {
                         allocation,
                         offset: at,
-                        len: region.offset - at,
+                        len: run.offset - at,
                     })?;
                 }
-                let bytes = source.as_slice().get(..region.len).ok_or_else(|| {
-                    BackendError::Device("an upload's buffer is shorter than its region".to_owned())
-                })?;
-                batch.copy_arena_to_device(allocation, region.offset, bytes)?;
-                at = at.max(region.offset + region.len);
+                if run.bytes.len() != run.end - run.offset {
+                    return Err(BackendError::Device(
+                        "an upload's run of buffers does not span its regions".to_owned(),
+                    ));
+                }
+                batch.copy_arena_to_device(allocation, run.offset, run.bytes)?;
+                at = at.max(run.end);
             }
             zero_tail(batch, allocation, at)
         })
@@ -253,6 +277,9 @@ fn upload_pinned(
     counters
         .pinned_upload_copies
         .fetch_add(1, Ordering::Relaxed);
+    counters
+        .pinned_upload_runs
+        .fetch_add(runs.len() as u64, Ordering::Relaxed);
     counters
         .pinned_upload_bytes
         .fetch_add(plan.used_bytes as u64, Ordering::Relaxed);
