@@ -38,6 +38,10 @@ struct Args {
     /// Size of the single copy that measures the device's copy rate.
     #[arg(long, default_value_t = 1024)]
     copy_mib: usize,
+    /// Also time the kernel compiled to this PTX (`kernels/concat.cu` changed, compiled by
+    /// `kernels/build_ptx.py`), after the committed one, in the same process; repeatable.
+    #[arg(long)]
+    ptx: Vec<std::path::PathBuf>,
 }
 
 fn int64_partition(rows: usize, seed: usize) -> RecordBatch {
@@ -113,6 +117,21 @@ async fn main() {
         args.copy_mib,
         rate / 1e9
     );
+    run_shapes(&backend, &args, rate).await;
+    drop(backend);
+    for path in &args.ptx {
+        let ptx = std::fs::read_to_string(path).expect("the PTX file");
+        let backend = CudaBackend::open(args.device)
+            .expect("CUDA device")
+            .with_concat_kernel(&ptx)
+            .expect("the kernel loads");
+        println!("kernel from {}:", path.display());
+        run_shapes(&backend, &args, rate).await;
+    }
+}
+
+/// Every shape concatenated with `backend`'s kernel; `rate` is the device's copy rate.
+async fn run_shapes(backend: &CudaBackend, args: &Args, rate: f64) {
     type Maker = fn(usize, usize) -> RecordBatch;
     let shapes: [(&str, usize, Maker); 4] = [
         ("10 x int64 + nulls, 1,000 rows", 1_000, int64_partition),
@@ -148,7 +167,7 @@ async fn main() {
         }
         let batches: Vec<RecordBatch> = (0..args.partitions).map(|p| make(rows, p)).collect();
         let data: u64 = batches.iter().map(batch_bytes).sum();
-        let partitions = upload_all(&backend, batches).await;
+        let partitions = upload_all(backend, batches).await;
         let (mut best_total, mut best_kernel, mut best_loop) = (f64::MAX, f64::MAX, f64::MAX);
         let (mut allocate_at_best, mut plan_at_best, mut table_at_best) = (0.0, 0.0, 0.0);
         let mut loop_copies = 0;

@@ -10,12 +10,15 @@
 // Launch contract
 //   gpu_flight_concat<<<grid, 256>>>(tasks, unit_starts, maps, task_count, total_units)
 //   - blockDim.x == BLOCK (256); any grid size. Each block takes tiles of TILE consecutive
-//     units (grid-stride over tiles). One thread finds the tasks of the tile's first and last
-//     unit by binary search over the whole scan; every thread then searches only between
-//     those two for its units, which is one or two steps when tasks are large, and copies
-//     UNITS_PER_THREAD units, strided by BLOCK so that a warp's accesses stay contiguous.
-//   - A tile that lies inside one COPY_BYTES task (most of a large table) skips the search
-//     and copies with all of a thread's loads in flight at once (copy_tile).
+//     units (grid-stride over tiles). The first warp finds the tasks of the tile's first and
+//     last unit by a 32-way search over the whole scan (find_task_warp); every thread then
+//     searches only between those two for its units, which is one or two steps when tasks
+//     are large, and copies UNITS_PER_THREAD units, strided by BLOCK so that a warp's
+//     accesses stay contiguous.
+//   - A tile that lies inside one task (most of a large table) skips the search and, for
+//     byte copies, offset rebases and 4-byte key remaps, does its units with all of a
+//     thread's loads in flight at once (whole_tile). Those paths keep the kernel at the
+//     registers it had (80 on sm_90): more would cut occupancy for every task.
 //   - unit_starts has task_count + 1 entries: unit_starts[t] is the first unit of task t,
 //     unit_starts[task_count] == total_units. Tasks with zero units are allowed.
 //   - destinations of different tasks do not overlap, except that two bit-copy tasks may
@@ -191,25 +194,70 @@ constexpr u32 BLOCK = 256;
 constexpr u32 UNITS_PER_THREAD = 8;
 constexpr u64 TILE = static_cast<u64>(BLOCK) * UNITS_PER_THREAD;
 
-// Copies `units` whole 16-byte chunks from `from` to the aligned `to`, all loads first. The
-// source alignment is a template parameter so that the loads of an aligned tile are plain
-// 16-byte loads the compiler can issue back to back.
-template <bool ALIGNED>
+// Copies `units` whole 16-byte chunks from the aligned `from` to the aligned `to`, all loads
+// first, so the compiler issues them back to back.
 __device__ __forceinline__ void copy_whole_tile(u64 from, u64 to, u64 units) {
     uint4 values[UNITS_PER_THREAD];
     #pragma unroll
     for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
         const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
-        if (unit < units) {
-            values[k] = ALIGNED ? __ldg(reinterpret_cast<const uint4*>(from) + unit)
-                                : load16(from + unit * 16);
-        }
+        if (unit < units) values[k] = __ldg(reinterpret_cast<const uint4*>(from) + unit);
     }
     uint4* dst = reinterpret_cast<uint4*>(to);
     #pragma unroll
     for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
         const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
         if (unit < units) dst[unit] = values[k];
+    }
+}
+
+// The 16 bytes from byte `offset` (1-15) of the 32 bytes `a` then `b`. `offset` is the same
+// for a whole tile, so the switch does not diverge.
+__device__ __forceinline__ uint4 shifted(uint4 a, uint4 b, u32 offset) {
+    u32 w0, w1, w2, w3, w4;
+    switch (offset >> 2) {
+        case 0: w0 = a.x; w1 = a.y; w2 = a.z; w3 = a.w; w4 = b.x; break;
+        case 1: w0 = a.y; w1 = a.z; w2 = a.w; w3 = b.x; w4 = b.y; break;
+        case 2: w0 = a.z; w1 = a.w; w2 = b.x; w3 = b.y; w4 = b.z; break;
+        default: w0 = a.w; w1 = b.x; w2 = b.y; w3 = b.z; w4 = b.w; break;
+    }
+    const u32 shift = (offset & 3) * 8;
+    return make_uint4(__funnelshift_r(w0, w1, shift), __funnelshift_r(w1, w2, shift),
+                      __funnelshift_r(w2, w3, shift), __funnelshift_r(w3, w4, shift));
+}
+
+// copy_whole_tile for a source that is not 16-byte aligned (a string column's bytes after
+// the first fragment): each thread loads the aligned 16 bytes its chunk starts in, takes the
+// next aligned 16 from the lane after it (the warp's last lane loads them itself), and shifts
+// the chunk out of the two: one 16-byte load per chunk instead of five 4-byte ones (load16).
+// Every aligned 16 bytes read holds a byte of the source, so none reaches past the 16-byte
+// aligned ends of the source's allocation.
+__device__ __forceinline__ void copy_shifted_tile(u64 from, u64 to, u64 units) {
+    const u64 base = from & ~15ull;
+    const u32 offset = static_cast<u32>(from & 15);
+    const bool last_lane = (threadIdx.x & 31) == 31;
+    const uint4* src = reinterpret_cast<const uint4*>(base);
+    uint4 values[UNITS_PER_THREAD];
+    // Chunk `units` too: the last chunk's bytes end in it.
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        values[k] = unit <= units ? __ldg(src + unit) : make_uint4(0, 0, 0, 0);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(to);
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        // Every lane shuffles, whether or not it has a chunk.
+        uint4 next;
+        next.x = __shfl_down_sync(0xffffffffu, values[k].x, 1);
+        next.y = __shfl_down_sync(0xffffffffu, values[k].y, 1);
+        next.z = __shfl_down_sync(0xffffffffu, values[k].z, 1);
+        next.w = __shfl_down_sync(0xffffffffu, values[k].w, 1);
+        if (unit < units) {
+            if (last_lane) next = __ldg(src + unit + 1);
+            dst[unit] = shifted(values[k], next, offset);
+        }
     }
 }
 
@@ -227,9 +275,90 @@ __device__ __forceinline__ void copy_tile(const Task& t, u64 local, u64 units) {
     }
     const u64 from = t.src + (first_chunk - t.dst);
     if ((from & 15) == 0) {
-        copy_whole_tile<true>(from, first_chunk, units);
+        copy_whole_tile(from, first_chunk, units);
     } else {
-        copy_whole_tile<false>(from, first_chunk, units);
+        copy_shifted_tile(from, first_chunk, units);
+    }
+}
+
+// A whole tile inside one rebase, as copy_tile does for bytes: every thread loads all its
+// units' offsets before it writes any, and writes each unit with one 16-byte store where the
+// destination allows. The arithmetic is T's own, wrapping (the result is cast to T anyway),
+// so that the tile's offsets take no more registers than its bytes. Returns false (the caller
+// then does the units one by one) where the source is not 16-byte aligned or the tile's last
+// unit is not whole.
+template <typename T, typename U>
+__device__ __forceinline__ bool rebase_tile(const Task& t, u64 local, u64 units) {
+    constexpr u32 PER_UNIT = 16 / sizeof(T);
+    if ((t.src & 15) != 0 || (local + units) * PER_UNIT > t.count) return false;
+    const U* src = reinterpret_cast<const U*>(t.src);
+    const U shift = static_cast<U>(t.base) - __ldg(src);
+    uint4 values[UNITS_PER_THREAD];
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit < units) values[k] = __ldg(reinterpret_cast<const uint4*>(src) + local + unit);
+    }
+    const bool aligned = (t.dst & 15) == 0;
+    U* dst = reinterpret_cast<U*>(t.dst);
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit >= units) continue;
+        union { uint4 v; U items[PER_UNIT]; } out;
+        out.v = values[k];
+        #pragma unroll
+        for (u32 i = 0; i < PER_UNIT; ++i) out.items[i] += shift;
+        U* at = dst + (local + unit) * PER_UNIT;
+        if (aligned) {
+            *reinterpret_cast<uint4*>(at) = out.v;
+        } else {
+            #pragma unroll
+            for (u32 i = 0; i < PER_UNIT; ++i) at[i] = out.items[i];
+        }
+    }
+    return true;
+}
+
+// A whole tile inside one remap of 4-byte keys: all of a thread's keys loaded at once, then
+// looked up (the low 32 bits of each map entry: all a 4-byte key keeps) and stored. Narrower
+// keys (16 or 8 a unit) are left to the unit-by-unit path: their lookups in flight at once
+// would take registers enough to cut the whole kernel's occupancy. Returns false where the
+// keys are not 16-byte aligned at both ends or the tile's last unit is not whole.
+__device__ __forceinline__ bool remap_tile(const Task& t, u64 local, u64 units, const u64* __restrict__ maps) {
+    if (((t.src | t.dst) & 15) != 0 || (local + units) * 4 > t.count) return false;
+    uint4 keys[UNITS_PER_THREAD];
+    const uint4* src = reinterpret_cast<const uint4*>(t.src) + local;
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit < units) keys[k] = __ldg(src + unit);
+    }
+    const u32* map = reinterpret_cast<const u32*>(maps + t.map);
+    const u64 len = t.map_len;
+    uint4* dst = reinterpret_cast<uint4*>(t.dst) + local;
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit >= units) continue;
+        const uint4 in = keys[k];
+        dst[unit] = make_uint4(in.x < len ? __ldg(map + 2 * static_cast<u64>(in.x)) : 0u,
+                               in.y < len ? __ldg(map + 2 * static_cast<u64>(in.y)) : 0u,
+                               in.z < len ? __ldg(map + 2 * static_cast<u64>(in.z)) : 0u,
+                               in.w < len ? __ldg(map + 2 * static_cast<u64>(in.w)) : 0u);
+    }
+    return true;
+}
+
+// Does a tile that lies inside task `t` whole, where its kind has a way to (all but bitmaps);
+// false where the caller must do its units one by one.
+__device__ __forceinline__ bool whole_tile(const Task& t, u64 local, u64 units, const u64* __restrict__ maps) {
+    switch (t.kind) {
+        case COPY_BYTES: copy_tile(t, local, units); return true;
+        case REBASE_OFFS32: return rebase_tile<i32, u32>(t, local, units);
+        case REBASE_OFFS64: return rebase_tile<i64, u64>(t, local, units);
+        case REMAP_KEYS32: return remap_tile(t, local, units, maps);
+        default: return false;
     }
 }
 
@@ -243,6 +372,25 @@ __device__ __forceinline__ u32 find_task(const u64* __restrict__ unit_starts, u3
     return lo;
 }
 
+// find_task done by the 32 lanes of a warp together: each step probes 32 evenly spaced
+// tasks at once, so a table of 4,000 tasks takes 3 dependent loads instead of 12 (every
+// block starts with this, while its other threads wait). Every lane of the warp calls it and
+// gets the answer. unit_starts[lo] <= unit on entry.
+__device__ __forceinline__ u32 find_task_warp(const u64* __restrict__ unit_starts, u32 lo, u32 hi, u64 unit) {
+    const u32 lane = threadIdx.x & 31;
+    while (lo < hi) {
+        // 32 segments of `step` tasks cover lo..hi; lane j probes the start of segment j.
+        const u32 step = (hi - lo) / 32 + 1;
+        const u64 probe = static_cast<u64>(lo) + static_cast<u64>(lane) * step;
+        const bool below = probe <= hi && __ldg(unit_starts + probe) <= unit;
+        // Lane 0 probes lo, which is always below.
+        const u32 segment = 31 - __clz(__ballot_sync(0xffffffffu, below));
+        lo += segment * step;
+        hi = lo + (step - 1) < hi ? lo + (step - 1) : hi;
+    }
+    return lo;
+}
+
 extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
     const Task* __restrict__ tasks,
     const u64* __restrict__ unit_starts,
@@ -252,15 +400,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
     __shared__ u32 tile_first, tile_last;
     for (u64 tile = static_cast<u64>(blockIdx.x) * TILE; tile < total_units; tile += static_cast<u64>(gridDim.x) * TILE) {
         const u64 tile_end = tile + TILE < total_units ? tile + TILE : total_units;
-        if (threadIdx.x == 0) {
-            tile_first = find_task(unit_starts, 0, task_count - 1, tile);
-            tile_last = find_task(unit_starts, tile_first, task_count - 1, tile_end - 1);
+        if (threadIdx.x < 32) {
+            const u32 first = find_task_warp(unit_starts, 0, task_count - 1, tile);
+            const u32 last = find_task_warp(unit_starts, first, task_count - 1, tile_end - 1);
+            if (threadIdx.x == 0) {
+                tile_first = first;
+                tile_last = last;
+            }
         }
         __syncthreads();
         const u32 first = tile_first, last = tile_last;
-        if (first == last && tasks[first].kind == COPY_BYTES) {
-            copy_tile(tasks[first], tile - __ldg(unit_starts + first), tile_end - tile);
-        } else {
+        if (!(first == last
+              && whole_tile(tasks[first], tile - __ldg(unit_starts + first), tile_end - tile, maps))) {
             #pragma unroll
             for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
                 const u64 unit = tile + static_cast<u64>(k) * BLOCK + threadIdx.x;

@@ -118,7 +118,7 @@ fn random_dictionary(rng: &mut StdRng) -> ArrayRef {
     Arc::new(StringArray::from(picked))
 }
 
-/// A batch of every supported kind of column, of 0, 1, up to 3000 or up to 20,000 rows, possibly a slice
+/// A batch of every supported kind of column, of 0, 1, up to 3000, 20,000 or 70,000 rows, possibly a slice
 /// starting at an odd row (so bitmaps start mid-byte).
 fn random_fragment(rng: &mut StdRng, shared_dictionary: &ArrayRef) -> RecordBatch {
     let rows = match rng.random_range(0..20) {
@@ -126,6 +126,8 @@ fn random_fragment(rng: &mut StdRng, shared_dictionary: &ArrayRef) -> RecordBatc
         2 | 3 => 1,
         // Large enough that whole kernel tiles (32 KiB) fall inside one fragment's values.
         4 => rng.random_range(5_000..20_000),
+        // And whole tiles of 1-byte dictionary keys (2,048 units of 16 keys).
+        5 => rng.random_range(35_000..70_000),
         _ => rng.random_range(2..3000),
     };
     let slice_start = if rng.random_bool(0.3) {

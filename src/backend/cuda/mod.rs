@@ -413,6 +413,19 @@ impl CudaBackend {
         self
     }
 
+    /// For benchmarks comparing variants of `kernels/concat.cu` in one run, on a backend
+    /// nothing has concatenated with yet: the concatenation kernel loaded from `ptx` (the same
+    /// launch contract) instead of the committed PTX.
+    pub fn with_concat_kernel(mut self, ptx: &str) -> Result<Self, BackendError> {
+        for gpu in &mut self.devices {
+            let shared = Arc::get_mut(&mut gpu.shared).ok_or_else(|| {
+                BackendError::Device("the backend is in use; load the kernel first".to_owned())
+            })?;
+            shared.concat_kernel = Some(Kernel::load(&shared.context, ptx, "gpu_flight_concat")?);
+        }
+        Ok(self)
+    }
+
     /// Poisons every concatenation output before the kernel writes it. For tests: it costs a
     /// device memset per output.
     pub fn with_poisoned_outputs(mut self) -> Self {
