@@ -134,6 +134,15 @@ pub fn pci_numa_node(sysfs: &std::path::Path, bus_id: &str) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
+/// Host memory [`Backend::body_block`] hands out for one message body: written by its one owner
+/// as the body's bytes arrive, then shared read-only as the Arrow buffer the body's arrays are
+/// decoded in.
+pub trait BodyBlock: Send {
+    /// The block's bytes, all of them the body's.
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    fn into_buffer(self: Box<Self>) -> arrow::buffer::Buffer;
+}
+
 /// A place to keep datasets: host memory or a GPU.
 pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Short name shown in logs and `status`: `host` or `cuda`.
@@ -175,6 +184,14 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// their arrays need no staging copy. `None` (the default): the decoder keeps the body
     /// where it lies.
     fn pinned_copy(&self, _bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
+        None
+    }
+
+    /// A block of `len` bytes of host memory this backend uploads from directly (pinned), where
+    /// it has such memory free, for a `DoPut` message body to be received into straight from
+    /// the network, so that its arrays need no staging copy and the body no second copy.
+    /// `None` (the default): the body goes where the reader puts it.
+    fn body_block(&self, _len: usize) -> Option<Box<dyn BodyBlock>> {
         None
     }
 

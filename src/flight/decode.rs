@@ -18,11 +18,12 @@
 //! allocates anything. Arrow then refuses data that decompresses to more than it declared.
 //!
 //! Where the backend has memory it uploads from directly (the CUDA backend's
-//! `--pinned-host-memory`), a large uncompressed record batch's body is first copied there
-//! ([`PutDecoder::with_pinned_bodies`]), 64-byte aligned: Arrow then reads its arrays in place,
-//! and their upload needs no staging copy. Without it, Arrow copies each buffer the protobuf
-//! framing left misaligned (most of them) into an allocation of its own, and the upload copies
-//! them again into staging.
+//! `--pinned-host-memory`), a large uncompressed record batch's body is decoded there: received
+//! there straight from the network frames (`PutMessage::body_pinned`), or else first copied
+//! there ([`PutDecoder::with_pinned_bodies`]), 64-byte aligned. Arrow then reads its arrays in
+//! place, and their upload needs no staging copy. Without it, Arrow copies each buffer the
+//! protobuf framing left misaligned (most of them) into an allocation of its own, and the
+//! upload copies them again into staging.
 //!
 //! Decoded arrays never point into the message they came in ([`detach`]): Arrow realigns
 //! misaligned buffers into allocations of its own, and the columns (and dictionaries) it decoded
@@ -116,7 +117,7 @@ pub(crate) type PinnedCopy = Box<dyn Fn(&[u8]) -> Option<Buffer> + Send + Sync>;
 
 /// Bodies smaller than this stay where they lie: their arrays go through staging anyway (an
 /// upload copies straight from pinned memory only buffers large enough to pay for a copy each).
-const PINNED_BODY_MIN_BYTES: usize = 256 << 10;
+pub(crate) const PINNED_BODY_MIN_BYTES: usize = 256 << 10;
 /// The average buffer an upload copies straight from pinned memory must reach (the CUDA
 /// backend's `pieces::DIRECT_MIN_AVERAGE_BYTES`): a body of smaller buffers is staged anyway.
 const PINNED_MIN_AVERAGE_BUFFER_BYTES: usize = 64 << 10;
@@ -177,7 +178,12 @@ impl PutDecoder {
         message: &PutMessage,
         reserve: impl FnOnce(u64) -> Result<(), Error>,
     ) -> Result<Decoded, Error> {
-        self.decode_body(&message.data, message.body_alone, reserve)
+        self.decode_body(
+            &message.data,
+            message.body_alone,
+            message.body_pinned,
+            reserve,
+        )
     }
 
     /// Decodes one message. For a compressed one, `reserve` is first asked to pay for the bytes
@@ -188,13 +194,16 @@ impl PutDecoder {
         data: &FlightData,
         reserve: impl FnOnce(u64) -> Result<(), Error>,
     ) -> Result<Decoded, Error> {
-        self.decode_body(data, false, reserve)
+        self.decode_body(data, false, false, reserve)
     }
 
+    /// `body_pinned`: the body already lies in the backend's pinned memory, as a copy there
+    /// would.
     fn decode_body(
         &mut self,
         data: &FlightData,
         body_alone: bool,
+        body_pinned: bool,
         reserve: impl FnOnce(u64) -> Result<(), Error>,
     ) -> Result<Decoded, Error> {
         if data.data_header.is_empty() {
@@ -280,7 +289,9 @@ impl PutDecoder {
                 let buffers = self.pay_for_decompression(&header, &data.data_body, reserve)?;
                 check_layout(&schema, &header, &buffers, version)?;
                 let body = match &self.pinned {
-                    Some(PinnedBodies(copy)) if worth_pinning(&schema, &header, body_len) => {
+                    Some(PinnedBodies(copy))
+                        if !body_pinned && worth_pinning(&schema, &header, body_len) =>
+                    {
                         copy(&data.data_body).unwrap_or_else(|| self.body(&data.data_body))
                     }
                     _ => self.body(&data.data_body),
@@ -919,6 +930,7 @@ mod tests {
                 },
                 body_alone: true,
                 charge: None,
+                body_pinned: false,
             };
             let start = message.data.data_body.as_ptr() as usize;
             let body = start..start + message.data.data_body.len();
@@ -1034,6 +1046,47 @@ mod tests {
             }
             assert!(skipped.lock().expect("copies").is_empty());
         }
+    }
+
+    #[test]
+    fn a_body_received_into_pinned_memory_is_not_copied_there_again() {
+        let copies = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&copies);
+        let mut decoder =
+            PutDecoder::new(64 << 20, 64 << 20, false).with_pinned_bodies(Box::new(move |body| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some(Buffer::from(aligned(body)))
+            }));
+        let batch = RecordBatch::try_from_iter([(
+            "n",
+            Arc::new(Int64Array::from_iter_values(0..100_000)) as ArrayRef,
+        )])
+        .expect("batch");
+        let mut decoded = Vec::new();
+        for (pinned, message) in [false, true].into_iter().zip(encode(batch.clone(), None)) {
+            // The schema, then the batch (whose body came in a block).
+            let message = PutMessage {
+                data: FlightData {
+                    data_body: aligned(&message.data_body),
+                    ..message
+                },
+                body_alone: true,
+                charge: None,
+                body_pinned: pinned,
+            };
+            let body = message.data.data_body.as_ptr() as usize;
+            if let Decoded::Batch(got) = decoder
+                .decode_message(&message, |_| Ok(()))
+                .expect("decode")
+            {
+                let mut pointers = Vec::new();
+                addresses(&got.column(0).to_data(), &mut pointers);
+                assert!(pointers.contains(&body), "decoded where it lies");
+                decoded.push(got);
+            }
+        }
+        assert_eq!(decoded, vec![batch]);
+        assert_eq!(copies.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Status};
 
 use super::call::Call;
-use super::decode::{Decoded, PutDecoder};
+use super::decode::{Decoded, PINNED_BODY_MIN_BYTES, PutDecoder};
 use super::descriptor::{self, DeviceRef};
 use super::put_stream::{FrameReader, Inbound, PutMessage, PutMessages};
 use super::sql::{self, IngestCheck, SqlPut};
@@ -203,6 +203,16 @@ pub(crate) async fn receive(
         pending.require_existing()?;
     }
 
+    if !store.keeps_decoded_arrays() {
+        // Bodies worth a block go straight into pinned memory: the decoder then makes no copy
+        // of its own there (`PutDecoder::with_pinned_bodies`).
+        let blocks = store.clone();
+        input.receive_bodies_in(Box::new(move |len| {
+            (len >= PINNED_BODY_MIN_BYTES)
+                .then(|| blocks.body_block(len))
+                .flatten()
+        }));
+    }
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
     let _receiving = AbortOnDrop(tokio::spawn(async move {
         loop {

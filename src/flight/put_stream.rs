@@ -7,6 +7,9 @@
 //! the body (descriptor, IPC header, app_metadata: small) apart, and copies the body's bytes out
 //! of the frames once, into an allocation that starts 64-byte aligned: Arrow reads its arrays
 //! in place, and a backend that keeps them keeps that allocation ([`PutMessage::body_alone`]).
+//! For a backend that uploads from pinned host memory, the put hands the reader blocks of it
+//! once the caller is authorized ([`PutMessages::receive_bodies_in`]): large bodies are copied
+//! out of the frames straight into them, and their upload needs no other copy.
 //!
 //! Protobuf leaves the order of fields to the writer. Flight implementations write the body
 //! (field 1000) last; a message whose body comes first, twice or not at all is read as protobuf
@@ -33,6 +36,7 @@ use prost::Message;
 use tonic::body::Body;
 use tonic::{Code, Status, Streaming};
 
+use crate::backend::BodyBlock;
 use crate::error::Error;
 use crate::store::memory::Reservation;
 
@@ -84,12 +88,24 @@ pub(crate) struct PutMessage {
     /// What the request-limits layer charged for the message's bytes, taken from the
     /// [`Inbound`] ledger as the message is handed out (the layer records it first).
     pub charge: Option<Reservation>,
+    /// `data.data_body` was received straight into a block of the backend's pinned host
+    /// memory ([`PutMessages::receive_bodies_in`]): it needs no copy there.
+    pub body_pinned: bool,
 }
+
+/// Host memory for a message body of the given length, where the backend has some to give
+/// (`Store::body_block`).
+pub(crate) type BodyBlocks = Box<dyn Fn(usize) -> Option<Box<dyn BodyBlock>> + Send + Sync>;
 
 /// Where a put's messages come from.
 pub(crate) trait PutMessages: Send + 'static {
     /// The next message; `None` once the stream ended cleanly.
     fn message(&mut self) -> impl Future<Output = Result<Option<PutMessage>, Error>> + Send;
+
+    /// Receives later bodies into blocks `blocks` hands out, where it gives one, rather than
+    /// into memory of the reader's own. A reader that cannot (tonic's codec has copied each
+    /// message by the time it is handed out) ignores this.
+    fn receive_bodies_in(&mut self, _blocks: BodyBlocks) {}
 }
 
 /// The generated server's stream: tonic's codec over the same guarded body.
@@ -111,6 +127,7 @@ impl PutMessages for TonicMessages {
                 data,
                 body_alone: false,
                 charge: self.inbound.take_charge(),
+                body_pinned: false,
             })),
             Err(status) => Err(stream_failure(&self.inbound, status)),
         }
@@ -135,11 +152,16 @@ pub(crate) struct FrameReader {
     buffered: usize,
     /// The body has no more frames.
     ended: bool,
+    blocks: Option<BodyBlocks>,
 }
 
 impl PutMessages for FrameReader {
     async fn message(&mut self) -> Result<Option<PutMessage>, Error> {
         self.next_message().await
+    }
+
+    fn receive_bodies_in(&mut self, blocks: BodyBlocks) {
+        self.blocks = Some(blocks);
     }
 }
 
@@ -151,6 +173,7 @@ impl FrameReader {
             chunks: VecDeque::new(),
             buffered: 0,
             ended: false,
+            blocks: None,
         }
     }
 
@@ -174,7 +197,7 @@ impl FrameReader {
         // Every field but the first body, as it came: protobuf fields are self-delimiting, so
         // they still make a message without it.
         let mut rest: Vec<u8> = Vec::new();
-        let mut body: Option<MutableBuffer> = None;
+        let mut body: Option<BodyBytes> = None;
         // A later body field replaces the first, an empty one too: the last occurrence wins.
         let mut replaced = false;
         let mut walked = 0;
@@ -197,13 +220,8 @@ impl FrameReader {
                         && field.total() <= remaining =>
                 {
                     self.skip(field.head);
-                    // Fallible: the process's memory, unlike its budget, is not ours to count.
-                    let mut buffer = MutableBuffer::try_with_capacity(field.length)
-                        .map_err(|_| Error::HostMemory(field.length))?;
-                    self.copy(field.length, |bytes| buffer.extend_from_slice(bytes))
-                        .await?;
+                    body = Some(self.read_body(field.length).await?);
                     remaining -= field.total();
-                    body = Some(buffer);
                 }
                 Some(field) if field.total() <= remaining => {
                     replaced |= field.number == BODY_FIELD && body.is_some();
@@ -218,7 +236,8 @@ impl FrameReader {
                 // taken out goes back first, where it was among the body fields, for prost to
                 // weigh against any later one.
                 _ => {
-                    if let Some(taken) = body.take().filter(|_| !replaced) {
+                    if let Some(mut taken) = body.take().filter(|_| !replaced) {
+                        let taken = taken.as_mut_slice();
                         reserve(&mut rest, taken.len().saturating_add(MAX_FIELD_HEAD_BYTES))?;
                         prost::encoding::encode_key(
                             BODY_FIELD as u32,
@@ -226,7 +245,7 @@ impl FrameReader {
                             &mut rest,
                         );
                         prost::encoding::encode_varint(taken.len() as u64, &mut rest);
-                        rest.extend_from_slice(taken.as_slice());
+                        rest.extend_from_slice(taken);
                     }
                     reserve(&mut rest, remaining)?;
                     self.copy(remaining, |bytes| rest.extend_from_slice(bytes))
@@ -240,19 +259,42 @@ impl FrameReader {
                 "the request is not a valid FlightData protobuf message: {e}"
             ))
         })?;
-        let body_alone = match body {
-            Some(_) if replaced => false,
+        let (body_alone, body_pinned) = match body {
+            Some(_) if replaced => (false, false),
             Some(body) => {
-                data.data_body = Bytes::from(Buffer::from(body));
-                true
+                let pinned = matches!(body, BodyBytes::Block(_));
+                data.data_body = Bytes::from(body.into_buffer());
+                (true, pinned)
             }
-            None => false,
+            None => (false, false),
         };
         Ok(Some(PutMessage {
             data,
             body_alone,
             charge: self.inbound.take_charge(),
+            body_pinned,
         }))
+    }
+
+    /// The next `len` bytes, a message body, in an allocation of their own: a block of pinned
+    /// memory where one is given, else the process's memory (fallible: that memory, unlike the
+    /// budget, is not ours to count).
+    async fn read_body(&mut self, len: usize) -> Result<BodyBytes, Error> {
+        if let Some(mut block) = self.blocks.as_ref().and_then(|blocks| blocks(len)) {
+            let target = block.as_mut_slice();
+            let mut at = 0;
+            self.copy(len, |bytes| {
+                target[at..at + bytes.len()].copy_from_slice(bytes);
+                at += bytes.len();
+            })
+            .await?;
+            return Ok(BodyBytes::Block(block));
+        }
+        let mut buffer =
+            MutableBuffer::try_with_capacity(len).map_err(|_| Error::HostMemory(len))?;
+        self.copy(len, |bytes| buffer.extend_from_slice(bytes))
+            .await?;
+        Ok(BodyBytes::Heap(buffer))
     }
 
     /// Receives one more frame; false once the body has none.
@@ -344,6 +386,28 @@ impl FrameReader {
             }
         }
         Ok(())
+    }
+}
+
+/// A message body read out of the frames, in an allocation of its own.
+enum BodyBytes {
+    Heap(MutableBuffer),
+    Block(Box<dyn BodyBlock>),
+}
+
+impl BodyBytes {
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Self::Heap(buffer) => buffer.as_slice_mut(),
+            Self::Block(block) => block.as_mut_slice(),
+        }
+    }
+
+    fn into_buffer(self) -> Buffer {
+        match self {
+            Self::Heap(buffer) => Buffer::from(buffer),
+            Self::Block(block) => block.into_buffer(),
+        }
     }
 }
 
@@ -641,6 +705,80 @@ mod tests {
             assert_eq!(read[0].data, expected, "{name}");
             assert_eq!(read[0].body_alone, alone, "{name}");
         }
+    }
+
+    /// A block of test memory standing in for the backend's pinned memory.
+    struct TestBlock(Vec<u8>);
+
+    impl BodyBlock for TestBlock {
+        fn as_mut_slice(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+
+        fn into_buffer(self: Box<Self>) -> Buffer {
+            Buffer::from_vec(self.0)
+        }
+    }
+
+    /// A reader whose bodies of 1,000 bytes or more go into blocks; and how many it took.
+    fn reader_with_blocks(
+        frames: Vec<Result<Bytes, Status>>,
+    ) -> (FrameReader, Arc<std::sync::atomic::AtomicUsize>) {
+        let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = Arc::clone(&taken);
+        let mut reader = reader(frames);
+        reader.receive_bodies_in(Box::new(move |len| {
+            (len >= 1000).then(|| {
+                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // Stale bytes, as reused pinned memory holds: all of them must be overwritten.
+                Box::new(TestBlock(vec![0xee; len])) as Box<dyn BodyBlock>
+            })
+        }));
+        (reader, taken)
+    }
+
+    #[tokio::test]
+    async fn bodies_given_a_block_are_received_into_it_whole() {
+        let messages = [flight_data(5000), flight_data(0), flight_data(10)];
+        let encoded: Vec<Vec<u8>> = messages.iter().map(|m| m.encode_to_vec()).collect();
+        for size in [1, 7, 301, 4096] {
+            let (reader, taken) = reader_with_blocks(framed(&encoded, size));
+            let read = read_all(reader).await.expect("valid messages");
+            assert_eq!(taken.load(std::sync::atomic::Ordering::Relaxed), 1);
+            for (got, sent) in read.iter().zip(&messages) {
+                assert_eq!(&got.data, sent, "frames of {size}");
+                assert_eq!(
+                    got.body_pinned,
+                    sent.data_body.len() >= 1000,
+                    "frames of {size}"
+                );
+                assert_eq!(
+                    got.body_alone,
+                    !sent.data_body.is_empty(),
+                    "frames of {size}"
+                );
+            }
+        }
+        // A body in a block that prost must read after all (a group after it): it goes back
+        // among the fields, read as protobuf says, in memory of its own.
+        let sent = flight_data(2000);
+        let mut message = vec![0xc2, 0x3e, 0xd0, 0x0f];
+        message.extend(&sent.data_body[..]);
+        message.extend([0x2b, 0x2c]);
+        message.extend(
+            FlightData {
+                data_body: Bytes::new(),
+                ..sent.clone()
+            }
+            .encode_to_vec(),
+        );
+        let expected = FlightData::decode(&message[..]).expect("protobuf");
+        assert_eq!(expected.data_body, sent.data_body);
+        let (reader, taken) = reader_with_blocks(framed(&[message], 3));
+        let read = read_all(reader).await.expect("valid message");
+        assert_eq!(taken.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(read[0].data, expected);
+        assert!(!read[0].body_pinned && !read[0].body_alone);
     }
 
     #[tokio::test]

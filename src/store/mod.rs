@@ -289,6 +289,12 @@ impl Store {
         self.backend.pinned_copy(bytes)
     }
 
+    /// Host memory for a `DoPut` message body of `len` bytes to be received into, which the
+    /// backend uploads from directly, where it has such memory free ([`Backend::body_block`]).
+    pub fn body_block(&self, len: usize) -> Option<Box<dyn crate::backend::BodyBlock>> {
+        self.backend.body_block(len)
+    }
+
     /// Reserves `bytes` for a `DoPut` message being received (grown with
     /// [`Store::grow_message`] as its bytes arrive): bytes a client has sent but no dataset
     /// holds yet count against the budget like any other. They are charged to the device with

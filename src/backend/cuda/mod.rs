@@ -934,6 +934,14 @@ impl Backend for CudaBackend {
         self.pinned.start(bytes);
     }
 
+    fn body_block(&self, len: usize) -> Option<Box<dyn crate::backend::BodyBlock>> {
+        let block = self.pinned.ready()?.take(len)?;
+        self.pinned_bodies.fetch_add(1, Ordering::Relaxed);
+        self.pinned_body_bytes
+            .fetch_add(len as u64, Ordering::Relaxed);
+        Some(Box::new(block))
+    }
+
     /// A block of the pinned host memory with `bytes` in it, copied over several cores.
     fn pinned_copy(&self, bytes: &[u8]) -> Option<arrow::buffer::Buffer> {
         let mut block = self.pinned.ready()?.take(bytes.len())?;
@@ -1137,6 +1145,16 @@ fn flatten_join<T>(
     joined: Result<Result<T, BackendError>, tokio::task::JoinError>,
 ) -> Result<T, BackendError> {
     joined.unwrap_or_else(|e| Err(BackendError::Device(format!("a transfer task failed: {e}"))))
+}
+
+impl crate::backend::BodyBlock for ffi::ArenaBlock {
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        ffi::ArenaBlock::as_mut_slice(self)
+    }
+
+    fn into_buffer(self: Box<Self>) -> arrow::buffer::Buffer {
+        ffi::ArenaBlock::into_buffer(*self)
+    }
 }
 
 /// A device allocation counted in the backend's `device_allocated_bytes`.
