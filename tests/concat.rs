@@ -126,7 +126,8 @@ fn random_fragment(rng: &mut StdRng, shared_dictionary: &ArrayRef) -> RecordBatc
         2 | 3 => 1,
         // Large enough that whole kernel tiles (32 KiB) fall inside one fragment's values.
         4 => rng.random_range(5_000..20_000),
-        // And whole tiles of 1-byte dictionary keys (2,048 units of 16 keys).
+        // And larger, so that whole tiles (2,048 units) of offsets, 2-byte keys and more lie
+        // inside one fragment.
         5 => rng.random_range(35_000..70_000),
         _ => rng.random_range(2..3000),
     };
@@ -224,6 +225,16 @@ fn random_fragment(rng: &mut StdRng, shared_dictionary: &ArrayRef) -> RecordBatc
             Int16Array::from_iter(
                 (0..total).map(|i| opt(i).then_some((seeds[i] % entries) as i16)),
             ),
+            Arc::clone(&dictionary),
+        )
+        .expect("dictionary"),
+    );
+    // 4-byte keys, which the kernel remaps a whole tile at a time.
+    let codes: ArrayRef = Arc::new(
+        DictionaryArray::<Int32Type>::try_new(
+            Int32Array::from_iter(
+                (0..total).map(|i| opt(i).then_some(((seeds[i] / 7) % entries) as i32)),
+            ),
             dictionary,
         )
         .expect("dictionary"),
@@ -249,6 +260,7 @@ fn random_fragment(rng: &mut StdRng, shared_dictionary: &ArrayRef) -> RecordBatc
         ("decimal", decimal, true),
         ("fixed_binary", fixed_binary, true),
         ("categories", categories, true),
+        ("codes", codes, true),
         ("small_codes", small_codes, false),
     ])
     .expect("batch");

@@ -138,7 +138,10 @@ pub fn pci_numa_node(sysfs: &std::path::Path, bus_id: &str) -> Option<u32> {
 /// as the body's bytes arrive, then shared read-only as the Arrow buffer the body's arrays are
 /// decoded in.
 pub trait BodyBlock: Send {
-    /// The block's bytes, all of them the body's.
+    /// The block's length: the body's.
+    fn size(&self) -> usize;
+    /// The block's bytes, all of them the body's; every one is written before
+    /// [`into_buffer`](Self::into_buffer).
     fn as_mut_slice(&mut self) -> &mut [u8];
     fn into_buffer(self: Box<Self>) -> arrow::buffer::Buffer;
 }

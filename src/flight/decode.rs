@@ -117,7 +117,7 @@ pub(crate) type PinnedCopy = Box<dyn Fn(&[u8]) -> Option<Buffer> + Send + Sync>;
 
 /// Bodies smaller than this stay where they lie: their arrays go through staging anyway (an
 /// upload copies straight from pinned memory only buffers large enough to pay for a copy each).
-pub(crate) const PINNED_BODY_MIN_BYTES: usize = 256 << 10;
+const PINNED_BODY_MIN_BYTES: usize = 256 << 10;
 /// The average buffer an upload copies straight from pinned memory must reach (the CUDA
 /// backend's `pieces::DIRECT_MIN_AVERAGE_BYTES`): a body of smaller buffers is staged anyway.
 const PINNED_MIN_AVERAGE_BUFFER_BYTES: usize = 64 << 10;
@@ -377,13 +377,30 @@ fn worth_pinning(schema: &Schema, batch: &ipc::RecordBatch<'_>, body_len: usize)
             matches!(t, DataType::Dictionary(..))
         })
     });
+    !dictionaries && batch_worth_pinning(batch, body_len)
+}
+
+/// What [`worth_pinning`] asks of the batch itself: uncompressed, and large enough in all and
+/// per buffer.
+fn batch_worth_pinning(batch: &ipc::RecordBatch<'_>, body_len: usize) -> bool {
     let buffers = batch.buffers().map_or(0, |buffers| {
         buffers.iter().filter(|b| b.length() > 0).count()
     });
     batch.compression().is_none()
-        && !dictionaries
         && body_len >= PINNED_BODY_MIN_BYTES
         && body_len >= buffers.saturating_mul(PINNED_MIN_AVERAGE_BUFFER_BYTES)
+}
+
+/// Whether a body of `body_len` bytes whose message has the IPC header `header` is worth
+/// receiving straight into pinned memory: a record batch's, by [`worth_pinning`]'s rule as far
+/// as the header alone tells (the frame reader does not know the schema; a batch of
+/// dictionary keys so received is staged, as it would be anyway). Not a schema's nor a
+/// dictionary's, which the decoder keeps for the whole put.
+pub(crate) fn worth_a_block(header: &[u8], body_len: usize) -> bool {
+    ipc::root_as_message(header)
+        .ok()
+        .and_then(|message| message.header_as_record_batch())
+        .is_some_and(|batch| batch_worth_pinning(&batch, body_len))
 }
 
 /// The addresses a message body occupies, its end included: an empty buffer Arrow places
@@ -1046,6 +1063,47 @@ mod tests {
             }
             assert!(skipped.lock().expect("copies").is_empty());
         }
+    }
+
+    #[test]
+    fn only_large_uncompressed_record_batch_bodies_are_worth_a_block() {
+        let large = RecordBatch::try_from_iter([(
+            "n",
+            Arc::new(Int64Array::from_iter_values(0..100_000)) as ArrayRef,
+        )])
+        .expect("batch");
+        let verdicts = |batch: RecordBatch, codec| {
+            encode(batch, codec)
+                .iter()
+                .map(|m| worth_a_block(&m.data_header, m.data_body.len()))
+                .collect::<Vec<_>>()
+        };
+        // The schema's message, then the batch's.
+        assert_eq!(verdicts(large.clone(), None), vec![false, true]);
+        assert_eq!(verdicts(large.slice(0, 1000), None), vec![false, false]);
+        let lz4 = Some(arrow::ipc::CompressionType::LZ4_FRAME);
+        assert_eq!(verdicts(large, lz4), vec![false, false]);
+        // A large dictionary's message is kept by the decoder for the whole put: not worth one.
+        let keys = arrow::array::Int32Array::from_iter_values(0..100_000);
+        let values = StringArray::from_iter_values((0..100_000).map(|i| format!("value {i}")));
+        let dictionary =
+            DictionaryArray::<Int32Type>::try_new(keys, Arc::new(values)).expect("dictionary");
+        let batch =
+            RecordBatch::try_from_iter([("d", Arc::new(dictionary) as ArrayRef)]).expect("batch");
+        let messages = encode(batch, None);
+        let dictionary = messages
+            .iter()
+            .find(|m| {
+                ipc::root_as_message(&m.data_header)
+                    .is_ok_and(|h| h.header_type() == MessageHeader::DictionaryBatch)
+            })
+            .expect("a dictionary message");
+        assert!(dictionary.data_body.len() > PINNED_BODY_MIN_BYTES);
+        assert!(!worth_a_block(
+            &dictionary.data_header,
+            dictionary.data_body.len()
+        ));
+        assert!(!worth_a_block(b"not a flatbuffer", 1 << 20));
     }
 
     #[test]

@@ -35,7 +35,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Status};
 
 use super::call::Call;
-use super::decode::{Decoded, PINNED_BODY_MIN_BYTES, PutDecoder};
+use super::decode::{Decoded, PutDecoder, worth_a_block};
 use super::descriptor::{self, DeviceRef};
 use super::put_stream::{FrameReader, Inbound, PutMessage, PutMessages};
 use super::sql::{self, IngestCheck, SqlPut};
@@ -207,8 +207,8 @@ pub(crate) async fn receive(
         // Bodies worth a block go straight into pinned memory: the decoder then makes no copy
         // of its own there (`PutDecoder::with_pinned_bodies`).
         let blocks = store.clone();
-        input.receive_bodies_in(Box::new(move |len| {
-            (len >= PINNED_BODY_MIN_BYTES)
+        input.receive_bodies_in(Box::new(move |header, len| {
+            worth_a_block(header, len)
                 .then(|| blocks.body_block(len))
                 .flatten()
         }));

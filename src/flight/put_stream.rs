@@ -93,9 +93,9 @@ pub(crate) struct PutMessage {
     pub body_pinned: bool,
 }
 
-/// Host memory for a message body of the given length, where the backend has some to give
-/// (`Store::body_block`).
-pub(crate) type BodyBlocks = Box<dyn Fn(usize) -> Option<Box<dyn BodyBlock>> + Send + Sync>;
+/// Host memory for a message body, given the message's IPC header and the body's length,
+/// where the backend has some to give and the body is worth it (`Store::body_block`).
+pub(crate) type BodyBlocks = Box<dyn Fn(&[u8], usize) -> Option<Box<dyn BodyBlock>> + Send + Sync>;
 
 /// Where a put's messages come from.
 pub(crate) trait PutMessages: Send + 'static {
@@ -220,7 +220,7 @@ impl FrameReader {
                         && field.total() <= remaining =>
                 {
                     self.skip(field.head);
-                    body = Some(self.read_body(field.length).await?);
+                    body = Some(self.read_body(field.length, &rest).await?);
                     remaining -= field.total();
                 }
                 Some(field) if field.total() <= remaining => {
@@ -277,18 +277,30 @@ impl FrameReader {
     }
 
     /// The next `len` bytes, a message body, in an allocation of their own: a block of pinned
-    /// memory where one is given, else the process's memory (fallible: that memory, unlike the
-    /// budget, is not ours to count).
-    async fn read_body(&mut self, len: usize) -> Result<BodyBytes, Error> {
-        if let Some(mut block) = self.blocks.as_ref().and_then(|blocks| blocks(len)) {
-            let target = block.as_mut_slice();
-            let mut at = 0;
-            self.copy(len, |bytes| {
-                target[at..at + bytes.len()].copy_from_slice(bytes);
-                at += bytes.len();
-            })
-            .await?;
-            return Ok(BodyBytes::Block(block));
+    /// memory where one is given for it, else the process's memory (fallible: that memory,
+    /// unlike the budget, is not ours to count). `fields` are the message's fields before the
+    /// body, whose IPC header says whether the body is worth a block.
+    async fn read_body(&mut self, len: usize, fields: &[u8]) -> Result<BodyBytes, Error> {
+        if self.blocks.is_some() {
+            // A block only for a body wholly received: one taken for bytes still to come would
+            // be held for as long as the client cared to leave them coming.
+            if !self.fill(len).await? {
+                return Err(truncated());
+            }
+            let header = FlightData::decode(fields)
+                .map(|data| data.data_header)
+                .unwrap_or_default();
+            let block = self.blocks.as_ref().and_then(|blocks| blocks(&header, len));
+            if let Some(mut block) = block.filter(|block| block.size() == len) {
+                let target = block.as_mut_slice();
+                let mut at = 0;
+                self.copy(len, |bytes| {
+                    target[at..at + bytes.len()].copy_from_slice(bytes);
+                    at += bytes.len();
+                })
+                .await?;
+                return Ok(BodyBytes::Block(block));
+            }
         }
         let mut buffer =
             MutableBuffer::try_with_capacity(len).map_err(|_| Error::HostMemory(len))?;
@@ -711,6 +723,10 @@ mod tests {
     struct TestBlock(Vec<u8>);
 
     impl BodyBlock for TestBlock {
+        fn size(&self) -> usize {
+            self.0.len()
+        }
+
         fn as_mut_slice(&mut self) -> &mut [u8] {
             &mut self.0
         }
@@ -720,15 +736,16 @@ mod tests {
         }
     }
 
-    /// A reader whose bodies of 1,000 bytes or more go into blocks; and how many it took.
+    /// A reader whose bodies of 1,000 bytes or more go into blocks, where the message's IPC
+    /// header is `flight_data`'s; and how many blocks it took.
     fn reader_with_blocks(
         frames: Vec<Result<Bytes, Status>>,
     ) -> (FrameReader, Arc<std::sync::atomic::AtomicUsize>) {
         let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = Arc::clone(&taken);
         let mut reader = reader(frames);
-        reader.receive_bodies_in(Box::new(move |len| {
-            (len >= 1000).then(|| {
+        reader.receive_bodies_in(Box::new(move |header, len| {
+            (len >= 1000 && header == [7u8; 300]).then(|| {
                 count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // Stale bytes, as reused pinned memory holds: all of them must be overwritten.
                 Box::new(TestBlock(vec![0xee; len])) as Box<dyn BodyBlock>
@@ -762,23 +779,41 @@ mod tests {
         // A body in a block that prost must read after all (a group after it): it goes back
         // among the fields, read as protobuf says, in memory of its own.
         let sent = flight_data(2000);
-        let mut message = vec![0xc2, 0x3e, 0xd0, 0x0f];
+        let mut message = FlightData {
+            data_body: Bytes::new(),
+            ..sent.clone()
+        }
+        .encode_to_vec();
+        message.extend([0xc2, 0x3e, 0xd0, 0x0f]);
         message.extend(&sent.data_body[..]);
         message.extend([0x2b, 0x2c]);
-        message.extend(
-            FlightData {
-                data_body: Bytes::new(),
-                ..sent.clone()
-            }
-            .encode_to_vec(),
-        );
         let expected = FlightData::decode(&message[..]).expect("protobuf");
-        assert_eq!(expected.data_body, sent.data_body);
-        let (reader, taken) = reader_with_blocks(framed(&[message], 3));
+        assert_eq!(expected, sent);
+        let (reader, taken) = reader_with_blocks(framed(&[message.clone()], 3));
         let read = read_all(reader).await.expect("valid message");
         assert_eq!(taken.load(std::sync::atomic::Ordering::Relaxed), 1);
         assert_eq!(read[0].data, expected);
         assert!(!read[0].body_pinned && !read[0].body_alone);
+        // The body before the header: no header yet, so no block.
+        let mut first = vec![0xc2, 0x3e, 0xd0, 0x0f];
+        first.extend(&sent.data_body[..]);
+        first.extend(&message[..message.len() - 2 - 2004]);
+        let (reader, taken) = reader_with_blocks(framed(&[first], 3));
+        let read = read_all(reader).await.expect("valid message");
+        assert_eq!(taken.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(read[0].data, sent);
+        assert!(!read[0].body_pinned && read[0].body_alone);
+    }
+
+    #[tokio::test]
+    async fn no_block_is_taken_for_a_body_that_has_not_all_arrived() {
+        // The stream ends 100 bytes into a 5,000-byte body: nothing was ever held for it.
+        let mut frames = framed(&[flight_data(5000).encode_to_vec()], 100);
+        frames.truncate(6);
+        let (reader, taken) = reader_with_blocks(frames);
+        let error = read_all(reader).await.expect_err("truncated");
+        assert!(matches!(error, Error::Undecodable(_)), "{error:?}");
+        assert_eq!(taken.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     #[tokio::test]

@@ -564,6 +564,11 @@ pub(super) struct ArenaBlock {
 }
 
 impl ArenaBlock {
+    /// The length asked for.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
     /// The block's first `len` bytes (the length asked for).
     pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
         let base = self.arena.memory.ptr.as_ptr();
@@ -575,7 +580,9 @@ impl ArenaBlock {
         unsafe { std::slice::from_raw_parts_mut(base.add(self.range.start), self.len) }
     }
 
-    /// The block's bytes as an Arrow buffer, without a copy.
+    /// The block's bytes as an Arrow buffer, without a copy. The owner has written every one
+    /// of its `len` bytes first: what `PinnedArena::span` hands out between two buffers of the
+    /// block is read as the owner wrote it (the message body, the spilled image).
     pub(super) fn into_buffer(mut self) -> Buffer {
         let slice = self.as_mut_slice();
         let len = slice.len();

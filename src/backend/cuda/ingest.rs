@@ -312,6 +312,17 @@ pub(super) fn import(
                     planned.region.len,
                 )?;
             }
+            for (index, allocation) in allocations.iter().enumerate() {
+                let placed: Vec<(&DeviceArray, usize)> = plan
+                    .arrangement
+                    .columns
+                    .iter()
+                    .zip(&plan.columns)
+                    .filter(|((at, _), _)| *at == index)
+                    .map(|(&(_, at), array)| (array, at))
+                    .collect();
+                super::pieces::zero_gaps(batch, &allocation.inner, &placed)?;
+            }
             Ok(())
         })
     })?;

@@ -131,7 +131,9 @@ impl DeviceArray {
         })
     }
 
-    fn collect_regions(&self, out: &mut Vec<Region>) {
+    /// Every region of the array: its validity, its buffers and its children's (a
+    /// dictionary's values among them), depth first.
+    pub(super) fn collect_regions(&self, out: &mut Vec<Region>) {
         out.extend(self.validity);
         out.extend(&self.buffers);
         self.children.iter().for_each(|c| c.collect_regions(out));
@@ -442,16 +444,44 @@ pub(super) fn fill_staging(plan: &UploadPlan, range: Range<usize>, target: &mut 
     copy_all(pairs);
 }
 
+/// The ranges of `0..len` that no region of `regions` covers, in order: what an allocation
+/// holds besides its arrays. `ipc-export` maps allocations whole, and an allocation (reused,
+/// or fresh from the driver) still holds whatever was there before, so whoever fills one
+/// zeroes these.
+pub(super) fn gaps(regions: &mut [Region], len: usize) -> Vec<Region> {
+    regions.sort_unstable_by_key(|region| region.offset);
+    let mut gaps = Vec::new();
+    let mut at = 0;
+    for region in regions.iter().filter(|region| region.len > 0) {
+        let start = region.offset.min(len);
+        if start > at {
+            gaps.push(Region {
+                offset: at,
+                len: start - at,
+            });
+        }
+        at = at.max(region.offset.saturating_add(region.len).min(len));
+    }
+    if len > at {
+        gaps.push(Region {
+            offset: at,
+            len: len - at,
+        });
+    }
+    gaps
+}
+
 /// Groups `sources` (regions in allocation order, each with the host address its bytes start
 /// at) into runs that one host-to-device copy each can fill: a region joins the run before it
-/// where its source lies as far from the run's first source as the region lies from the run's
-/// first region, so the bytes between them are copied as they lie, and where `one_block` says
-/// the whole source span (addresses, end exclusive) lies in one block of pinned memory: the
-/// bytes between two buffers are then their message's own (its padding), never another
-/// block's. Returns each run as a range of indices into `sources`.
+/// where it starts right where the run ends, both on the device and in host memory, and
+/// `one_block` says the run's whole source span (addresses, end exclusive) lies in one block
+/// of pinned memory. A run holds its buffers' bytes and nothing else: the padding a writer
+/// leaves between buffers is never copied (the gaps between runs are zeroed instead). Returns
+/// each run as a range of indices into `sources`.
 ///
-/// A message body laid out as the device allocation is (64-byte aligned buffers, as
-/// arrow-rs writes them) becomes one copy instead of one per buffer.
+/// A message body laid out as the device allocation is (buffers of whole 64-byte multiples,
+/// as fixed-width columns of 8 rows' multiples are) becomes one copy instead of one per
+/// buffer.
 pub(super) fn copy_runs(
     sources: &[(Region, usize)],
     one_block: impl Fn(Range<usize>) -> bool,
@@ -459,12 +489,10 @@ pub(super) fn copy_runs(
     let mut runs: Vec<Range<usize>> = Vec::new();
     for (index, &(region, address)) in sources.iter().enumerate() {
         let joins = runs.last().is_some_and(|run| {
-            let (first, first_address) = sources[run.start];
-            let (last, _) = sources[index - 1];
-            let placed_after = region.offset >= last.offset + last.len;
-            let distance = region.offset - first.offset;
-            placed_after
-                && first_address.checked_add(distance) == Some(address)
+            let (_, first_address) = sources[run.start];
+            let (last, last_address) = sources[index - 1];
+            last.offset.checked_add(last.len) == Some(region.offset)
+                && last_address.checked_add(last.len) == Some(address)
                 && address
                     .checked_add(region.len)
                     .is_some_and(|end| one_block(first_address..end))
@@ -485,12 +513,6 @@ mod tests {
     use arrow::datatypes::Int32Type;
 
     use super::*;
-
-    fn regions(array: &DeviceArray, out: &mut Vec<Region>) {
-        out.extend(array.validity);
-        out.extend(&array.buffers);
-        array.children.iter().for_each(|child| regions(child, out));
-    }
 
     fn batch() -> RecordBatch {
         let ids: ArrayRef = Arc::new(Int64Array::from(vec![Some(1), None, Some(3), Some(4)]));
@@ -518,8 +540,8 @@ mod tests {
             assert_eq!(*to, at.next_multiple_of(ALIGNMENT));
             assert_eq!(moved.span().expect("bytes").offset, *to);
             let (mut from, mut into) = (Vec::new(), Vec::new());
-            regions(original, &mut from);
-            regions(moved, &mut into);
+            original.collect_regions(&mut from);
+            moved.collect_regions(&mut into);
             for (a, b) in from.iter().zip(&into) {
                 assert_eq!(a.len, b.len);
                 assert_eq!(
@@ -562,7 +584,9 @@ mod tests {
     fn every_buffer_lies_aligned_in_order_without_overlap() {
         let plan = UploadPlan::new(&batch()).expect("plan");
         let mut all = Vec::new();
-        plan.columns.iter().for_each(|c| regions(c, &mut all));
+        plan.columns
+            .iter()
+            .for_each(|c| c.collect_regions(&mut all));
         let mut end = 0;
         for region in &all {
             assert_eq!(region.offset % ALIGNMENT, 0, "{region:?}");
@@ -687,10 +711,15 @@ mod tests {
 
     #[test]
     fn regions_whose_sources_lie_as_they_do_are_copied_as_one() {
-        // A body laid out as the allocation: one run, gaps and all.
+        // A body laid out as the allocation: one run.
+        assert_eq!(
+            run(&[(0, 64, 10_000), (64, 128, 10_064), (192, 8, 10_192)]),
+            vec![0..3]
+        );
+        // Padding between two buffers, the same on both sides, is not copied: a new run.
         assert_eq!(
             run(&[(0, 64, 10_000), (64, 100, 10_064), (192, 8, 10_192)]),
-            vec![0..3]
+            vec![0..2, 2..3]
         );
         // The second source 8 bytes on from where the layout puts it (pyarrow pads to 8):
         // a new run there, which the third continues.
@@ -698,6 +727,8 @@ mod tests {
             run(&[(0, 100, 10_000), (128, 64, 10_104), (192, 64, 10_168)]),
             vec![0..1, 1..3]
         );
+        // Regions out of order never join (nor panic).
+        assert_eq!(run(&[(64, 64, 10_064), (0, 64, 10_000)]), vec![0..1, 1..2]);
         // Sources in another order than the regions.
         assert_eq!(run(&[(0, 64, 10_128), (64, 64, 10_000)]), vec![0..1, 1..2]);
     }
@@ -717,5 +748,29 @@ mod tests {
         ];
         assert_eq!(copy_runs(&sources, |_| true), vec![0..1, 1..2]);
         assert_eq!(copy_runs(&[], |_| true), Vec::<Range<usize>>::new());
+    }
+    #[test]
+    fn gaps_are_what_no_region_covers() {
+        let region = |offset, len| Region { offset, len };
+        let mut regions = vec![
+            region(128, 10),
+            region(0, 64),
+            region(64, 0),
+            region(200, 56),
+        ];
+        assert_eq!(
+            gaps(&mut regions, 1000),
+            vec![region(64, 64), region(138, 62), region(256, 744)]
+        );
+        // Overlapping and touching regions, one past the end.
+        let mut regions = vec![
+            region(10, 20),
+            region(0, 15),
+            region(30, 5),
+            region(990, 50),
+        ];
+        assert_eq!(gaps(&mut regions, 1000), vec![region(35, 955)]);
+        assert_eq!(gaps(&mut [], 64), vec![region(0, 64)]);
+        assert_eq!(gaps(&mut [region(0, 64)], 64), Vec::<Region>::new());
     }
 }

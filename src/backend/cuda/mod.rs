@@ -34,6 +34,8 @@
 mod abi;
 mod arena;
 mod concat;
+#[cfg(test)]
+mod device_tests;
 mod ffi;
 mod filter;
 mod filter_abi;
@@ -634,6 +636,12 @@ impl Shared {
                         )?;
                     }
                 }
+                // After the copies, which bring the gaps inside each column's span along.
+                if let Some(copy) = allocations.first() {
+                    let placed: Vec<(&DeviceArray, usize)> =
+                        plan.columns.iter().map(|array| (array, 0)).collect();
+                    pieces::zero_gaps(batch, &copy.inner, &placed)?;
+                }
                 Ok(())
             })
         })?;
@@ -742,6 +750,16 @@ impl Shared {
         );
         self.with_stream(|stream| {
             stream.copies(|batch| {
+                for (index, allocation) in allocations.iter().enumerate() {
+                    let placed: Vec<(&DeviceArray, usize)> = arrangement
+                        .columns
+                        .iter()
+                        .zip(&plan.columns)
+                        .filter(|((at, _), _)| *at == index)
+                        .map(|(_, (array, _))| (array, 0))
+                        .collect();
+                    pieces::zero_gaps(batch, &allocation.inner, &placed)?;
+                }
                 batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
                 for ((column, region, _), range) in plan.host_copies.iter().zip(copy_ranges) {
                     let allocation = &allocations[arrangement.columns[*column].0].inner;
@@ -1148,6 +1166,10 @@ fn flatten_join<T>(
 }
 
 impl crate::backend::BodyBlock for ffi::ArenaBlock {
+    fn size(&self) -> usize {
+        ffi::ArenaBlock::len(self)
+    }
+
     fn as_mut_slice(&mut self) -> &mut [u8] {
         ffi::ArenaBlock::as_mut_slice(self)
     }

@@ -195,6 +195,32 @@ fn zero_tail<'a>(
     })
 }
 
+/// Zeroes whatever of `allocation` lies outside `arrays` (each with the offset it lies at
+/// there): the gaps between their regions and the allocation's tail (`layout::gaps`), which
+/// would otherwise show what the memory held before to a consumer that maps it.
+pub(super) fn zero_gaps<'a>(
+    batch: &mut ffi::CopyBatch<'a>,
+    allocation: &'a DeviceAllocation,
+    arrays: &[(&DeviceArray, usize)],
+) -> Result<(), BackendError> {
+    let mut regions = Vec::new();
+    for (array, at) in arrays {
+        let start = regions.len();
+        array.collect_regions(&mut regions);
+        for region in &mut regions[start..] {
+            region.offset += at;
+        }
+    }
+    for gap in layout::gaps(&mut regions, allocation.bytes()) {
+        batch.zero(Span {
+            allocation,
+            offset: gap.offset,
+            len: gap.len,
+        })?;
+    }
+    Ok(())
+}
+
 /// Copies smaller than this, on average, are staged even from pinned memory: each copy of its
 /// own costs the driver microseconds, more than staging so few bytes does.
 const DIRECT_MIN_AVERAGE_BYTES: usize = 64 << 10;
@@ -346,7 +372,7 @@ type LaneTargets<'a> = Vec<(usize, &'a mut [MaybeUninit<u8>])>;
 
 /// The first `len` bytes of `allocation` in a host buffer of their own, written without
 /// being zeroed first (`ffi::host_buffer_written`).
-fn download(
+pub(super) fn download(
     shared: &Shared,
     allocation: &DeviceAllocation,
     len: usize,

@@ -1,0 +1,95 @@
+//! Tests that need a CUDA device and the backend's internals: what an allocation holds
+//! outside its arrays, which `ipc-export` consumers map but no public interface reads.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use arrow::array::{ArrayRef, Int64Array, StringArray, UInt8Array};
+use arrow::record_batch::RecordBatch;
+
+use super::*;
+
+/// Rows whose buffers are no multiple of 64 bytes: nulls, odd string lengths.
+fn odd_batch(rows: usize) -> RecordBatch {
+    let ints: ArrayRef = Arc::new(Int64Array::from_iter(
+        (0..rows).map(|i| (i % 3 != 0).then_some(i as i64)),
+    ));
+    let words: ArrayRef = Arc::new(StringArray::from_iter_values(
+        (0..rows).map(|i| "w".repeat(i % 7)),
+    ));
+    RecordBatch::try_from_iter([("n", ints), ("s", words)]).expect("batch")
+}
+
+/// Every byte of `partition`'s allocations that no array of it covers, each allocation read
+/// back whole.
+fn bytes_outside_arrays(partition: &Arc<dyn Partition>) -> Vec<u8> {
+    let part = partition
+        .as_any()
+        .downcast_ref::<CudaPartition>()
+        .expect("a cuda partition");
+    let mut outside = Vec::new();
+    for (index, allocation) in part.allocations.iter().enumerate() {
+        let len = allocation.inner.bytes();
+        let image = pieces::download(
+            &part.shared,
+            &allocation.inner,
+            len,
+            &AtomicBool::new(false),
+        )
+        .expect("the allocation read back");
+        let mut regions = Vec::new();
+        for (_, array) in part.columns.iter().filter(|(at, _)| *at == index) {
+            array.collect_regions(&mut regions);
+        }
+        for gap in layout::gaps(&mut regions, len) {
+            outside.extend_from_slice(&image.as_slice()[gap.offset..gap.offset + gap.len]);
+        }
+    }
+    outside
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn concatenations_and_copies_show_nothing_outside_their_arrays() {
+    // Concatenation outputs are filled with 0xAB before the kernel runs: any gap the kernel
+    // does not write, and nothing zeroes, shows it.
+    let backend = CudaBackend::open(0)
+        .expect("a CUDA device")
+        .with_poisoned_outputs();
+    let mut partitions = Vec::new();
+    for rows in [1001, 1038, 77, 4000] {
+        partitions.push(backend.upload(0, odd_batch(rows)).await.expect("upload"));
+    }
+    for partition in &partitions {
+        assert!(
+            bytes_outside_arrays(partition).iter().all(|&b| b == 0),
+            "an upload"
+        );
+    }
+    let compact = backend.compact(partitions).await.expect("concatenate");
+    let outside = bytes_outside_arrays(&compact);
+    assert!(!outside.is_empty());
+    assert!(outside.iter().all(|&b| b == 0), "a concatenation");
+
+    // A copy of some columns into memory that held another dataset's bytes: an upload of
+    // 0xFF bytes, dropped, leaves its allocation (of the copy's size) in the reuse cache.
+    let dirty: ArrayRef = Arc::new(UInt8Array::from(vec![0xFF_u8; 1 << 20]));
+    let dirty = RecordBatch::try_from_iter([("x", dirty)]).expect("batch");
+    drop(backend.upload(0, dirty).await.expect("upload"));
+    let shared = &backend.devices[0].shared;
+    let source = compact
+        .as_any()
+        .downcast_ref::<CudaPartition>()
+        .expect("a cuda partition");
+    let hits = shared.reuse.hits.load(Ordering::Relaxed);
+    let copy = shared.copy_from(source, &[1]).expect("copy a column");
+    assert_eq!(
+        shared.reuse.hits.load(Ordering::Relaxed),
+        hits + 1,
+        "the copy went into the dropped upload's memory"
+    );
+    assert!(
+        bytes_outside_arrays(&copy).iter().all(|&b| b == 0),
+        "a copy"
+    );
+}
