@@ -196,8 +196,8 @@ struct Counters {
     pinned_spill_bytes: AtomicU64,
     pinned_upload_copies: AtomicU64,
     pinned_upload_bytes: AtomicU64,
-    /// The host-to-device copies those uploads made: one per run of buffers lying in pinned
-    /// memory as they do on the device (`layout::copy_runs`).
+    /// The host-to-device copies those uploads made: one per run of buffers that follow each
+    /// other without a gap in pinned memory as on the device (`layout::copy_runs`).
     pinned_upload_runs: AtomicU64,
 }
 

@@ -14,8 +14,9 @@
 //! Where the backend has pinned host memory (`--pinned-host-memory`) and a block of it is
 //! free, a spill copies the allocation straight into that block instead, with no staging and
 //! no CPU copy; an upload whose buffers all lie there (a restore of such a copy, or a `DoPut`
-//! batch whose message body lies there) copies them straight to the device, one copy
-//! per run of buffers that lie there as they will on the device (`layout::copy_runs`). The
+//! batch whose message body lies there) copies them straight to the device, one copy per run
+//! of buffers that follow each other without a gap there as on the device
+//! (`layout::copy_runs`). The
 //! host memory a spill writes through staging is fresh, and faulting it in bounds those spills
 //! (about 21 GB/s at best on the 16-core H100 machine, against 52 for the link).
 
@@ -225,10 +226,10 @@ pub(super) fn zero_gaps<'a>(
 /// own costs the driver microseconds, more than staging so few bytes does.
 const DIRECT_MIN_AVERAGE_BYTES: usize = 64 << 10;
 
-/// The buffers `plan` uploads, grouped into one copy per run of them that lie in pinned host
-/// memory as they will on the device (`layout::copy_runs`): `None` unless every buffer lies
-/// in a block of the pinned memory in use and the copies are large enough on average to be
-/// made one by one.
+/// The buffers `plan` uploads, grouped into one copy per run of them that follow each other
+/// without a gap in pinned host memory as on the device (`layout::copy_runs`): `None` unless
+/// every buffer lies in a block of the pinned memory in use and the copies are large enough on
+/// average to be made one by one.
 fn direct_runs<'p>(arena: &PinnedArena, plan: &'p UploadPlan) -> Option<Vec<Run<'p>>> {
     let sources = plan
         .sources
