@@ -37,7 +37,7 @@ use tonic::{Request, Status};
 use super::call::Call;
 use super::decode::{Decoded, PutDecoder, worth_a_block};
 use super::descriptor::{self, DeviceRef};
-use super::put_stream::{FrameReader, Inbound, PutMessage, PutMessages};
+use super::put_stream::{BodyBlocks, FrameReader, Inbound, PutMessage, PutMessages};
 use super::sql::{self, IngestCheck, SqlPut};
 use super::stages::Stages;
 use super::{FlightOptions, Service};
@@ -207,11 +207,10 @@ pub(crate) async fn receive(
         // Bodies worth a block go straight into pinned memory: the decoder then makes no copy
         // of its own there (`PutDecoder::with_pinned_bodies`).
         let blocks = store.clone();
-        input.receive_bodies_in(Box::new(move |header, len| {
-            worth_a_block(header, len)
-                .then(|| blocks.body_block(len))
-                .flatten()
-        }));
+        input.receive_bodies_in(BodyBlocks {
+            wants: worth_a_block,
+            take: Box::new(move |len| blocks.body_block(len)),
+        });
     }
     let (sender, mut receiver) = tokio::sync::mpsc::channel(RECEIVE_AHEAD);
     let _receiving = AbortOnDrop(tokio::spawn(async move {

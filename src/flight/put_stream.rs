@@ -93,9 +93,17 @@ pub(crate) struct PutMessage {
     pub body_pinned: bool,
 }
 
-/// Host memory for a message body, given the message's IPC header and the body's length,
-/// where the backend has some to give and the body is worth it (`Store::body_block`).
-pub(crate) type BodyBlocks = Box<dyn Fn(&[u8], usize) -> Option<Box<dyn BodyBlock>> + Send + Sync>;
+/// Where [`PutMessages::receive_bodies_in`] puts bodies.
+pub(crate) struct BodyBlocks {
+    /// Whether a body is worth a block, from its message's IPC header and its length: the
+    /// reader waits for such a body whole before it asks for one.
+    pub wants: fn(&[u8], usize) -> bool,
+    /// A block of the given length, where the backend has one free (`Store::body_block`).
+    pub take: TakeBlock,
+}
+
+/// [`BodyBlocks::take`].
+pub(crate) type TakeBlock = Box<dyn Fn(usize) -> Option<Box<dyn BodyBlock>> + Send + Sync>;
 
 /// Where a put's messages come from.
 pub(crate) trait PutMessages: Send + 'static {
@@ -281,16 +289,21 @@ impl FrameReader {
     /// unlike the budget, is not ours to count). `fields` are the message's fields before the
     /// body, whose IPC header says whether the body is worth a block.
     async fn read_body(&mut self, len: usize, fields: &[u8]) -> Result<BodyBytes, Error> {
-        if self.blocks.is_some() {
-            // A block only for a body wholly received: one taken for bytes still to come would
-            // be held for as long as the client cared to leave them coming.
-            if !self.fill(len).await? {
-                return Err(truncated());
-            }
+        if let Some(blocks) = &self.blocks {
             let header = FlightData::decode(fields)
                 .map(|data| data.data_header)
                 .unwrap_or_default();
-            let block = self.blocks.as_ref().and_then(|blocks| blocks(&header, len));
+            // A block only for a body wholly received: one taken for bytes still to come would
+            // be held for as long as the client cared to leave them coming. Other bodies are
+            // copied as they come, as without blocks.
+            let block = if (blocks.wants)(&header, len) {
+                if !self.fill(len).await? {
+                    return Err(truncated());
+                }
+                self.blocks.as_ref().and_then(|blocks| (blocks.take)(len))
+            } else {
+                None
+            };
             if let Some(mut block) = block.filter(|block| block.size() == len) {
                 let target = block.as_mut_slice();
                 let mut at = 0;
@@ -744,13 +757,14 @@ mod tests {
         let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = Arc::clone(&taken);
         let mut reader = reader(frames);
-        reader.receive_bodies_in(Box::new(move |header, len| {
-            (len >= 1000 && header == [7u8; 300]).then(|| {
+        reader.receive_bodies_in(BodyBlocks {
+            wants: |header, len| len >= 1000 && header == [7u8; 300],
+            take: Box::new(move |len| {
                 count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // Stale bytes, as reused pinned memory holds: all of them must be overwritten.
-                Box::new(TestBlock(vec![0xee; len])) as Box<dyn BodyBlock>
-            })
-        }));
+                Some(Box::new(TestBlock(vec![0xee; len])) as Box<dyn BodyBlock>)
+            }),
+        });
         (reader, taken)
     }
 
