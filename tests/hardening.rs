@@ -166,6 +166,52 @@ async fn decimals_beyond_their_precision_are_refused() {
 }
 
 #[tokio::test]
+async fn doget_and_doput_compressed_as_a_whole_are_unimplemented() {
+    let server = TestServer::start(host()).await;
+    let messages: Vec<FlightData> = arrow_flight::encode::FlightDataEncoderBuilder::new()
+        .with_flight_descriptor(Some(path("gzipped")))
+        .build(futures::stream::iter([Ok(int64_batch(100, 1, 0))]))
+        .try_collect()
+        .await
+        .expect("encode");
+    let ticket = Ticket::new(Bytes::from_static(b"gzipped"));
+    for (method, body) in [
+        ("DoPut", wire::frames(&messages)),
+        ("DoGet", wire::frames(&[ticket])),
+    ] {
+        let mut client = wire::h2_connect(server.addr).await;
+        let outcome = wire::call_with(
+            &mut client,
+            method,
+            &[("grpc-encoding", "gzip")],
+            body,
+            End::Clean,
+            WAIT,
+        )
+        .await
+        .expect("an answer");
+        assert_eq!(
+            outcome.code,
+            Code::Unimplemented as i32,
+            "{method}: {outcome:?}"
+        );
+        assert!(
+            outcome.message.contains("\"gzip\""),
+            "{method}: {outcome:?}"
+        );
+    }
+    // Nothing was put.
+    let missing = server
+        .client()
+        .await
+        .get_flight_info(path("gzipped"))
+        .await
+        .expect_err("absent");
+    assert_eq!(code_of(&missing), Code::NotFound);
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test]
 async fn a_put_reset_with_no_error_commits_nothing() {
     let server = TestServer::start(host()).await;
     let batch = int64_batch(1000, 2, 0);

@@ -210,6 +210,17 @@ fn call<T>(request: &Request<T>) -> Option<Arc<Call>> {
 
 type Stream<T> = BoxStream<'static, Result<T, Status>>;
 
+/// The head and body of a request served past tonic's generated server (`DoGet`, `DoPut`), or
+/// the reply refusing it where it is compressed ([`unsupported_encoding`]).
+fn uncompressed(
+    request: http::Request<tonic::body::Body>,
+) -> Result<(http::request::Parts, tonic::body::Body), Box<http::Response<tonic::body::Body>>> {
+    match unsupported_encoding(request.headers()) {
+        Some(refused) => Err(Box::new(refused.into_http())),
+        None => Ok(request.into_parts()),
+    }
+}
+
 /// A request compressed with anything but `identity` is UNIMPLEMENTED, naming the encoding
 /// this server accepts, as gRPC asks (and as tonic answers for the other methods).
 fn unsupported_encoding(headers: &http::HeaderMap) -> Option<Status> {

@@ -83,10 +83,10 @@ pub(crate) async fn respond(
     service: &Service,
     request: http::Request<Body>,
 ) -> http::Response<Body> {
-    if let Some(refused) = super::unsupported_encoding(request.headers()) {
-        return refused.into_http();
-    }
-    let (parts, body) = request.into_parts();
+    let (parts, body) = match super::uncompressed(request) {
+        Ok(split) => split,
+        Err(refused) => return *refused,
+    };
     // Left by the request-limits layer, which also bounds and charges every message and fails
     // a body that did not really end: without it, nothing is read.
     let Some(inbound) = parts.extensions.get::<Inbound>().cloned() else {

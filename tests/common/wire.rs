@@ -115,15 +115,29 @@ pub async fn call(
     end: End,
     wait: std::time::Duration,
 ) -> Option<Outcome> {
-    let request = http::Request::builder()
+    call_with(client, method, &[], body, end, wait).await
+}
+
+/// [`call`] with more request headers.
+pub async fn call_with(
+    client: &mut h2::client::SendRequest<Bytes>,
+    method: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+    end: End,
+    wait: std::time::Duration,
+) -> Option<Outcome> {
+    let mut request = http::Request::builder()
         .method("POST")
         .uri(format!(
             "http://localhost/arrow.flight.protocol.FlightService/{method}"
         ))
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .expect("request");
+        .header("te", "trailers");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(()).expect("request");
     let (response, mut stream) = client
         .send_request(request, end == End::OnHeaders)
         .expect("send");

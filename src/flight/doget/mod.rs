@@ -41,11 +41,11 @@ pub(crate) async fn respond(
     service: &Service,
     request: http::Request<Body>,
 ) -> http::Response<Body> {
-    if let Some(refused) = super::unsupported_encoding(request.headers()) {
-        return refused.into_http();
-    }
+    let (parts, body) = match super::uncompressed(request) {
+        Ok(split) => split,
+        Err(refused) => return *refused,
+    };
     let limit = service.options.max_request_bytes;
-    let (parts, body) = request.into_parts();
     // The server's request-limits layer has already refused compressed, oversized, missing and
     // undecodable messages with clearer errors; the decoder's own checks are the backstop.
     let decoder = tonic_prost::ProstCodec::<Ticket, Ticket>::default().decoder();
