@@ -391,13 +391,20 @@ fn batch_worth_pinning(batch: &ipc::RecordBatch<'_>, body_len: usize) -> bool {
         && body_len >= buffers.saturating_mul(PINNED_MIN_AVERAGE_BUFFER_BYTES)
 }
 
-/// Whether a body of `body_len` bytes whose message has the IPC header `header` is worth
-/// receiving straight into pinned memory: a record batch's, by [`worth_pinning`]'s rule as far
-/// as the header alone tells (the frame reader does not know the schema; a batch of
-/// dictionary keys so received is staged, as it would be anyway). Not a schema's nor a
-/// dictionary's, which the decoder keeps for the whole put.
-pub(crate) fn worth_a_block(header: &[u8], body_len: usize) -> bool {
-    ipc::root_as_message(header)
+/// Whether a body of `body_len` bytes is worth receiving straight into pinned memory, given
+/// its message's protobuf fields before it (`fields`): a record batch's, by [`worth_pinning`]'s
+/// rule as far as its IPC header alone tells (the frame reader does not know the schema; a
+/// batch of dictionary keys so received is staged, as it would be anyway). Not a schema's nor
+/// a dictionary's, which the decoder keeps for the whole put. The fields are read only for a
+/// body large enough.
+pub(crate) fn worth_a_block(body_len: usize, fields: &[u8]) -> bool {
+    if body_len < PINNED_BODY_MIN_BYTES {
+        return false;
+    }
+    let Ok(data) = <FlightData as prost::Message>::decode(fields) else {
+        return false;
+    };
+    ipc::root_as_message(&data.data_header)
         .ok()
         .and_then(|message| message.header_as_record_batch())
         .is_some_and(|batch| batch_worth_pinning(&batch, body_len))
@@ -1072,12 +1079,16 @@ mod tests {
             Arc::new(Int64Array::from_iter_values(0..100_000)) as ArrayRef,
         )])
         .expect("batch");
-        let verdicts = |batch: RecordBatch, codec| {
-            encode(batch, codec)
-                .iter()
-                .map(|m| worth_a_block(&m.data_header, m.data_body.len()))
-                .collect::<Vec<_>>()
+        // What the frame reader passes: the body's length and the fields before it.
+        let worth = |message: &FlightData| {
+            let fields = prost::Message::encode_to_vec(&FlightData {
+                data_body: bytes::Bytes::new(),
+                ..message.clone()
+            });
+            worth_a_block(message.data_body.len(), &fields)
         };
+        let verdicts =
+            |batch: RecordBatch, codec| encode(batch, codec).iter().map(worth).collect::<Vec<_>>();
         // The schema's message, then the batch's.
         assert_eq!(verdicts(large.clone(), None), vec![false, true]);
         assert_eq!(verdicts(large.slice(0, 1000), None), vec![false, false]);
@@ -1099,11 +1110,16 @@ mod tests {
             })
             .expect("a dictionary message");
         assert!(dictionary.data_body.len() > PINNED_BODY_MIN_BYTES);
+        assert!(!worth(dictionary));
+        let garbage = FlightData {
+            data_header: bytes::Bytes::from_static(b"not a flatbuffer"),
+            ..FlightData::default()
+        };
         assert!(!worth_a_block(
-            &dictionary.data_header,
-            dictionary.data_body.len()
+            1 << 20,
+            &prost::Message::encode_to_vec(&garbage)
         ));
-        assert!(!worth_a_block(b"not a flatbuffer", 1 << 20));
+        assert!(!worth_a_block(1 << 20, b"\xff not protobuf"));
     }
 
     #[test]

@@ -95,9 +95,10 @@ pub(crate) struct PutMessage {
 
 /// Where [`PutMessages::receive_bodies_in`] puts bodies.
 pub(crate) struct BodyBlocks {
-    /// Whether a body is worth a block, from its message's IPC header and its length: the
-    /// reader waits for such a body whole before it asks for one.
-    pub wants: fn(&[u8], usize) -> bool,
+    /// Whether a body is worth a block, from its length and its message's fields before it
+    /// (protobuf, the IPC header among them): the reader waits for such a body whole before it
+    /// asks for one.
+    pub wants: fn(usize, &[u8]) -> bool,
     /// A block of the given length, where the backend has one free (`Store::body_block`).
     pub take: TakeBlock,
 }
@@ -290,13 +291,10 @@ impl FrameReader {
     /// body, whose IPC header says whether the body is worth a block.
     async fn read_body(&mut self, len: usize, fields: &[u8]) -> Result<BodyBytes, Error> {
         if let Some(blocks) = &self.blocks {
-            let header = FlightData::decode(fields)
-                .map(|data| data.data_header)
-                .unwrap_or_default();
             // A block only for a body wholly received: one taken for bytes still to come would
             // be held for as long as the client cared to leave them coming. Other bodies are
             // copied as they come, as without blocks.
-            let block = if (blocks.wants)(&header, len) {
+            let block = if (blocks.wants)(len, fields) {
                 if !self.fill(len).await? {
                     return Err(truncated());
                 }
@@ -750,7 +748,8 @@ mod tests {
     }
 
     /// A reader whose bodies of 1,000 bytes or more go into blocks, where the message's IPC
-    /// header is `flight_data`'s; and how many blocks it took.
+    /// header (among the fields before the body) is `flight_data`'s; and how many blocks it
+    /// took.
     fn reader_with_blocks(
         frames: Vec<Result<Bytes, Status>>,
     ) -> (FrameReader, Arc<std::sync::atomic::AtomicUsize>) {
@@ -758,7 +757,11 @@ mod tests {
         let count = Arc::clone(&taken);
         let mut reader = reader(frames);
         reader.receive_bodies_in(BodyBlocks {
-            wants: |header, len| len >= 1000 && header == [7u8; 300],
+            wants: |len, fields| {
+                len >= 1000
+                    && FlightData::decode(fields)
+                        .is_ok_and(|data| data.data_header == [7u8; 300][..])
+            },
             take: Box::new(move |len| {
                 count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // Stale bytes, as reused pinned memory holds: all of them must be overwritten.
