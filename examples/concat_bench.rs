@@ -24,6 +24,10 @@ use clap::Parser;
 use gpu_flight::arrays::batch_bytes;
 use gpu_flight::backend::{Backend, CudaBackend, Partition};
 
+// The allocator the server uses, so that planning's allocations cost what they do there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 struct Args {
     #[arg(long, default_value_t = 0)]

@@ -11,19 +11,23 @@
 //   gpu_flight_concat<<<grid, 256>>>(tasks, unit_starts, maps, task_count, total_units)
 //   - blockDim.x == BLOCK (256); any grid size. Each block takes tiles of TILE consecutive
 //     units (grid-stride over tiles). The first warp finds the tasks of the tile's first and
-//     last unit by a 32-way search over the whole scan (find_task_warp); every thread then
-//     searches only between those two for its units, which is one or two steps when tasks
-//     are large, and copies UNITS_PER_THREAD units, strided by BLOCK so that a warp's
-//     accesses stay contiguous.
-//   - A tile that lies inside one task (most of a large table) skips the search and, for
-//     byte copies, offset rebases and 4-byte key remaps, does its units with all of a
-//     thread's loads in flight at once (whole_tile). Those paths keep the kernel at the
-//     registers it had (80 on sm_90): more would cut occupancy for every task.
+//     last unit by a 32-way search over the whole scan (find_task_warp).
+//   - A tile that spans fewer than MAX_SEGMENTS tasks (most tiles of any table but one of
+//     tiny fragments) is done task by task, all threads on one task's part of the tile: byte
+//     copies, bitmaps, offset rebases and 4-byte key remaps with all of a thread's loads in
+//     flight at once (whole_tile), other kinds unit by unit without a search. A tile of more
+//     tasks is done unit by unit, each thread searching between the tile's first and last
+//     task for its units, strided by BLOCK so that a warp's accesses stay contiguous.
+//   - __launch_bounds__(BLOCK, 3) holds the kernel at 80 registers (three blocks per SM);
+//     left alone, the whole-tile paths take 128 and halve occupancy for every task.
 //   - unit_starts has task_count + 1 entries: unit_starts[t] is the first unit of task t,
 //     unit_starts[task_count] == total_units. Tasks with zero units are allowed.
 //   - destinations of different tasks do not overlap, except that two bit-copy tasks may
 //     share the 32-bit word at their boundary; those words are updated with atomics that
-//     touch only each task's own bits.
+//     touch only each task's own bits. No other task writes a byte of a word a bit-copy task
+//     writes (ZERO_BYTES tasks start after the 32-bit word a bitmap ends in).
+//   - sources of bit copies are 4-byte aligned where whole tiles are to read them as words
+//     (an unaligned one is copied unit by unit, read bytewise).
 //
 // Work units per task kind
 //   COPY_BYTES     one 16-byte aligned chunk of the destination: a 16-byte store (bytewise in
@@ -36,6 +40,9 @@
 //   REMAP_KEYS64   bytes): dst[k] = maps[map + src[k]], or 0 when src[k] (read unsigned) is
 //                  not below map_len (only ever under a null). One 16-byte load and store
 //                  where both ends are aligned, as keys of compact fragments are.
+//   ZERO_BYTES     as COPY_BYTES, writing zeros (src unused): the bytes of an output that no
+//                  buffer covers (alignment gaps, the allocation's rounding), zeroed in the
+//                  same launch so that no earlier contents of the memory stay readable.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -52,12 +59,18 @@ enum TaskKind : u32 {
     REMAP_KEYS16 = 5,
     REMAP_KEYS32 = 6,
     REMAP_KEYS64 = 7,
+    ZERO_BYTES = 8,
 };
+
+// COPY_BITS flag: this task writes its bitmap's last bit; it also clears the bits after that
+// one up to the end of their 32-bit word, which no other task writes (the bytes there are
+// neither the bitmap's nor, for ZERO_BYTES, their own: see the host's planning).
+constexpr u32 ZERO_TAIL = 1;
 
 // Must match `ConcatTask` in src/backend/cuda/abi.rs, whose tests read this file to check.
 struct Task {
     u32 kind;
-    u32 reserved;
+    u32 flags;    // COPY_BITS: ZERO_TAIL
     u64 src;      // device address of the source buffer (0: all-ones bitmap)
     u64 dst;      // device address of the destination buffer
     u64 count;    // bytes, bits or offsets to write
@@ -108,6 +121,19 @@ __device__ __forceinline__ void copy_bytes(const Task& t, u64 unit) {
     }
 }
 
+// copy_bytes writing zeros.
+__device__ __forceinline__ void zero_bytes(const Task& t, u64 unit) {
+    const u64 chunk = (t.dst & ~15ull) + unit * 16;
+    const u64 end = t.dst + t.count;
+    const u64 lo = chunk > t.dst ? chunk : t.dst;
+    const u64 hi = chunk + 16 < end ? chunk + 16 : end;
+    if (lo == chunk && hi == chunk + 16) {
+        *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
+    } else {
+        for (u64 at = lo; at < hi; ++at) *reinterpret_cast<u8*>(at) = 0;
+    }
+}
+
 // `n` (<= 32) source bits starting at bit `bit`, read bytewise so that nothing past the
 // source bitmap's last byte is touched.
 __device__ __forceinline__ u32 read_bits(const u8* src, u64 bit, u32 n) {
@@ -133,10 +159,12 @@ __device__ __forceinline__ void copy_bits(const Task& t, u64 unit) {
         ? (n == 32 ? 0xffffffffu : ((1u << n) - 1))
         : read_bits(reinterpret_cast<const u8*>(t.src), t.src_bit + (lo - t.dst_bit), n);
     u32* dst = reinterpret_cast<u32*>(t.dst) + word;
-    if (n == 32) {
-        *dst = bits;
+    u32 mask = (n == 32 ? 0xffffffffu : ((1u << n) - 1)) << shift;
+    if ((t.flags & ZERO_TAIL) != 0 && hi == end && shift + n < 32) mask |= 0xffffffffu << (shift + n);
+    if (mask == 0xffffffffu) {
+        // The whole word is this task's: bits read past n are 0, so the tail is cleared.
+        *dst = bits << shift;
     } else {
-        const u32 mask = ((n == 32 ? 0xffffffffu : ((1u << n) - 1))) << shift;
         atomicAnd(dst, ~mask);
         atomicOr(dst, (bits << shift) & mask);
     }
@@ -193,6 +221,8 @@ __device__ __forceinline__ void remap(const Task& t, u64 unit, const u64* __rest
 constexpr u32 BLOCK = 256;
 constexpr u32 UNITS_PER_THREAD = 8;
 constexpr u64 TILE = static_cast<u64>(BLOCK) * UNITS_PER_THREAD;
+// A tile that spans fewer tasks than this is done task by task (see the kernel).
+constexpr u32 MAX_SEGMENTS = 8;
 
 // Copies `units` whole 16-byte chunks from the aligned `from` to the aligned `to`, all loads
 // first, so the compiler issues them back to back.
@@ -350,15 +380,76 @@ __device__ __forceinline__ bool remap_tile(const Task& t, u64 local, u64 units, 
     return true;
 }
 
+// A tile inside one bitmap copy, as copy_tile does for bytes: every thread reads the source
+// words of all its units first (two aligned 32-bit words funnel-shifted where the fragment's
+// bits do not start at a word), then writes whole words. The task's first and last word,
+// which it may share with its neighbours (or must clear the tail of), go through copy_bits.
+// Returns false where the source is not 4-byte aligned. The words read past a bitmap's last
+// byte stay inside its allocation, whose buffers start 64-byte aligned.
+__device__ __forceinline__ bool bits_tile(const Task& t, u64 local, u64 units) {
+    if ((t.src & 3) != 0) return false;
+    const u64 first_word = t.dst_bit >> 5;
+    const u64 last_unit = ((t.dst_bit + t.count - 1) >> 5) - first_word;
+    const u32* src = reinterpret_cast<const u32*>(t.src);
+    u32 values[UNITS_PER_THREAD];
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = local + static_cast<u64>(k) * BLOCK + threadIdx.x;
+        values[k] = 0xffffffffu;
+        if (unit - local < units && unit != 0 && unit != last_unit && t.src != 0) {
+            // The source bit the word's first destination bit comes from.
+            const u64 bit = t.src_bit + ((first_word + unit) << 5) - t.dst_bit;
+            const u32 shift = static_cast<u32>(bit & 31);
+            const u32 low = __ldg(src + (bit >> 5));
+            values[k] = shift == 0 ? low : __funnelshift_r(low, __ldg(src + (bit >> 5) + 1), shift);
+        }
+    }
+    u32* dst = reinterpret_cast<u32*>(t.dst) + first_word;
+    #pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+        const u64 unit = local + static_cast<u64>(k) * BLOCK + threadIdx.x;
+        if (unit - local >= units) continue;
+        if (unit == 0 || unit == last_unit) {
+            copy_bits(t, unit);
+        } else {
+            dst[unit] = values[k];
+        }
+    }
+    return true;
+}
+
 // Does a tile that lies inside task `t` whole, where its kind has a way to (all but bitmaps);
 // false where the caller must do its units one by one.
 __device__ __forceinline__ bool whole_tile(const Task& t, u64 local, u64 units, const u64* __restrict__ maps) {
     switch (t.kind) {
         case COPY_BYTES: copy_tile(t, local, units); return true;
+        case COPY_BITS: return bits_tile(t, local, units);
+        case ZERO_BYTES:
+            for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+                const u64 unit = static_cast<u64>(k) * BLOCK + threadIdx.x;
+                if (unit < units) zero_bytes(t, local + unit);
+            }
+            return true;
         case REBASE_OFFS32: return rebase_tile<i32, u32>(t, local, units);
         case REBASE_OFFS64: return rebase_tile<i64, u64>(t, local, units);
         case REMAP_KEYS32: return remap_tile(t, local, units, maps);
         default: return false;
+    }
+}
+
+// Unit `local` of task `t`.
+__device__ __forceinline__ void do_unit(const Task& t, u64 local, const u64* __restrict__ maps) {
+    switch (t.kind) {
+        case COPY_BYTES: copy_bytes(t, local); break;
+        case COPY_BITS: copy_bits(t, local); break;
+        case REBASE_OFFS32: rebase<i32>(t, local); break;
+        case REBASE_OFFS64: rebase<i64>(t, local); break;
+        case REMAP_KEYS8: remap<unsigned char>(t, local, maps); break;
+        case REMAP_KEYS16: remap<unsigned short>(t, local, maps); break;
+        case REMAP_KEYS32: remap<u32>(t, local, maps); break;
+        case REMAP_KEYS64: remap<u64>(t, local, maps); break;
+        case ZERO_BYTES: zero_bytes(t, local); break;
+        default: break;
     }
 }
 
@@ -391,7 +482,7 @@ __device__ __forceinline__ u32 find_task_warp(const u64* __restrict__ unit_start
     return lo;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
+extern "C" __global__ void __launch_bounds__(BLOCK, 3) gpu_flight_concat(
     const Task* __restrict__ tasks,
     const u64* __restrict__ unit_starts,
     const u64* __restrict__ maps,
@@ -410,26 +501,32 @@ extern "C" __global__ void __launch_bounds__(BLOCK) gpu_flight_concat(
         }
         __syncthreads();
         const u32 first = tile_first, last = tile_last;
-        if (!(first == last
-              && whole_tile(tasks[first], tile - __ldg(unit_starts + first), tile_end - tile, maps))) {
+        if (last - first < MAX_SEGMENTS) {
+            // Few tasks: the block does each one's part of the tile in turn, all threads on
+            // one task, with the whole-tile paths where the task's kind has one.
+            for (u32 index = first; index <= last; ++index) {
+                const u64 task_start = __ldg(unit_starts + index);
+                const u64 task_end = __ldg(unit_starts + index + 1);
+                const u64 lo = tile > task_start ? tile : task_start;
+                const u64 hi = tile_end < task_end ? tile_end : task_end;
+                if (lo >= hi) continue;
+                const Task& t = tasks[index];
+                if (!whole_tile(t, lo - task_start, hi - lo, maps)) {
+                    #pragma unroll
+                    for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
+                        const u64 unit = lo + static_cast<u64>(k) * BLOCK + threadIdx.x;
+                        if (unit < hi) do_unit(t, unit - task_start, maps);
+                    }
+                }
+            }
+        } else {
+            // Many small tasks: each thread finds the task of each of its units.
             #pragma unroll
             for (u32 k = 0; k < UNITS_PER_THREAD; ++k) {
                 const u64 unit = tile + static_cast<u64>(k) * BLOCK + threadIdx.x;
                 if (unit >= tile_end) break;
-                const u32 index = first == last ? first : find_task(unit_starts, first, last, unit);
-                const Task t = tasks[index];
-                const u64 local = unit - __ldg(unit_starts + index);
-                switch (t.kind) {
-                    case COPY_BYTES: copy_bytes(t, local); break;
-                    case COPY_BITS: copy_bits(t, local); break;
-                    case REBASE_OFFS32: rebase<i32>(t, local); break;
-                    case REBASE_OFFS64: rebase<i64>(t, local); break;
-                    case REMAP_KEYS8: remap<unsigned char>(t, local, maps); break;
-                    case REMAP_KEYS16: remap<unsigned short>(t, local, maps); break;
-                    case REMAP_KEYS32: remap<u32>(t, local, maps); break;
-                    case REMAP_KEYS64: remap<u64>(t, local, maps); break;
-                    default: break;
-                }
+                const u32 index = find_task(unit_starts, first, last, unit);
+                do_unit(tasks[index], unit - __ldg(unit_starts + index), maps);
             }
         }
         __syncthreads();

@@ -30,7 +30,8 @@ pub(super) fn grid(total_units: u64) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct ConcatTask {
     pub(super) kind: u32,
-    pub(super) reserved: u32,
+    /// `COPY_BITS`: [`ConcatTask::ZERO_TAIL`].
+    pub(super) flags: u32,
     pub(super) src: u64,
     pub(super) dst: u64,
     pub(super) count: u64,
@@ -50,11 +51,16 @@ impl ConcatTask {
     /// `REMAP_KEYS_8 + k` maps keys of `1 << k` bytes.
     pub(super) const REMAP_KEYS_8: u32 = 4;
     pub(super) const REMAP_KEYS_64: u32 = 7;
+    /// Zeroes `count` bytes from `dst` (`src` unused), as `COPY_BYTES` would copy them.
+    pub(super) const ZERO_BYTES: u32 = 8;
+    /// Flag of the `COPY_BITS` task that writes its bitmap's last bit: it also clears the bits
+    /// after that one, to the end of their 32-bit word.
+    pub(super) const ZERO_TAIL: u32 = 1;
 
     pub(super) fn new(kind: u32, src: u64, dst: u64, count: u64) -> Self {
         Self {
             kind,
-            reserved: 0,
+            flags: 0,
             src,
             dst,
             count,
@@ -71,7 +77,9 @@ impl ConcatTask {
     pub(super) fn units(&self) -> u64 {
         match self.kind {
             _ if self.count == 0 => 0,
-            Self::COPY_BYTES => (self.dst + self.count - 1) / 16 - self.dst / 16 + 1,
+            Self::COPY_BYTES | Self::ZERO_BYTES => {
+                (self.dst + self.count - 1) / 16 - self.dst / 16 + 1
+            }
             Self::COPY_BITS => (self.dst_bit + self.count - 1) / 32 - self.dst_bit / 32 + 1,
             Self::REBASE_OFFSETS_32 => self.count.div_ceil(4),
             Self::REBASE_OFFSETS_64 => self.count.div_ceil(2),
@@ -102,7 +110,7 @@ impl ConcatTask {
         };
         let mut head = [0; 8];
         head[..4].copy_from_slice(&self.kind.to_le_bytes());
-        head[4..].copy_from_slice(&self.reserved.to_le_bytes());
+        head[4..].copy_from_slice(&self.flags.to_le_bytes());
         put(head);
         for field in [self.src, self.dst, self.count, self.src_bit, self.dst_bit] {
             put(field.to_le_bytes());
@@ -158,15 +166,17 @@ pub(super) fn check_task(
             let end = task.src.saturating_add(task.count).next_multiple_of(4);
             (task.count == 0 || reads(first, end - first)) && writes(task.dst, task.count)
         }
+        ConcatTask::ZERO_BYTES => writes(task.dst, task.count),
         ConcatTask::COPY_BITS => {
             let end_bit = task.dst_bit.saturating_add(task.count);
             let first_word = (task.dst_bit / 32) * 4;
             let words_end = end_bit.div_ceil(32) * 4;
+            // Whole tiles read the source as aligned 32-bit words.
             let src_ok = task.src == 0 || {
-                let first = task.src_bit / 8;
+                let first = (task.src_bit / 32) * 4;
                 reads(
                     task.src + first,
-                    task.src_bit.saturating_add(task.count).div_ceil(8) - first,
+                    task.src_bit.saturating_add(task.count).div_ceil(32) * 4 - first,
                 )
             };
             src_ok && writes(task.dst + first_word, words_end - first_word)
@@ -236,6 +246,8 @@ mod tests {
             ("REMAP_KEYS16", ConcatTask::REMAP_KEYS_8 + 1),
             ("REMAP_KEYS32", ConcatTask::REMAP_KEYS_8 + 2),
             ("REMAP_KEYS64", ConcatTask::REMAP_KEYS_64),
+            ("ZERO_BYTES", ConcatTask::ZERO_BYTES),
+            ("ZERO_TAIL", ConcatTask::ZERO_TAIL),
         ];
         for (name, value) in kinds {
             assert_eq!(kernel_constant(name), u64::from(value), "{name}");
@@ -257,7 +269,7 @@ mod tests {
             .collect();
         let expected = [
             "u32 kind",
-            "u32 reserved",
+            "u32 flags",
             "u64 src",
             "u64 dst",
             "u64 count",
@@ -286,6 +298,11 @@ mod tests {
         assert!(check_task(&task, source.clone(), Some(5000..5100), 0).is_ok());
         assert!(check_task(&task, source.clone(), Some(5000..5099), 0).is_err());
         assert!(check_task(&task, source, None, 0).is_err());
+        // 33 bits from bit 3 are read as the two 32-bit words that hold them.
+        let mut bits = ConcatTask::new(ConcatTask::COPY_BITS, 1000, 5000, 33);
+        bits.src_bit = 3;
+        assert!(check_task(&bits, Some(1000..1008), Some(5000..5008), 0).is_ok());
+        assert!(check_task(&bits, Some(1000..1007), Some(5000..5008), 0).is_err());
         let mut remap = ConcatTask::new(ConcatTask::REMAP_KEYS_8, 0, 64, 8);
         remap.map_len = 4;
         assert!(check_task(&remap, Some(0..8), Some(64..72), 4).is_ok());

@@ -55,6 +55,9 @@ pub(super) struct TablePlan {
     pub(super) maps: Vec<u64>,
     /// Host bytes (merged dictionaries) to copy into each column's space, by column.
     pub(super) host_copies: Vec<(usize, Region, Buffer)>,
+    /// Where each bitmap the kernel writes ends, by column: the bytes after it, to the end
+    /// of its last 32-bit word, are its last task's to clear (`ZERO_TAIL`), not a gap's.
+    bitmap_ends: Vec<(usize, usize)>,
 }
 
 /// Plans the concatenation of `fragments`: for each partition, its columns as fragments.
@@ -63,6 +66,15 @@ pub(super) fn plan_table(partitions: &[Vec<Fragment<'_>>]) -> Result<TablePlan, 
         .first()
         .ok_or_else(|| BackendError::Device("nothing to concatenate".to_owned()))?;
     let mut plan = TablePlan::default();
+    // A task per fragment of each buffer (values and validity, for most columns), and room
+    // for the tasks that zero the gaps between buffers (`TablePlan::zero_gaps`).
+    let tasks = partitions
+        .len()
+        .saturating_mul(first.len())
+        .saturating_mul(2)
+        .saturating_add(first.len().saturating_mul(4) + 1);
+    plan.tasks.reserve(tasks);
+    plan.owners.reserve(tasks);
     for column in 0..first.len() {
         let fragments: Vec<Fragment<'_>> = partitions.iter().map(|p| p[column]).collect();
         let start = plan.tasks.len();
@@ -95,6 +107,60 @@ impl TablePlan {
         for (owner, region, _) in &mut self.host_copies {
             if *owner == column {
                 region.offset += by;
+            }
+        }
+        for (owner, end) in &mut self.bitmap_ends {
+            if *owner == column {
+                *end += by;
+            }
+        }
+    }
+
+    /// Queues tasks that zero every byte of allocation `destination` (at device address
+    /// `base`, `bytes` long) that no column placed there covers: the alignment gaps between
+    /// buffers and the allocation's rounding, which would otherwise keep whatever the memory
+    /// held before (another dataset's bytes, for an `ipc-export` consumer who maps the whole
+    /// allocation). Call it once every column is placed; `placed` says which are there.
+    pub(super) fn zero_gaps(
+        &mut self,
+        destination: u32,
+        base: u64,
+        bytes: usize,
+        placed: impl Fn(usize) -> bool,
+    ) {
+        let mut regions = Vec::new();
+        let mut bitmap_ends = Vec::new();
+        for (column, (array, _)) in self.columns.iter().enumerate() {
+            if placed(column) {
+                array.collect_regions(&mut regions);
+            }
+        }
+        for &(column, end) in &self.bitmap_ends {
+            if placed(column) {
+                bitmap_ends.push(end);
+            }
+        }
+        bitmap_ends.sort_unstable();
+        for gap in layout::gaps(&mut regions, bytes) {
+            // Gaps end where a buffer starts (64-byte aligned) or at the allocation's end,
+            // so rounding a start up never passes its end.
+            let start = if bitmap_ends.binary_search(&gap.offset).is_ok() {
+                gap.offset.next_multiple_of(4)
+            } else {
+                gap.offset
+            };
+            let end = gap.offset + gap.len;
+            if start < end {
+                self.tasks.push(ConcatTask::new(
+                    ConcatTask::ZERO_BYTES,
+                    0,
+                    base + start as u64,
+                    (end - start) as u64,
+                ));
+                self.owners.push(TaskOwners {
+                    source: 0,
+                    destination,
+                });
             }
         }
     }
@@ -271,6 +337,7 @@ impl ColumnSpace<'_> {
         bitmap: impl Fn(&DeviceArray) -> Option<Region>,
     ) {
         let mut row = 0u64;
+        let first = self.plan.tasks.len();
         for fragment in fragments {
             let rows = fragment.array.len as u64;
             let mut task = ConcatTask::new(
@@ -283,6 +350,12 @@ impl ColumnSpace<'_> {
             self.task(task, fragment);
             row += rows;
         }
+        if let Some(last) = self.plan.tasks[first..].iter_mut().rfind(|t| t.count > 0) {
+            last.flags |= ConcatTask::ZERO_TAIL;
+        }
+        self.plan
+            .bitmap_ends
+            .push((self.column, out.offset + out.len));
     }
 
     /// Rebases each fragment's offsets by the running total of what the fragments before it
@@ -401,9 +474,111 @@ fn children_of<'a>(fragments: &[Fragment<'a>], index: usize) -> Vec<Fragment<'a>
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{BooleanArray, Int64Array, StringArray};
+    use arrow::record_batch::RecordBatch;
+
     use super::*;
 
     const MIB: usize = 1 << 20;
+
+    /// The table's whole plan for `batches`, each uploaded at address `(index + 1) << 32`,
+    /// placed by its arrangement into one allocation at `1 << 40`.
+    fn planned(batches: &[RecordBatch]) -> (TablePlan, usize) {
+        let layouts: Vec<UploadPlan> = batches
+            .iter()
+            .map(|b| UploadPlan::new(b).expect("layout"))
+            .collect();
+        let partitions: Vec<Vec<Fragment<'_>>> = layouts
+            .iter()
+            .enumerate()
+            .map(|(index, layout)| {
+                layout
+                    .columns
+                    .iter()
+                    .map(|array| Fragment {
+                        base: (index as u64 + 1) << 32,
+                        source: index as u32,
+                        array,
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut plan = plan_table(&partitions).expect("plan");
+        let used: Vec<usize> = plan.columns.iter().map(|(_, used)| *used).collect();
+        let arrangement = Arrangement::new(&used);
+        for (column, &(_, offset)) in arrangement.columns.iter().enumerate() {
+            plan.place(column, 0, 1 << 40, offset);
+        }
+        let bytes = arrangement.allocations[0];
+        plan.zero_gaps(0, 1 << 40, bytes, |_| true);
+        (plan, bytes)
+    }
+
+    #[test]
+    fn every_byte_of_the_output_is_written_once_by_exactly_one_task() {
+        let batch = |rows: usize, seed: usize| {
+            let ints =
+                Int64Array::from_iter((0..rows).map(|i| (i % 3 != seed).then_some(i as i64)));
+            let words =
+                StringArray::from_iter_values((0..rows).map(|i| "w".repeat((i + seed) % 7)));
+            let flags = BooleanArray::from_iter((0..rows).map(|i| Some(i % 5 == seed)));
+            RecordBatch::try_from_iter([
+                ("n", Arc::new(ints) as ArrayRef),
+                ("s", Arc::new(words) as ArrayRef),
+                ("b", Arc::new(flags) as ArrayRef),
+            ])
+            .expect("batch")
+        };
+        // 1001 + 1038 + 77 rows: bitmaps of 265 bytes, which end 1 byte into a 32-bit word.
+        let (plan, bytes) = planned(&[batch(1001, 0), batch(1038, 1), batch(77, 2)]);
+        let base = 1_u64 << 40;
+        let mut writes = vec![0_u8; bytes];
+        let mut mark = |from: u64, to: u64| {
+            for at in from..to {
+                writes[(at - base) as usize] += 1;
+            }
+        };
+        for task in &plan.tasks {
+            match task.kind {
+                ConcatTask::COPY_BITS => {
+                    let end_bit = task.dst_bit + task.count;
+                    let end = if task.flags & ConcatTask::ZERO_TAIL != 0 {
+                        end_bit.div_ceil(32) * 4
+                    } else {
+                        end_bit.div_ceil(8)
+                    };
+                    // Bit tasks share boundary bytes; count each byte from the first bit on.
+                    mark(task.dst + task.dst_bit.div_ceil(8), task.dst + end);
+                }
+                ConcatTask::COPY_BYTES | ConcatTask::ZERO_BYTES => {
+                    mark(task.dst, task.dst + task.count);
+                }
+                ConcatTask::REBASE_OFFSETS_32 => mark(task.dst, task.dst + task.count * 4),
+                other => panic!("unexpected task kind {other}"),
+            }
+        }
+        let tails = plan
+            .tasks
+            .iter()
+            .filter(|t| t.flags & ConcatTask::ZERO_TAIL != 0)
+            .count();
+        assert_eq!(
+            tails, 2,
+            "one tail per bitmap: the ints' validity and the booleans"
+        );
+        assert!(
+            plan.tasks.iter().any(|t| t.kind == ConcatTask::ZERO_BYTES),
+            "gaps and rounding are zeroed"
+        );
+        let wrong: Vec<usize> = (0..bytes).filter(|&at| writes[at] != 1).collect();
+        assert!(
+            wrong.is_empty(),
+            "bytes written other than once: {:?}",
+            &wrong[..wrong.len().min(20)]
+        );
+    }
 
     #[test]
     fn every_column_lies_in_one_allocation_at_aligned_offsets() {

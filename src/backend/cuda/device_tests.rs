@@ -4,12 +4,12 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use arrow::array::{ArrayRef, Int64Array, StringArray, UInt8Array};
+use arrow::array::{ArrayRef, BooleanArray, Int64Array, StringArray, UInt8Array};
 use arrow::record_batch::RecordBatch;
 
 use super::*;
 
-/// Rows whose buffers are no multiple of 64 bytes: nulls, odd string lengths.
+/// Rows whose buffers are no multiple of 64 bytes: nulls, odd string lengths, booleans.
 fn odd_batch(rows: usize) -> RecordBatch {
     let ints: ArrayRef = Arc::new(Int64Array::from_iter(
         (0..rows).map(|i| (i % 3 != 0).then_some(i as i64)),
@@ -17,7 +17,8 @@ fn odd_batch(rows: usize) -> RecordBatch {
     let words: ArrayRef = Arc::new(StringArray::from_iter_values(
         (0..rows).map(|i| "w".repeat(i % 7)),
     ));
-    RecordBatch::try_from_iter([("n", ints), ("s", words)]).expect("batch")
+    let flags: ArrayRef = Arc::new(BooleanArray::from_iter((0..rows).map(|i| Some(i % 5 == 0))));
+    RecordBatch::try_from_iter([("n", ints), ("s", words), ("b", flags)]).expect("batch")
 }
 
 /// Every byte of `partition`'s allocations that no array of it covers, each allocation read
@@ -48,6 +49,39 @@ fn bytes_outside_arrays(partition: &Arc<dyn Partition>) -> Vec<u8> {
     outside
 }
 
+/// The bits of each bitmap's last byte after its last row, for every array of `partition`
+/// (one byte per bitmap whose rows are no multiple of 8).
+fn bits_past_bitmaps(partition: &Arc<dyn Partition>) -> Vec<u8> {
+    fn collect(array: &DeviceArray, image: &[u8], out: &mut Vec<u8>) {
+        let bits = array.validity.iter().chain(match array.kind {
+            Kind::Bits => array.buffers.first(),
+            _ => None,
+        });
+        for region in bits.filter(|r| r.len > 0 && !array.len.is_multiple_of(8)) {
+            out.push(image[region.offset + region.len - 1] >> (array.len % 8));
+        }
+        array.children.iter().for_each(|c| collect(c, image, out));
+    }
+    let part = partition
+        .as_any()
+        .downcast_ref::<CudaPartition>()
+        .expect("a cuda partition");
+    let mut out = Vec::new();
+    for (index, allocation) in part.allocations.iter().enumerate() {
+        let image = pieces::download(
+            &part.shared,
+            &allocation.inner,
+            allocation.inner.bytes(),
+            &AtomicBool::new(false),
+        )
+        .expect("the allocation read back");
+        for (_, array) in part.columns.iter().filter(|(at, _)| *at == index) {
+            collect(array, image.as_slice(), &mut out);
+        }
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA device"]
 async fn concatenations_and_copies_show_nothing_outside_their_arrays() {
@@ -70,6 +104,12 @@ async fn concatenations_and_copies_show_nothing_outside_their_arrays() {
     let outside = bytes_outside_arrays(&compact);
     assert!(!outside.is_empty());
     assert!(outside.iter().all(|&b| b == 0), "a concatenation");
+    let past = bits_past_bitmaps(&compact);
+    assert!(!past.is_empty());
+    assert!(
+        past.iter().all(|&b| b == 0),
+        "bits after a concatenated bitmap's last row: {past:?}"
+    );
 
     // A copy of some columns into memory that held another dataset's bytes: an upload of
     // 0xFF bytes, dropped, leaves its allocation (of the copy's size) in the reuse cache.

@@ -696,6 +696,12 @@ impl Shared {
             let address = allocations[allocation].inner.address();
             plan.place(column, allocation as u32, address, offset);
         }
+        for (index, allocation) in allocations.iter().enumerate() {
+            let (base, bytes) = (allocation.inner.address(), allocation.inner.bytes());
+            plan.zero_gaps(index as u32, base, bytes, |column| {
+                arrangement.columns[column].0 == index
+            });
+        }
 
         // Staging, and the table allocation's first bytes: tasks | unit starts | key maps;
         // then, in staging only, the merged dictionaries to copy into their columns.
@@ -750,16 +756,6 @@ impl Shared {
         );
         self.with_stream(|stream| {
             stream.copies(|batch| {
-                for (index, allocation) in allocations.iter().enumerate() {
-                    let placed: Vec<(&DeviceArray, usize)> = arrangement
-                        .columns
-                        .iter()
-                        .zip(&plan.columns)
-                        .filter(|((at, _), _)| *at == index)
-                        .map(|(_, (array, _))| (array, 0))
-                        .collect();
-                    pieces::zero_gaps(batch, &allocation.inner, &placed)?;
-                }
                 batch.copy_to_device(&table.inner, 0, staging.as_ref(), 0..table_bytes)?;
                 for ((column, region, _), range) in plan.host_copies.iter().zip(copy_ranges) {
                     let allocation = &allocations[arrangement.columns[*column].0].inner;
