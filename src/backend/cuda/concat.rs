@@ -476,7 +476,7 @@ fn children_of<'a>(fragments: &[Fragment<'a>], index: usize) -> Vec<Fragment<'a>
 mod tests {
     use std::sync::Arc;
 
-    use arrow::array::{BooleanArray, Int64Array, StringArray};
+    use arrow::array::{BooleanArray, Int8Array, Int64Array, StringArray};
     use arrow::record_batch::RecordBatch;
 
     use super::*;
@@ -533,32 +533,6 @@ mod tests {
         };
         // 1001 + 1038 + 77 rows: bitmaps of 265 bytes, which end 1 byte into a 32-bit word.
         let (plan, bytes) = planned(&[batch(1001, 0), batch(1038, 1), batch(77, 2)]);
-        let base = 1_u64 << 40;
-        let mut writes = vec![0_u8; bytes];
-        let mut mark = |from: u64, to: u64| {
-            for at in from..to {
-                writes[(at - base) as usize] += 1;
-            }
-        };
-        for task in &plan.tasks {
-            match task.kind {
-                ConcatTask::COPY_BITS => {
-                    let end_bit = task.dst_bit + task.count;
-                    let end = if task.flags & ConcatTask::ZERO_TAIL != 0 {
-                        end_bit.div_ceil(32) * 4
-                    } else {
-                        end_bit.div_ceil(8)
-                    };
-                    // Bit tasks share boundary bytes; count each byte from the first bit on.
-                    mark(task.dst + task.dst_bit.div_ceil(8), task.dst + end);
-                }
-                ConcatTask::COPY_BYTES | ConcatTask::ZERO_BYTES => {
-                    mark(task.dst, task.dst + task.count);
-                }
-                ConcatTask::REBASE_OFFSETS_32 => mark(task.dst, task.dst + task.count * 4),
-                other => panic!("unexpected task kind {other}"),
-            }
-        }
         let tails = plan
             .tasks
             .iter()
@@ -572,12 +546,142 @@ mod tests {
             plan.tasks.iter().any(|t| t.kind == ConcatTask::ZERO_BYTES),
             "gaps and rounding are zeroed"
         );
+        assert_each_byte_written_once(&plan, bytes);
+    }
+
+    /// Counts, for each byte of the output, the tasks (and host copies) that write it, as the
+    /// kernel does: a bit task writes the bytes from its first whole one to its last bit's,
+    /// and with `ZERO_TAIL` to the end of that bit's 32-bit word.
+    fn assert_each_byte_written_once(plan: &TablePlan, bytes: usize) {
+        let base = 1_u64 << 40;
+        let mut writes = vec![0_u8; bytes];
+        let mut mark = |from: u64, to: u64| {
+            for at in from..to {
+                writes[(at - base) as usize] += 1;
+            }
+        };
+        for task in &plan.tasks {
+            match task.kind {
+                ConcatTask::COPY_BITS if task.count > 0 => {
+                    let end_bit = task.dst_bit + task.count;
+                    let end = if task.flags & ConcatTask::ZERO_TAIL != 0 {
+                        end_bit.div_ceil(32) * 4
+                    } else {
+                        end_bit.div_ceil(8)
+                    };
+                    // Bit tasks share boundary bytes; count each byte from the first bit on.
+                    mark(task.dst + task.dst_bit.div_ceil(8), task.dst + end);
+                }
+                ConcatTask::COPY_BITS => {}
+                ConcatTask::COPY_BYTES | ConcatTask::ZERO_BYTES => {
+                    mark(task.dst, task.dst + task.count);
+                }
+                ConcatTask::REBASE_OFFSETS_32 => mark(task.dst, task.dst + task.count * 4),
+                ConcatTask::REBASE_OFFSETS_64 => mark(task.dst, task.dst + task.count * 8),
+                _ => {
+                    let width = task.key_width().expect("a key remap");
+                    mark(task.dst, task.dst + task.count * width);
+                }
+            }
+        }
+        for (_, region, _) in &plan.host_copies {
+            mark(
+                base + region.offset as u64,
+                base + (region.offset + region.len) as u64,
+            );
+        }
         let wrong: Vec<usize> = (0..bytes).filter(|&at| writes[at] != 1).collect();
         assert!(
             wrong.is_empty(),
             "bytes written other than once: {:?}",
             &wrong[..wrong.len().min(20)]
         );
+    }
+
+    #[test]
+    fn tables_of_every_kind_of_column_are_written_once_whole() {
+        use arrow::array::{
+            DictionaryArray, Int16Array, Int32Array, LargeStringArray, ListArray, StructArray,
+        };
+        use arrow::datatypes::{DataType, Field, Int8Type, Int32Type};
+        use rand::rngs::StdRng;
+        use rand::{Rng, SeedableRng};
+
+        let mut rng = StdRng::seed_from_u64(26);
+        for _ in 0..60 {
+            let partitions = rng.random_range(1..6);
+            let batches: Vec<RecordBatch> = (0..partitions)
+                .map(|_| {
+                    let rows: usize = match rng.random_range(0..4) {
+                        0 => rng.random_range(0..3),
+                        1 => rng.random_range(0..70),
+                        _ => rng.random_range(0..3000),
+                    };
+                    let null = |rng: &mut StdRng| rng.random_bool(0.2);
+                    let ints: ArrayRef = Arc::new(Int64Array::from_iter(
+                        (0..rows).map(|i| (!null(&mut rng)).then_some(i as i64)),
+                    ));
+                    let words: ArrayRef = Arc::new(StringArray::from_iter(
+                        (0..rows).map(|i| (!null(&mut rng)).then(|| "w".repeat(i % 9))),
+                    ));
+                    let large: ArrayRef = Arc::new(LargeStringArray::from_iter_values(
+                        (0..rows).map(|i| "x".repeat(i % 3)),
+                    ));
+                    let flags: ArrayRef = Arc::new(BooleanArray::from_iter(
+                        (0..rows).map(|i| (!null(&mut rng)).then_some(i % 3 == 0)),
+                    ));
+                    let keys = Int8Array::from_iter(
+                        (0..rows).map(|i| (!null(&mut rng)).then_some((i % 4) as i8)),
+                    );
+                    let shift = rng.random_range(0..8);
+                    let values =
+                        StringArray::from_iter_values((0..4).map(|v| format!("c{}", v + shift)));
+                    let codes: ArrayRef = Arc::new(
+                        DictionaryArray::<Int8Type>::try_new(keys, Arc::new(values))
+                            .expect("dictionary"),
+                    );
+                    let wide_keys = Int32Array::from_iter_values((0..rows).map(|i| (i % 5) as i32));
+                    let wide_values =
+                        Int16Array::from_iter_values((0..5).map(|v| v + shift as i16));
+                    let wide: ArrayRef = Arc::new(
+                        DictionaryArray::<Int32Type>::try_new(wide_keys, Arc::new(wide_values))
+                            .expect("dictionary"),
+                    );
+                    let lists: ArrayRef = Arc::new(
+                        ListArray::from_iter_primitive::<Int32Type, _, _>((0..rows).map(|i| {
+                            (!null(&mut rng))
+                                .then(|| (0..i % 4).map(|v| Some(v as i32)).collect::<Vec<_>>())
+                        })),
+                    );
+                    let pairs: ArrayRef = Arc::new(StructArray::from(vec![
+                        (
+                            Arc::new(Field::new("a", DataType::Int16, true)),
+                            Arc::new(Int16Array::from_iter(
+                                (0..rows).map(|i| (i % 7 != 0).then_some(i as i16)),
+                            )) as ArrayRef,
+                        ),
+                        (
+                            Arc::new(Field::new("b", DataType::Boolean, false)),
+                            Arc::new(BooleanArray::from_iter((0..rows).map(|i| Some(i % 2 == 0))))
+                                as ArrayRef,
+                        ),
+                    ]));
+                    RecordBatch::try_from_iter([
+                        ("ints", ints),
+                        ("words", words),
+                        ("large", large),
+                        ("flags", flags),
+                        ("codes", codes),
+                        ("wide", wide),
+                        ("lists", lists),
+                        ("pairs", pairs),
+                    ])
+                    .expect("batch")
+                })
+                .collect();
+            let (plan, bytes) = planned(&batches);
+            assert_each_byte_written_once(&plan, bytes);
+        }
     }
 
     #[test]
