@@ -12,7 +12,7 @@
 //   - blockDim.x == BLOCK (256); any grid size. Each block takes tiles of TILE consecutive
 //     units (grid-stride over tiles). The first warp finds the tasks of the tile's first and
 //     last unit by a 32-way search over the whole scan (find_task_warp).
-//   - A tile that spans fewer than MAX_SEGMENTS tasks (most tiles of any table but one of
+//   - A tile that spans at most MAX_SEGMENTS tasks (most tiles of any table but one of
 //     tiny fragments) is done task by task, all threads on one task's part of the tile: byte
 //     copies, bitmaps, offset rebases and 4-byte key remaps with all of a thread's loads in
 //     flight at once (whole_tile), other kinds unit by unit without a search. A tile of more
@@ -221,7 +221,7 @@ __device__ __forceinline__ void remap(const Task& t, u64 unit, const u64* __rest
 constexpr u32 BLOCK = 256;
 constexpr u32 UNITS_PER_THREAD = 8;
 constexpr u64 TILE = static_cast<u64>(BLOCK) * UNITS_PER_THREAD;
-// A tile that spans fewer tasks than this is done task by task (see the kernel).
+// A tile that spans at most this many tasks is done task by task (see the kernel).
 constexpr u32 MAX_SEGMENTS = 8;
 
 // Copies `units` whole 16-byte chunks from the aligned `from` to the aligned `to`, all loads
@@ -384,8 +384,8 @@ __device__ __forceinline__ bool remap_tile(const Task& t, u64 local, u64 units, 
 // words of all its units first (two aligned 32-bit words funnel-shifted where the fragment's
 // bits do not start at a word), then writes whole words. The task's first and last word,
 // which it may share with its neighbours (or must clear the tail of), go through copy_bits.
-// Returns false where the source is not 4-byte aligned. The words read past a bitmap's last
-// byte stay inside its allocation, whose buffers start 64-byte aligned.
+// Returns false where the source is not 4-byte aligned. Every word read holds a bit the task
+// copies, so reads stay within the aligned words around its bits (what the host checks).
 __device__ __forceinline__ bool bits_tile(const Task& t, u64 local, u64 units) {
     if ((t.src & 3) != 0) return false;
     const u64 first_word = t.dst_bit >> 5;
@@ -418,8 +418,8 @@ __device__ __forceinline__ bool bits_tile(const Task& t, u64 local, u64 units) {
     return true;
 }
 
-// Does a tile that lies inside task `t` whole, where its kind has a way to (all but bitmaps);
-// false where the caller must do its units one by one.
+// Does the part of a tile that lies inside task `t`, where its kind has a way to (all but
+// key remaps of 1, 2 or 8 bytes); false where the caller must do its units one by one.
 __device__ __forceinline__ bool whole_tile(const Task& t, u64 local, u64 units, const u64* __restrict__ maps) {
     switch (t.kind) {
         case COPY_BYTES: copy_tile(t, local, units); return true;

@@ -160,11 +160,16 @@ pub(super) fn check_task(
     let writes = |address: u64, len: u64| inside(&destination, address, len);
     let bytes = |count: u64, width: u64| count.saturating_mul(width);
     let ok = match task.kind {
-        // Misaligned sources are read as the aligned 32-bit words around them.
+        // Misaligned sources are read as the aligned 16-byte blocks around them (whole tiles)
+        // or the 32-bit words around them (single units).
         ConcatTask::COPY_BYTES => {
-            let first = task.src & !3;
-            let end = task.src.saturating_add(task.count).next_multiple_of(4);
-            (task.count == 0 || reads(first, end - first)) && writes(task.dst, task.count)
+            let first = task.src & !15;
+            let end = task
+                .src
+                .checked_add(task.count)
+                .and_then(|end| end.checked_next_multiple_of(16));
+            (task.count == 0 || end.is_some_and(|end| reads(first, end - first)))
+                && writes(task.dst, task.count)
         }
         ConcatTask::ZERO_BYTES => writes(task.dst, task.count),
         ConcatTask::COPY_BITS => {
@@ -293,8 +298,13 @@ mod tests {
 
     #[test]
     fn tasks_stay_inside_the_allocations_they_name() {
-        let task = ConcatTask::new(ConcatTask::COPY_BYTES, 1000, 5000, 100);
-        let source = Some(1000..1100);
+        let task = ConcatTask::new(ConcatTask::COPY_BYTES, 1008, 5000, 100);
+        // The 16-byte blocks around 1008..1108.
+        let source = Some(1008..1120);
+        assert!(
+            check_task(&task, Some(1008..1119), Some(5000..5100), 0).is_err(),
+            "the last block reaches past the source"
+        );
         assert!(check_task(&task, source.clone(), Some(5000..5100), 0).is_ok());
         assert!(check_task(&task, source.clone(), Some(5000..5099), 0).is_err());
         assert!(check_task(&task, source, None, 0).is_err());

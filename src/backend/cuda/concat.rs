@@ -550,18 +550,22 @@ mod tests {
     }
 
     /// Counts, for each byte of the output, the tasks (and host copies) that write it, as the
-    /// kernel does: a bit task writes the bytes from its first whole one to its last bit's,
-    /// and with `ZERO_TAIL` to the end of that bit's 32-bit word.
+    /// kernel does: a bit task with rows writes the bytes from its first whole one to its last
+    /// bit's, and with `ZERO_TAIL` to the end of that bit's 32-bit word. Also checks that no
+    /// other task writes a byte of a 32-bit word a bit task updates (with atomics, which plain
+    /// stores to the same word would race with).
     fn assert_each_byte_written_once(plan: &TablePlan, bytes: usize) {
         let base = 1_u64 << 40;
         let mut writes = vec![0_u8; bytes];
+        let mut bit_words = vec![false; bytes.div_ceil(4)];
+        let mut byte_writes = Vec::new();
         let mut mark = |from: u64, to: u64| {
             for at in from..to {
                 writes[(at - base) as usize] += 1;
             }
         };
         for task in &plan.tasks {
-            match task.kind {
+            let bytes_written = match task.kind {
                 ConcatTask::COPY_BITS if task.count > 0 => {
                     let end_bit = task.dst_bit + task.count;
                     let end = if task.flags & ConcatTask::ZERO_TAIL != 0 {
@@ -571,19 +575,30 @@ mod tests {
                     };
                     // Bit tasks share boundary bytes; count each byte from the first bit on.
                     mark(task.dst + task.dst_bit.div_ceil(8), task.dst + end);
+                    let words = (task.dst - base) / 4 + task.dst_bit / 32
+                        ..=(task.dst - base) / 4 + (end_bit - 1) / 32;
+                    words.for_each(|word| bit_words[word as usize] = true);
+                    continue;
                 }
-                ConcatTask::COPY_BITS => {}
-                ConcatTask::COPY_BYTES | ConcatTask::ZERO_BYTES => {
-                    mark(task.dst, task.dst + task.count);
-                }
-                ConcatTask::REBASE_OFFSETS_32 => mark(task.dst, task.dst + task.count * 4),
-                ConcatTask::REBASE_OFFSETS_64 => mark(task.dst, task.dst + task.count * 8),
-                _ => {
-                    let width = task.key_width().expect("a key remap");
-                    mark(task.dst, task.dst + task.count * width);
-                }
-            }
+                ConcatTask::COPY_BITS => continue,
+                ConcatTask::COPY_BYTES | ConcatTask::ZERO_BYTES => task.count,
+                ConcatTask::REBASE_OFFSETS_32 => task.count * 4,
+                ConcatTask::REBASE_OFFSETS_64 => task.count * 8,
+                _ => task.count * task.key_width().expect("a key remap"),
+            };
+            mark(task.dst, task.dst + bytes_written);
+            byte_writes.push((task.dst - base)..(task.dst - base + bytes_written));
         }
+        let shared: Vec<u64> = byte_writes
+            .into_iter()
+            .flatten()
+            .filter(|&at| bit_words[(at / 4) as usize])
+            .collect();
+        assert!(
+            shared.is_empty(),
+            "bytes stored into words bit tasks update: {:?}",
+            &shared[..shared.len().min(20)]
+        );
         for (_, region, _) in &plan.host_copies {
             mark(
                 base + region.offset as u64,
