@@ -21,29 +21,42 @@ fn odd_batch(rows: usize) -> RecordBatch {
     RecordBatch::try_from_iter([("n", ints), ("s", words), ("b", flags)]).expect("batch")
 }
 
-/// Every byte of `partition`'s allocations that no array of it covers, each allocation read
-/// back whole.
-fn bytes_outside_arrays(partition: &Arc<dyn Partition>) -> Vec<u8> {
+/// Each allocation of `partition`, read back whole, with the arrays that lie in it.
+fn allocation_images(partition: &Arc<dyn Partition>) -> Vec<(Vec<u8>, Vec<&DeviceArray>)> {
     let part = partition
         .as_any()
         .downcast_ref::<CudaPartition>()
         .expect("a cuda partition");
+    part.allocations
+        .iter()
+        .enumerate()
+        .map(|(index, allocation)| {
+            let image = pieces::download(
+                &part.shared,
+                &allocation.inner,
+                allocation.inner.bytes(),
+                &AtomicBool::new(false),
+            )
+            .expect("the allocation read back");
+            let arrays = part
+                .columns
+                .iter()
+                .filter(|(at, _)| *at == index)
+                .map(|(_, array)| array)
+                .collect();
+            (image.as_slice().to_vec(), arrays)
+        })
+        .collect()
+}
+
+/// Every byte of `partition`'s allocations that no array of it covers.
+fn bytes_outside_arrays(partition: &Arc<dyn Partition>) -> Vec<u8> {
     let mut outside = Vec::new();
-    for (index, allocation) in part.allocations.iter().enumerate() {
-        let len = allocation.inner.bytes();
-        let image = pieces::download(
-            &part.shared,
-            &allocation.inner,
-            len,
-            &AtomicBool::new(false),
-        )
-        .expect("the allocation read back");
+    for (image, arrays) in allocation_images(partition) {
         let mut regions = Vec::new();
-        for (_, array) in part.columns.iter().filter(|(at, _)| *at == index) {
-            array.collect_regions(&mut regions);
-        }
-        for gap in layout::gaps(&mut regions, len) {
-            outside.extend_from_slice(&image.as_slice()[gap.offset..gap.offset + gap.len]);
+        arrays.iter().for_each(|a| a.collect_regions(&mut regions));
+        for gap in layout::gaps(&mut regions, image.len()) {
+            outside.extend_from_slice(&image[gap.offset..gap.offset + gap.len]);
         }
     }
     outside
@@ -62,22 +75,9 @@ fn bits_past_bitmaps(partition: &Arc<dyn Partition>) -> Vec<u8> {
         }
         array.children.iter().for_each(|c| collect(c, image, out));
     }
-    let part = partition
-        .as_any()
-        .downcast_ref::<CudaPartition>()
-        .expect("a cuda partition");
     let mut out = Vec::new();
-    for (index, allocation) in part.allocations.iter().enumerate() {
-        let image = pieces::download(
-            &part.shared,
-            &allocation.inner,
-            allocation.inner.bytes(),
-            &AtomicBool::new(false),
-        )
-        .expect("the allocation read back");
-        for (_, array) in part.columns.iter().filter(|(at, _)| *at == index) {
-            collect(array, image.as_slice(), &mut out);
-        }
+    for (image, arrays) in allocation_images(partition) {
+        arrays.iter().for_each(|a| collect(a, &image, &mut out));
     }
     out
 }
