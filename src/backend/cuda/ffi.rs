@@ -409,20 +409,10 @@ impl RefUnwindSafe for PinnedBuffer {}
 
 impl PinnedBuffer {
     pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
-        Self::allocate(context, bytes, 0)
-    }
-
-    /// Pinned memory every context of the process can copy to and from, not only `context`'s
-    /// (`CU_MEMHOSTALLOC_PORTABLE`): for what all the GPUs share.
-    fn portable(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
-        Self::allocate(context, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
-    }
-
-    fn allocate(context: &Arc<Context>, bytes: usize, flags: u32) -> Result<Self, BackendError> {
         context.bind()?;
-        // SAFETY: the context is current; `flags` never has WRITECOMBINED (only 0 or
-        // PORTABLE), so this is plain (cacheable) pinned memory.
-        let raw = unsafe { result::malloc_host(bytes.max(1), flags) }
+        // SAFETY: the context is current; flags 0 (not WRITECOMBINED) make this plain
+        // (cacheable) pinned memory.
+        let raw = unsafe { result::malloc_host(bytes.max(1), 0) }
             .map_err(|e| device_error("cuMemHostAlloc", e))?;
         let ptr = NonNull::new(raw.cast::<u8>())
             .ok_or_else(|| BackendError::Device("cuMemHostAlloc returned null".to_owned()))?;
@@ -462,19 +452,128 @@ impl Drop for PinnedBuffer {
     }
 }
 
+/// Host memory this process maps and then registers with the driver (`cuMemHostRegister`,
+/// portable: every GPU's context copies to and from it), unregistered and unmapped on drop.
+///
+/// Pinned as `cuMemHostAlloc`'s is, but in two steps, so that the slow one holds no driver
+/// lock: `cuMemHostAlloc` faults in, zeroes and pins every page inside the driver, where every
+/// other driver call of the process waits for it (697 ms for 1 GiB on the H200 machine). Here
+/// the calling thread faults the pages in first, as transparent huge pages where the kernel
+/// allows (which also places them on that thread's NUMA node), and registering them then took
+/// the driver 53 ms for the same GiB. A copy must not span two registrations (the driver
+/// refuses it), so this is one.
+#[derive(Debug)]
+pub(super) struct RegisteredMemory {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    /// Whether the driver has the mapping registered (undone before it is unmapped).
+    registered: Option<Arc<Context>>,
+}
+
+// SAFETY: the mapping is owned by this value alone; access goes through the arena's disjoint
+// blocks (see `PinnedArena`), each written by its one owner.
+unsafe impl Send for RegisteredMemory {}
+// SAFETY: as for `PinnedBuffer`: shared access reads, or writes disjoint blocks.
+unsafe impl Sync for RegisteredMemory {}
+impl RefUnwindSafe for RegisteredMemory {}
+
+impl RegisteredMemory {
+    /// `bytes` of host memory, faulted in on this thread, then registered in `context`.
+    pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
+        use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap_anonymous};
+        /// Every page of the mapping is written once, at this stride, to fault it in: the
+        /// smallest page size, so none is missed whatever the kernel backs them with.
+        const PAGE: usize = 4096;
+        let length = std::num::NonZeroUsize::new(bytes)
+            .ok_or_else(|| BackendError::Device("no host memory to pin".to_owned()))?;
+        // SAFETY: a new private anonymous mapping at an address the kernel chooses: it
+        // overlaps nothing this process uses.
+        let mapped = unsafe {
+            mmap_anonymous(
+                None,
+                length,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .map_err(|e| BackendError::Device(format!("mapping {bytes} bytes of host memory: {e}")))?;
+        // From here on, dropping `memory` unmaps it.
+        let mut memory = Self {
+            ptr: mapped.cast(),
+            bytes,
+            registered: None,
+        };
+        // SAFETY: the range is the whole mapping made above; the advice changes only how
+        // its pages are backed when first touched. Where huge pages are off it fails or does
+        // nothing, and small pages are used: ignored.
+        let _ = unsafe { madvise(mapped, bytes, MmapAdvise::MADV_HUGEPAGE) };
+        for offset in (0..bytes).step_by(PAGE) {
+            // SAFETY: `offset < bytes`, inside the mapping, which nothing else refers to yet;
+            // anonymous memory reads as zero, so writing a zero changes nothing but faults the
+            // page in.
+            unsafe { memory.ptr.as_ptr().add(offset).write_volatile(0) };
+        }
+        context.bind()?;
+        // SAFETY: the range is the mapping, alive until `drop`, which unregisters it before
+        // unmapping it; PORTABLE registers it for every context of the process.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                memory.ptr.as_ptr().cast(),
+                bytes,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(|e| device_error("cuMemHostRegister", e))?;
+        memory.registered = Some(Arc::clone(context));
+        Ok(memory)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.bytes
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for RegisteredMemory {
+    fn drop(&mut self) {
+        if let Some(context) = self.registered.take() {
+            let unregistered = context.bind().and_then(|()| {
+                // SAFETY: registered once, in `new`; no copy can still use it (the arena and
+                // its blocks, which copies borrow, are gone).
+                unsafe { sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) }
+                    .result()
+                    .map_err(|e| device_error("cuMemHostUnregister", e))
+            });
+            if let Err(error) = unregistered {
+                // Unmapping memory the driver still has pinned would leave it pinned to no one.
+                tracing::warn!(%error, "unregistering pinned host memory failed; leaving it mapped");
+                return;
+            }
+        }
+        // SAFETY: the whole mapping made in `new`, unmapped once; nothing refers to it now.
+        if let Err(error) = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.bytes) } {
+            tracing::warn!(%error, "unmapping host memory failed");
+        }
+    }
+}
+
 /// Host memory pinned once, at startup, that `DoPut` bodies are copied into and spills copy
 /// partitions into straight from the device, and that uploads copy from, handed out in
 /// blocks ([`ArenaBlock`]; the bookkeeping is [`Ranges`]). Portable: every GPU's context
 /// copies to and from it.
 #[derive(Debug)]
 pub(super) struct PinnedArena {
-    memory: PinnedBuffer,
+    memory: RegisteredMemory,
     ranges: Mutex<Ranges>,
 }
 
 impl PinnedArena {
     pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Arc<Self>, BackendError> {
-        let memory = PinnedBuffer::portable(context, bytes)?;
+        let memory = RegisteredMemory::new(context, bytes)?;
         Ok(Arc::new(Self {
             ranges: Mutex::new(Ranges::new(memory.len())),
             memory,
@@ -516,7 +615,7 @@ impl PinnedArena {
 
     /// Whether the host addresses `span` (end exclusive) lie in one block in use.
     pub(super) fn holds_addresses(&self, span: std::ops::Range<usize>) -> bool {
-        let base = self.memory.ptr.as_ptr() as usize;
+        let base = self.memory.base() as usize;
         match (span.start.checked_sub(base), span.end.checked_sub(base)) {
             (Some(start), Some(end)) if start <= end => {
                 self.lock().block_holding(&(start..end)).is_some()
@@ -528,7 +627,7 @@ impl PinnedArena {
     /// The bytes from the start of `first` to the end of `last`, the bytes between them
     /// included, where that span lies in one block of this arena that is in use.
     pub(super) fn span<'s>(&self, first: &'s [u8], last: &'s [u8]) -> Option<&'s [u8]> {
-        let base = self.memory.ptr.as_ptr() as usize;
+        let base = self.memory.base() as usize;
         let start = (first.as_ptr() as usize).checked_sub(base)?;
         let end = (last.as_ptr() as usize)
             .checked_sub(base)?
@@ -542,9 +641,7 @@ impl PinnedArena {
         // `ArenaBlock::as_mut_slice`). That block stays in use, and unwritten, for `'s`: `first`
         // lies in it, and a block is written only by its one owner before it is shared, and
         // goes back only when the last buffer over it is dropped.
-        Some(unsafe {
-            std::slice::from_raw_parts(self.memory.ptr.as_ptr().add(start), end - start)
-        })
+        Some(unsafe { std::slice::from_raw_parts(self.memory.base().add(start), end - start) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ranges> {
@@ -571,7 +668,7 @@ impl ArenaBlock {
 
     /// The block's first `len` bytes (the length asked for).
     pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
-        let base = self.arena.memory.ptr.as_ptr();
+        let base = self.arena.memory.base();
         // SAFETY: `range` (which holds `len` bytes) lies inside the arena's allocation:
         // `Ranges` hands out ranges of `0..memory.len()` only, disjoint from every other block
         // in use, and takes one back only when its block is dropped; `&mut self` makes this

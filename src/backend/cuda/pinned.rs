@@ -2,10 +2,11 @@
 //! a thread of its own, on the first GPU's side of the machine; transfers use it once it is
 //! there and go the staging way until then.
 //!
-//! Pinning is slow: `cuMemHostAlloc` pins about 2 GB a second, and while it runs the GPU's
-//! other driver calls wait (a put sent as a server pinning 8 GiB started took 3.2 s on an
-//! H100 machine), which is why it is not on by default. Pinning in smaller allocations
-//! registered one after the other would bound that wait (not done).
+//! Pinning is slow, and while the driver pins, the GPUs' other driver calls wait:
+//! `cuMemHostAlloc` of 8 GiB kept a server from serving for 3.4-4.5 s on the H200 machine. So
+//! the pages are faulted in by this thread first, without the driver, and then registered
+//! (`ffi::RegisteredMemory`), which holds the driver about 50 ms a GiB; that is what lets the
+//! server pin a default amount (1 GiB) at every start.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -97,7 +98,7 @@ impl PinnedHostMemory {
     }
 
     /// Waits for pinning to end, if it has not: a process must not exit (nor tear down the
-    /// driver) while a thread is still inside `cuMemHostAlloc`.
+    /// driver) while a thread is still pinning (inside `cuMemHostRegister`).
     pub(super) fn finish(&self) {
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(thread) = thread
