@@ -441,6 +441,19 @@ mod tests {
     }
 
     #[test]
+    fn the_cuda_backend_pins_a_gibibyte_by_default_or_a_sixteenth_of_a_small_host() {
+        const GIB: u64 = 1 << 30;
+        let default = serve(&[]);
+        assert_eq!(default.pinned_host_memory_bytes(Some(128 * GIB)), GIB);
+        assert_eq!(default.pinned_host_memory_bytes(None), GIB);
+        assert_eq!(default.pinned_host_memory_bytes(Some(8 * GIB)), GIB / 2);
+        let none = serve(&["--pinned-host-memory", "0"]);
+        assert_eq!(none.pinned_host_memory_bytes(Some(128 * GIB)), 0);
+        let asked = serve(&["--pinned-host-memory", "4GiB"]);
+        assert_eq!(asked.pinned_host_memory_bytes(Some(16 * GIB)), 4 * GIB);
+    }
+
+    #[test]
     fn pinned_host_memory_needs_a_gpu_and_memory_left_over() {
         const GIB: u64 = 1 << 30;
         let error = refusal(&["--backend", "host", "--pinned-host-memory", "1GiB"]);

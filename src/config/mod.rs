@@ -134,15 +134,16 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_HOST_MEMORY_LIMIT", value_parser = size)]
     pub host_memory_limit: Option<ByteSize>,
 
-    /// Host memory the CUDA backend pins for transfers, e.g. `4GiB`; default none. `DoPut`
-    /// message bodies (large, uncompressed, without dictionary columns) are copied into it and
-    /// uploaded straight from it, a spill copies a partition straight from the GPU into it (up
-    /// to half of it) and a restore uploads straight from it: at the link's rate, without a
-    /// staging copy. Pinned at start, in the background (about 2 GB a second, during which the
-    /// GPU's other transfers wait), and held for the life of the process, where nothing else
-    /// on the machine can use it or swap it out; what does not fit in what is free of it goes
-    /// through staging. At most half the host's memory; the spills it holds count in
-    /// `--host-memory-limit`.
+    /// Host memory the CUDA backend pins for transfers, e.g. `4GiB`; default 1 GiB (at most a
+    /// sixteenth of the host's memory), `0` for none. `DoPut` message bodies (large,
+    /// uncompressed, without dictionary columns) are copied into it and uploaded straight from
+    /// it, a spill copies a partition straight from the GPU into it (up to half of it) and a
+    /// restore uploads straight from it: at the link's rate, without a staging copy. Pinned at
+    /// start, in the background (the pages are faulted in first, then registered with the
+    /// driver, during which the GPUs' other transfers wait: about 50 ms a GiB), and held for
+    /// the life of the process, where nothing else on the machine can use it or swap it out;
+    /// what does not fit in what is free of it goes through staging. At most half the host's
+    /// memory; the spills it holds count in `--host-memory-limit`.
     #[arg(long, env = "GPU_FLIGHT_PINNED_HOST_MEMORY", value_parser = size)]
     pub pinned_host_memory: Option<ByteSize>,
 
@@ -360,7 +361,24 @@ pub enum FilterOn {
     Host,
 }
 
+/// What the CUDA backend pins for transfers without `--pinned-host-memory`: enough for the
+/// message bodies of many concurrent puts (each a few MiB), so that their uploads skip the
+/// staging copy; at most [`DEFAULT_PINNED_HOST_FRACTION`] of the host's memory.
+pub const DEFAULT_PINNED_HOST_MEMORY: u64 = 1 << 30;
+pub const DEFAULT_PINNED_HOST_FRACTION: u64 = 16;
+
 impl ServeArgs {
+    /// Host memory to pin for the CUDA backend's transfers, on a host with `host_memory`
+    /// bytes (where known): `--pinned-host-memory`, else the default.
+    pub fn pinned_host_memory_bytes(&self, host_memory: Option<u64>) -> u64 {
+        match self.pinned_host_memory {
+            Some(bytes) => bytes.as_u64(),
+            None => host_memory.map_or(DEFAULT_PINNED_HOST_MEMORY, |memory| {
+                DEFAULT_PINNED_HOST_MEMORY.min(memory / DEFAULT_PINNED_HOST_FRACTION)
+            }),
+        }
+    }
+
     /// The GPUs asked for: `--device N` alone, else `--devices`.
     pub fn gpus(&self) -> GpuSelection {
         match self.device {

@@ -102,23 +102,20 @@ where
                 "cannot start the backend (--backend {choice}): {error}"
             ))
         })?;
-    let capacity = args.check_capacity(
-        &backend.devices(),
-        crate::backend::host_memory_bytes(),
-        backend.holds_host_memory(),
-    )?;
+    let host_memory = crate::backend::host_memory_bytes();
+    let capacity =
+        args.check_capacity(&backend.devices(), host_memory, backend.holds_host_memory())?;
     for warning in capacity {
         tracing::warn!("{warning}");
     }
-    if let Some(pinned) = args.pinned_host_memory.filter(|bytes| bytes.as_u64() > 0) {
-        if backend.holds_host_memory() {
-            // `--backend auto` on a machine without a GPU: validation let it through.
-            tracing::warn!(
-                "--pinned-host-memory is ignored: the host backend has no transfers to pin it for"
-            );
-        } else {
-            backend.pin_host_memory(pinned.as_u64());
-        }
+    let pinned = args.pinned_host_memory_bytes(host_memory);
+    if !backend.holds_host_memory() {
+        backend.pin_host_memory(pinned);
+    } else if args.pinned_host_memory.is_some() && pinned > 0 {
+        // `--backend auto` on a machine without a GPU: validation let it through.
+        tracing::warn!(
+            "--pinned-host-memory is ignored: the host backend has no transfers to pin it for"
+        );
     }
     let listeners = addresses.bind().await.map_err(Failure::Start)?;
     let metrics_listener = bind::bind_side(args.metrics_listen.as_deref(), "--metrics-listen")
