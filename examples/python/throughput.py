@@ -38,7 +38,9 @@ Every server is a row of its own: GB/s, and its ratio to pyarrow's; the CPU core
 and the server kept busy; the server's CPU seconds per GB, and their ratio to pyarrow's; and,
 for gpu-flight, where its streams' time went per GB (the `stages` of its `status`: for DoGet
 waiting for the backend's chunks, encoding, waiting for the client; for DoPut waiting for the
-client's messages, decoding, uploading), summed over the streams, in seconds per GB.
+client's messages, decoding, uploading), summed over the streams, in seconds per GB; for DoPut on
+the cuda backend also how its uploads split (`upload allocate`: device memory, `upload fill`: the
+CPU copy into staging, `upload copy`: the copy to the GPU), summed over the uploads.
 """
 
 import argparse
@@ -149,17 +151,27 @@ def run_together(argvs, server_pid, probe=None):
 
 STAGES = {"get": ("doget", ["staging", "encode", "send_wait"]),
           "put": ("put", ["receive_wait", "decode", "upload"])}
+# The cuda backend's own split of an upload (its `status` counters, in ns, summed over GPUs):
+# waiting for device memory, the CPU copy into staging, the copy to the device.
+UPLOAD_PARTS = {"allocate": "upload_allocate_ns", "fill": "upload_fill_ns", "copy": "upload_copy_ns"}
 
 
 def stage_probe(location, op):
-    """Reads the stage seconds of `op` from a gpu-flight server's `status`."""
+    """Reads the stage seconds of `op` from a gpu-flight server's `status`, and for puts on
+    the cuda backend how its uploads split."""
     key, names = STAGES[op]
 
     def probe():
         with connect(location) as client:
             document = json.loads(next(iter(client.do_action(flight.Action("status", b"")))).body.to_pybytes())
         stages = document.get("stages", {}).get(key, {})
-        return {name: stages.get(f"{name}_seconds", float("nan")) for name in names}
+        figures = {name: stages.get(f"{name}_seconds", float("nan")) for name in names}
+        counters = document.get("counters", {})
+        if op == "put" and document.get("backend") == "cuda":
+            for name, counter in UPLOAD_PARTS.items():
+                figures[f"upload {name}"] = sum(v for k, v in counters.items()
+                                                if k == counter or k.endswith(f"_{counter}")) / 1e9
+        return figures
     return probe
 
 
