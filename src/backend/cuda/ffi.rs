@@ -392,15 +392,28 @@ impl Drop for DeviceAllocation {
     }
 }
 
-/// Page-locked, CPU-cacheable host memory, freed on drop.
+/// Page-locked, CPU-cacheable host memory: mapped by this process, then registered with the
+/// driver (`cuMemHostRegister`); unregistered and unmapped on drop.
+///
+/// Pinned as `cuMemHostAlloc`'s is, but in two steps, so that the slow one holds no driver
+/// lock: `cuMemHostAlloc` faults in, zeroes and pins every page inside the driver, where every
+/// other driver call of the process waits for it (697 ms for 1 GiB on the H200 machine). Here
+/// the calling thread faults the pages in first, as transparent huge pages where the kernel
+/// allows (which also places them on that thread's NUMA node), and registering them then took
+/// the driver 53 ms for the same GiB; several threads can pin at once. A copy must not span
+/// two registrations (the driver refuses it), so each buffer is one.
 #[derive(Debug)]
 pub(super) struct PinnedBuffer {
     ptr: NonNull<u8>,
     bytes: usize,
-    context: Arc<Context>,
+    /// The mapping's length: `bytes`, at least 1.
+    mapped: usize,
+    /// The context the driver has the mapping registered in, until it is unregistered (before
+    /// it is unmapped).
+    registered: Option<Arc<Context>>,
 }
 
-// SAFETY: the buffer exclusively owns its allocation; access goes through &/&mut self.
+// SAFETY: the buffer exclusively owns its mapping; access goes through &/&mut self.
 unsafe impl Send for PinnedBuffer {}
 // SAFETY: shared access is read-only (`as_slice`), or, for a PinnedArena's memory, through
 // the disjoint ranges of its blocks, each written by its one owner (`ArenaBlock`).
@@ -408,28 +421,73 @@ unsafe impl Sync for PinnedBuffer {}
 impl RefUnwindSafe for PinnedBuffer {}
 
 impl PinnedBuffer {
+    /// Pinned memory for `context`'s GPU.
     pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
-        context.bind()?;
-        // SAFETY: the context is current; flags 0 (not WRITECOMBINED) make this plain
-        // (cacheable) pinned memory.
-        let raw = unsafe { result::malloc_host(bytes.max(1), 0) }
-            .map_err(|e| device_error("cuMemHostAlloc", e))?;
-        let ptr = NonNull::new(raw.cast::<u8>())
-            .ok_or_else(|| BackendError::Device("cuMemHostAlloc returned null".to_owned()))?;
-        Ok(Self {
-            ptr,
+        Self::register(context, bytes, 0)
+    }
+
+    /// Pinned memory every context of the process can copy to and from, not only `context`'s
+    /// (`CU_MEMHOSTREGISTER_PORTABLE`): for what all the GPUs share.
+    fn portable(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
+        Self::register(context, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE)
+    }
+
+    fn register(context: &Arc<Context>, bytes: usize, flags: u32) -> Result<Self, BackendError> {
+        use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap_anonymous};
+        /// Every page of the mapping is written once, at this stride, to fault it in: the
+        /// smallest page size, so none is missed whatever the kernel backs them with.
+        const PAGE: usize = 4096;
+        let mapped = bytes.max(1);
+        let length = std::num::NonZeroUsize::MIN.saturating_add(mapped - 1);
+        // SAFETY: a new private anonymous mapping at an address the kernel chooses: it
+        // overlaps nothing this process uses.
+        let base = unsafe {
+            mmap_anonymous(
+                None,
+                length,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .map_err(|e| BackendError::Device(format!("mapping {bytes} bytes of host memory: {e}")))?;
+        // From here on, dropping `buffer` unmaps it.
+        let mut buffer = Self {
+            ptr: base.cast(),
             bytes,
-            context: Arc::clone(context),
-        })
+            mapped,
+            registered: None,
+        };
+        // SAFETY: the range is the whole mapping made above; the advice changes only how its
+        // pages are backed when first touched. Where huge pages are off it fails or does
+        // nothing, and small pages are used: ignored.
+        let _ = unsafe { madvise(base, mapped, MmapAdvise::MADV_HUGEPAGE) };
+        for offset in (0..mapped).step_by(PAGE) {
+            // SAFETY: `offset < mapped`, inside the mapping, which nothing else refers to yet;
+            // anonymous memory reads as zero, so writing a zero changes nothing but faults the
+            // page in.
+            unsafe { buffer.ptr.as_ptr().add(offset).write_volatile(0) };
+        }
+        context.bind()?;
+        // SAFETY: the range is the mapping, alive until `drop`, which unregisters it before
+        // unmapping it; `flags` is 0 or PORTABLE (never DEVICEMAP or IOMEMORY).
+        unsafe { sys::cuMemHostRegister_v2(buffer.ptr.as_ptr().cast(), mapped, flags) }
+            .result()
+            .map_err(|e| device_error("cuMemHostRegister", e))?;
+        buffer.registered = Some(Arc::clone(context));
+        Ok(buffer)
     }
 
     pub(super) fn len(&self) -> usize {
         self.bytes
     }
 
+    fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     pub(super) fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `bytes` bytes we own; pinned memory is initialized by the
-        // driver as ordinary host memory (its contents are unspecified but readable).
+        // SAFETY: `ptr` points to `bytes` bytes of the mapping we own, all of them initialized
+        // (anonymous memory starts zeroed).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.bytes) }
     }
 
@@ -441,121 +499,23 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        let freed = self.context.bind().and_then(|()| {
-            // SAFETY: `ptr` came from cuMemHostAlloc; no copy can still use it (see CopyBatch).
-            unsafe { result::free_host(self.ptr.as_ptr().cast()) }
-                .map_err(|e| device_error("cuMemFreeHost", e))
-        });
-        if let Err(error) = freed {
-            tracing::warn!(%error, "freeing pinned memory failed");
-        }
-    }
-}
-
-/// Host memory this process maps and then registers with the driver (`cuMemHostRegister`,
-/// portable: every GPU's context copies to and from it), unregistered and unmapped on drop.
-///
-/// Pinned as `cuMemHostAlloc`'s is, but in two steps, so that the slow one holds no driver
-/// lock: `cuMemHostAlloc` faults in, zeroes and pins every page inside the driver, where every
-/// other driver call of the process waits for it (697 ms for 1 GiB on the H200 machine). Here
-/// the calling thread faults the pages in first, as transparent huge pages where the kernel
-/// allows (which also places them on that thread's NUMA node), and registering them then took
-/// the driver 53 ms for the same GiB. A copy must not span two registrations (the driver
-/// refuses it), so this is one.
-#[derive(Debug)]
-pub(super) struct RegisteredMemory {
-    ptr: NonNull<u8>,
-    bytes: usize,
-    /// Whether the driver has the mapping registered (undone before it is unmapped).
-    registered: Option<Arc<Context>>,
-}
-
-// SAFETY: the mapping is owned by this value alone; access goes through the arena's disjoint
-// blocks (see `PinnedArena`), each written by its one owner.
-unsafe impl Send for RegisteredMemory {}
-// SAFETY: as for `PinnedBuffer`: shared access reads, or writes disjoint blocks.
-unsafe impl Sync for RegisteredMemory {}
-impl RefUnwindSafe for RegisteredMemory {}
-
-impl RegisteredMemory {
-    /// `bytes` of host memory, faulted in on this thread, then registered in `context`.
-    pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
-        use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap_anonymous};
-        /// Every page of the mapping is written once, at this stride, to fault it in: the
-        /// smallest page size, so none is missed whatever the kernel backs them with.
-        const PAGE: usize = 4096;
-        let length = std::num::NonZeroUsize::new(bytes)
-            .ok_or_else(|| BackendError::Device("no host memory to pin".to_owned()))?;
-        // SAFETY: a new private anonymous mapping at an address the kernel chooses: it
-        // overlaps nothing this process uses.
-        let mapped = unsafe {
-            mmap_anonymous(
-                None,
-                length,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_PRIVATE,
-            )
-        }
-        .map_err(|e| BackendError::Device(format!("mapping {bytes} bytes of host memory: {e}")))?;
-        // From here on, dropping `memory` unmaps it.
-        let mut memory = Self {
-            ptr: mapped.cast(),
-            bytes,
-            registered: None,
-        };
-        // SAFETY: the range is the whole mapping made above; the advice changes only how
-        // its pages are backed when first touched. Where huge pages are off it fails or does
-        // nothing, and small pages are used: ignored.
-        let _ = unsafe { madvise(mapped, bytes, MmapAdvise::MADV_HUGEPAGE) };
-        for offset in (0..bytes).step_by(PAGE) {
-            // SAFETY: `offset < bytes`, inside the mapping, which nothing else refers to yet;
-            // anonymous memory reads as zero, so writing a zero changes nothing but faults the
-            // page in.
-            unsafe { memory.ptr.as_ptr().add(offset).write_volatile(0) };
-        }
-        context.bind()?;
-        // SAFETY: the range is the mapping, alive until `drop`, which unregisters it before
-        // unmapping it; PORTABLE registers it for every context of the process.
-        unsafe {
-            sys::cuMemHostRegister_v2(
-                memory.ptr.as_ptr().cast(),
-                bytes,
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        }
-        .result()
-        .map_err(|e| device_error("cuMemHostRegister", e))?;
-        memory.registered = Some(Arc::clone(context));
-        Ok(memory)
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.bytes
-    }
-
-    fn base(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-}
-
-impl Drop for RegisteredMemory {
-    fn drop(&mut self) {
         if let Some(context) = self.registered.take() {
             let unregistered = context.bind().and_then(|()| {
-                // SAFETY: registered once, in `new`; no copy can still use it (the arena and
-                // its blocks, which copies borrow, are gone).
+                // SAFETY: registered once, in `register`; no copy can still use it (see
+                // CopyBatch, which borrows the memory until its stream is synchronized).
                 unsafe { sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) }
                     .result()
                     .map_err(|e| device_error("cuMemHostUnregister", e))
             });
             if let Err(error) = unregistered {
-                // Unmapping memory the driver still has pinned would leave it pinned to no one.
-                tracing::warn!(%error, "unregistering pinned host memory failed; leaving it mapped");
+                // Unmapping memory the driver may still have pinned would leave it pinned to
+                // no one and its address free for reuse: leak the mapping instead.
+                tracing::warn!(%error, "unregistering pinned host memory failed; left mapped");
                 return;
             }
         }
-        // SAFETY: the whole mapping made in `new`, unmapped once; nothing refers to it now.
-        if let Err(error) = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.bytes) } {
+        // SAFETY: the whole mapping made in `register`, unmapped once; nothing refers to it.
+        if let Err(error) = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.mapped) } {
             tracing::warn!(%error, "unmapping host memory failed");
         }
     }
@@ -567,13 +527,13 @@ impl Drop for RegisteredMemory {
 /// copies to and from it.
 #[derive(Debug)]
 pub(super) struct PinnedArena {
-    memory: RegisteredMemory,
+    memory: PinnedBuffer,
     ranges: Mutex<Ranges>,
 }
 
 impl PinnedArena {
     pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Arc<Self>, BackendError> {
-        let memory = RegisteredMemory::new(context, bytes)?;
+        let memory = PinnedBuffer::portable(context, bytes)?;
         Ok(Arc::new(Self {
             ranges: Mutex::new(Ranges::new(memory.len())),
             memory,

@@ -5,7 +5,7 @@
 //! Pinning is slow, and while the driver pins, the GPUs' other driver calls wait:
 //! `cuMemHostAlloc` of 8 GiB kept a server from serving for 3.4-4.5 s on the H200 machine. So
 //! the pages are faulted in by this thread first, without the driver, and then registered
-//! (`ffi::RegisteredMemory`), which holds the driver about 50 ms a GiB; that is what lets the
+//! (`ffi::PinnedBuffer`), which holds the driver about 50 ms a GiB; that is what lets the
 //! server pin a default amount (1 GiB) at every start.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
