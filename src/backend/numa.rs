@@ -1,10 +1,10 @@
 //! NUMA placement of host memory: which CPUs belong to a node (sysfs), and running an
 //! allocation on them, so that pinned staging memory for a GPU lies on the node nearest it.
 //!
-//! Pages are placed on the node of the CPU that first touches them; `cuMemHostAlloc` touches
-//! every page while pinning it, on the calling thread. Running that call with the thread
-//! bound to the GPU's node's CPUs (and unbinding it after) therefore places the buffer there,
-//! with no memory-policy system calls.
+//! Pages are placed on the node of the CPU that first touches them; a pinned buffer's pages are
+//! touched by the thread that pins it, before they are registered (`ffi::PinnedBuffer`).
+//! Pinning with the thread bound to the GPU's node's CPUs (and unbinding it after) therefore
+//! places the buffer there, with no memory-policy system calls.
 
 use std::path::Path;
 

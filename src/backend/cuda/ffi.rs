@@ -5,10 +5,11 @@
 //! - [`Context`]: the device's primary context, made current on whichever thread calls.
 //! - [`DeviceAllocation`]: device memory from plain `cuMemAlloc`. Not cudarc's stream-ordered
 //!   pool: pool memory cannot be exported with `cuIpcGetMemHandle`, which zero-copy export needs.
-//! - [`PinnedBuffer`]: page-locked host memory from `cuMemHostAlloc(…, 0)`: cacheable, so the CPU
-//!   reads it at full speed (cudarc's `alloc_pinned` is write-combined, slow for the CPU to read).
-//!   [`PinnedArena`]: one such allocation, made once, handed out in blocks to message bodies
-//!   and spills.
+//! - [`PinnedBuffer`]: page-locked host memory, mapped and faulted in by this process, then
+//!   registered with the driver (`cuMemHostRegister`): cacheable, so the CPU reads it at full
+//!   speed (cudarc's `alloc_pinned` is write-combined, slow for the CPU to read), and pinned
+//!   without holding the driver for long. [`PinnedArena`]: one such buffer, made once, handed
+//!   out in blocks to message bodies and spills.
 //! - [`Stream`] and [`CopyBatch`]: asynchronous copies and kernel launches whose memory stays
 //!   borrowed until the stream has synchronized, so no buffer can be freed or reused under them.
 //!   A batch is only lent to a closure ([`Stream::copies`]), never owned by a caller, so even

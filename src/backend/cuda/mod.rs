@@ -388,8 +388,8 @@ impl CudaBackend {
         self
     }
 
-    /// Pins `bytes` of host memory for transfers now, in the background (`cuMemHostAlloc`
-    /// pins about 2 GB a second); [`CudaBackend::pinned_host_memory`] says when it is done.
+    /// Pins `bytes` of host memory for transfers now, in the background (about a quarter of a
+    /// second a GiB, see `pinned`); [`CudaBackend::pinned_host_memory`] says when it is done.
     /// Once it is pinned, large `DoPut` message bodies are copied into it
     /// ([`Backend::pinned_copy`]) and uploaded straight from it, a spill copies a partition
     /// straight from the device into it and a restore uploads straight from it: all at the

@@ -1,6 +1,7 @@
 //! A pool of pinned host buffers for device transfers.
 //!
-//! Pinning memory costs milliseconds per megabyte, far more than a copy, so buffers are reused:
+//! Pinning memory costs about a millisecond per 4 MB (faulting the pages in, then registering
+//! them: `ffi::PinnedBuffer`), far more than a copy, so buffers are reused:
 //! a [`PinnedLease`] returns its buffer to the pool when dropped. Reads hand leases to Arrow as
 //! the backing memory of the record batches they return, so a buffer comes back only once
 //! nothing holds those batches: for `DoGet`, once h2 has written the last of their bytes to
@@ -144,8 +145,8 @@ impl PinnedPool {
     }
 
     /// Pins buffers of `sizes` on a thread of its own and keeps them in the cache: pinning
-    /// host memory runs at 1-2 GB/s (`cuMemHostAlloc`, measured on an H100 host), which the
-    /// first transfers of those sizes would otherwise wait for.
+    /// host memory runs at about 4 GB/s a thread, which the first transfers of those sizes
+    /// would otherwise wait for.
     pub(super) fn warm_in_background(self: &Arc<Self>, sizes: Vec<usize>) {
         let pool = Arc::clone(self);
         let spawned = std::thread::Builder::new()
