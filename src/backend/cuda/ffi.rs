@@ -399,22 +399,33 @@ impl Drop for DeviceAllocation {
 /// Pinned as `cuMemHostAlloc`'s is, but in two steps, so that the slow one holds no driver
 /// lock: `cuMemHostAlloc` faults in, zeroes and pins every page inside the driver, where every
 /// other driver call of the process waits for it (697 ms for 1 GiB on the H200 machine). Here
-/// the calling thread faults the pages in first, as transparent huge pages where the kernel
-/// allows (which also places them on that thread's NUMA node), and registering them then took
-/// the driver 53 ms for the same GiB; several threads can pin at once. A copy must not span
-/// two registrations (the driver refuses it), so each buffer is one.
+/// the calling thread has the pages faulted in first (on its NUMA node, since that thread
+/// touches them first), as transparent huge pages where the kernel allows, and registering
+/// them then took the driver 53 ms for the same GiB; several threads can pin at once. A copy
+/// must not span two registrations (the driver refuses it), so each buffer is one. Where the
+/// driver cannot register host memory (`CUDA_ERROR_NOT_SUPPORTED`), it allocates it instead
+/// (`cuMemHostAlloc`), as before.
 #[derive(Debug)]
 pub(super) struct PinnedBuffer {
     ptr: NonNull<u8>,
     bytes: usize,
-    /// The mapping's length: `bytes`, at least 1.
-    mapped: usize,
-    /// The context the driver has the mapping registered in, until it is unregistered (before
-    /// it is unmapped).
-    registered: Option<Arc<Context>>,
+    memory: PinnedMemory,
 }
 
-// SAFETY: the buffer exclusively owns its mapping; access goes through &/&mut self.
+/// Where a [`PinnedBuffer`]'s memory comes from, and how it goes back.
+#[derive(Debug)]
+enum PinnedMemory {
+    /// This process's mapping of `mapped` bytes (`bytes`, at least 1), registered in `context`
+    /// while it is `Some` (unregistered before the mapping is unmapped).
+    Mapped {
+        mapped: usize,
+        registered: Option<Arc<Context>>,
+    },
+    /// `cuMemHostAlloc`'s, freed with `cuMemFreeHost` in `context`.
+    Allocated { context: Arc<Context> },
+}
+
+// SAFETY: the buffer exclusively owns its memory; access goes through &/&mut self.
 unsafe impl Send for PinnedBuffer {}
 // SAFETY: shared access is read-only (`as_slice`), or, for a PinnedArena's memory, through
 // the disjoint ranges of its blocks, each written by its one owner (`ArenaBlock`).
@@ -424,19 +435,50 @@ impl RefUnwindSafe for PinnedBuffer {}
 impl PinnedBuffer {
     /// Pinned memory for `context`'s GPU.
     pub(super) fn new(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
-        Self::register(context, bytes, 0)
+        Self::pin(context, bytes, false)
     }
 
     /// Pinned memory every context of the process can copy to and from, not only `context`'s
-    /// (`CU_MEMHOSTREGISTER_PORTABLE`): for what all the GPUs share.
+    /// (portable): for what all the GPUs share.
     fn portable(context: &Arc<Context>, bytes: usize) -> Result<Self, BackendError> {
-        Self::register(context, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        Self::pin(context, bytes, true)
     }
 
-    fn register(context: &Arc<Context>, bytes: usize, flags: u32) -> Result<Self, BackendError> {
+    fn pin(context: &Arc<Context>, bytes: usize, portable: bool) -> Result<Self, BackendError> {
+        let mut buffer = Self::map(bytes)?;
+        context.bind()?;
+        let flags = if portable {
+            sys::CU_MEMHOSTREGISTER_PORTABLE
+        } else {
+            0
+        };
+        // As `map` made it.
+        let mapped = bytes.max(1);
+        // SAFETY: the range is the buffer's mapping, alive until `drop`, which unregisters it
+        // before unmapping it; `flags` is 0 or PORTABLE (never DEVICEMAP or IOMEMORY).
+        match unsafe { sys::cuMemHostRegister_v2(buffer.ptr.as_ptr().cast(), mapped, flags) }
+            .result()
+        {
+            Ok(()) => {
+                buffer.memory = PinnedMemory::Mapped {
+                    mapped,
+                    registered: Some(Arc::clone(context)),
+                };
+                Ok(buffer)
+            }
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)) => {
+                drop(buffer);
+                Self::allocate(context, bytes, portable)
+            }
+            Err(error) => Err(device_error("cuMemHostRegister", error)),
+        }
+    }
+
+    /// `bytes` of this process's memory (at least a page), faulted in by the calling thread.
+    fn map(bytes: usize) -> Result<Self, BackendError> {
         use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap_anonymous};
-        /// Every page of the mapping is written once, at this stride, to fault it in: the
-        /// smallest page size, so none is missed whatever the kernel backs them with.
+        /// Every page is written once, at this stride, to fault it in: the smallest page size,
+        /// so none is missed whatever the kernel backs them with.
         const PAGE: usize = 4096;
         let mapped = bytes.max(1);
         let length = std::num::NonZeroUsize::MIN.saturating_add(mapped - 1);
@@ -452,30 +494,59 @@ impl PinnedBuffer {
         }
         .map_err(|e| BackendError::Device(format!("mapping {bytes} bytes of host memory: {e}")))?;
         // From here on, dropping `buffer` unmaps it.
-        let mut buffer = Self {
+        let buffer = Self {
             ptr: base.cast(),
             bytes,
-            mapped,
-            registered: None,
+            memory: PinnedMemory::Mapped {
+                mapped,
+                registered: None,
+            },
         };
-        // SAFETY: the range is the whole mapping made above; the advice changes only how its
-        // pages are backed when first touched. Where huge pages are off it fails or does
+        // SAFETY: the range is the whole mapping made above; huge pages change only how its
+        // pages are backed when first touched. Where they are off the call fails or does
         // nothing, and small pages are used: ignored.
         let _ = unsafe { madvise(base, mapped, MmapAdvise::MADV_HUGEPAGE) };
+        // SAFETY: the same range; a child process, were one ever forked, gets none of it
+        // rather than sharing the pages to be pinned copy-on-write. Only advice: ignored.
+        let _ = unsafe { madvise(base, mapped, MmapAdvise::MADV_DONTFORK) };
+        // Faulted in page by page, not with one `MADV_POPULATE_WRITE`: with that, a put sent
+        // at start took 0.2 s beside the default GiB being pinned and 1.2-1.8 s beside 8 GiB,
+        // against 6 ms this way (the other threads that map memory seem to wait for the whole
+        // range: the process's memory map is busy meanwhile).
         for offset in (0..mapped).step_by(PAGE) {
             // SAFETY: `offset < mapped`, inside the mapping, which nothing else refers to yet;
             // anonymous memory reads as zero, so writing a zero changes nothing but faults the
             // page in.
             unsafe { buffer.ptr.as_ptr().add(offset).write_volatile(0) };
         }
-        context.bind()?;
-        // SAFETY: the range is the mapping, alive until `drop`, which unregisters it before
-        // unmapping it; `flags` is 0 or PORTABLE (never DEVICEMAP or IOMEMORY).
-        unsafe { sys::cuMemHostRegister_v2(buffer.ptr.as_ptr().cast(), mapped, flags) }
-            .result()
-            .map_err(|e| device_error("cuMemHostRegister", e))?;
-        buffer.registered = Some(Arc::clone(context));
         Ok(buffer)
+    }
+
+    /// `cuMemHostAlloc`'s pinned memory, for a driver that cannot register this process's.
+    fn allocate(
+        context: &Arc<Context>,
+        bytes: usize,
+        portable: bool,
+    ) -> Result<Self, BackendError> {
+        context.bind()?;
+        let flags = if portable {
+            sys::CU_MEMHOSTALLOC_PORTABLE
+        } else {
+            0
+        };
+        // SAFETY: the context is current; `flags` is 0 or PORTABLE, never WRITECOMBINED, so
+        // this is plain (cacheable) pinned memory.
+        let raw = unsafe { result::malloc_host(bytes.max(1), flags) }
+            .map_err(|e| device_error("cuMemHostAlloc", e))?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| BackendError::Device("cuMemHostAlloc returned null".to_owned()))?;
+        Ok(Self {
+            ptr,
+            bytes,
+            memory: PinnedMemory::Allocated {
+                context: Arc::clone(context),
+            },
+        })
     }
 
     pub(super) fn len(&self) -> usize {
@@ -487,8 +558,9 @@ impl PinnedBuffer {
     }
 
     pub(super) fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `bytes` bytes of the mapping we own, all of them initialized
-        // (anonymous memory starts zeroed).
+        // SAFETY: `ptr` points to `bytes` bytes we own, all of them initialized (a mapping
+        // starts zeroed; the driver's pinned memory is ordinary host memory, its contents
+        // unspecified but readable).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.bytes) }
     }
 
@@ -500,24 +572,40 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        if let Some(context) = self.registered.take() {
-            let unregistered = context.bind().and_then(|()| {
-                // SAFETY: registered once, in `register`; no copy can still use it (see
-                // CopyBatch, which borrows the memory until its stream is synchronized).
-                unsafe { sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) }
-                    .result()
-                    .map_err(|e| device_error("cuMemHostUnregister", e))
-            });
-            if let Err(error) = unregistered {
-                // Unmapping memory the driver may still have pinned would leave it pinned to
-                // no one and its address free for reuse: leak the mapping instead.
-                tracing::warn!(%error, "unregistering pinned host memory failed; left mapped");
-                return;
+        match &mut self.memory {
+            PinnedMemory::Allocated { context } => {
+                let freed = context.bind().and_then(|()| {
+                    // SAFETY: `ptr` came from cuMemHostAlloc and is freed once, here; no copy
+                    // can still use it (see CopyBatch, which borrows the memory until its
+                    // stream is synchronized).
+                    unsafe { result::free_host(self.ptr.as_ptr().cast()) }
+                        .map_err(|e| device_error("cuMemFreeHost", e))
+                });
+                if let Err(error) = freed {
+                    tracing::warn!(%error, "freeing pinned memory failed");
+                }
             }
-        }
-        // SAFETY: the whole mapping made in `register`, unmapped once; nothing refers to it.
-        if let Err(error) = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.mapped) } {
-            tracing::warn!(%error, "unmapping host memory failed");
+            PinnedMemory::Mapped { mapped, registered } => {
+                if let Some(context) = registered.take() {
+                    let unregistered = context.bind().and_then(|()| {
+                        // SAFETY: registered once, in `pin`; no copy can still use it (as
+                        // above).
+                        unsafe { sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) }
+                            .result()
+                            .map_err(|e| device_error("cuMemHostUnregister", e))
+                    });
+                    if let Err(error) = unregistered {
+                        // Unmapping memory the driver may still have pinned would leave it
+                        // pinned to no one and its addresses free for reuse: leak it instead.
+                        tracing::warn!(%error, "unregistering pinned host memory failed; left mapped");
+                        return;
+                    }
+                }
+                // SAFETY: the whole mapping made in `map`, unmapped once; nothing refers to it.
+                if let Err(error) = unsafe { nix::sys::mman::munmap(self.ptr.cast(), *mapped) } {
+                    tracing::warn!(%error, "unmapping host memory failed");
+                }
+            }
         }
     }
 }

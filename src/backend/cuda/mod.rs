@@ -1066,7 +1066,7 @@ impl Backend for CudaBackend {
             }
         }
         let arena = self.pinned.ready();
-        // 0 until pinned (and without --pinned-host-memory).
+        // 0 until pinned (and with `--pinned-host-memory 0`).
         let figures = [
             (
                 "pinned_host_memory_bytes",

@@ -16,9 +16,9 @@
 //! no CPU copy; an upload whose buffers all lie there (a restore of such a copy, or a `DoPut`
 //! batch whose message body lies there) copies them straight to the device, one copy per run
 //! of buffers that follow each other without a gap there as on the device
-//! (`layout::copy_runs`). The
-//! host memory a spill writes through staging is fresh, and faulting it in bounds those spills
-//! (about 21 GB/s at best on the 16-core H100 machine, against 52 for the link).
+//! (`layout::copy_runs`). Spills through staging reach about 20 GB/s against the link's
+//! 52-55; not for faulting in their fresh host memory: in huge pages, which fault in twice as
+//! fast, they spilled no faster.
 
 use std::mem::MaybeUninit;
 use std::ops::Range;

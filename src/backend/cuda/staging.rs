@@ -244,9 +244,9 @@ fn make_room(sizes: &[usize], returning: usize, max: u64) -> Option<Vec<usize>> 
     Some(evicted)
 }
 
-/// Frees pinned buffers off the caller's task: `cuMemFreeHost` can take milliseconds, and the
-/// last reference to a read's buffer is often dropped on a connection's task (once h2 has
-/// written it).
+/// Frees pinned buffers off the caller's task: unregistering and unmapping them
+/// (`cuMemHostUnregister`, `munmap`) can take milliseconds, and the last reference to a read's
+/// buffer is often dropped on a connection's task (once h2 has written it).
 fn free_off_task(buffers: Vec<PinnedBuffer>) {
     if buffers.is_empty() {
         return;
