@@ -39,8 +39,8 @@ and the server kept busy; the server's CPU seconds per GB, and their ratio to py
 for gpu-flight, where its streams' time went per GB (the `stages` of its `status`: for DoGet
 waiting for the backend's chunks, encoding, waiting for the client; for DoPut waiting for the
 client's messages, decoding, uploading), summed over the streams, in seconds per GB; for DoPut on
-the cuda backend also how its uploads split (`upload allocate`: device memory, `upload fill`: the
-CPU copy into staging, `upload copy`: the copy to the GPU), summed over the uploads.
+the cuda backend also how its uploads split (`upload_allocate`: device memory, `upload_fill`: the
+CPU copy into staging, `upload_copy`: the copy to the GPU), summed over the uploads.
 """
 
 import argparse
@@ -169,7 +169,7 @@ def stage_probe(location, op):
         counters = document.get("counters", {})
         if op == "put" and document.get("backend") == "cuda":
             for name, counter in UPLOAD_PARTS.items():
-                figures[f"upload {name}"] = sum(v for k, v in counters.items()
+                figures[f"upload_{name}"] = sum(v for k, v in counters.items()
                                                 if k == counter or k.endswith(f"_{counter}")) / 1e9
         return figures
     return probe
