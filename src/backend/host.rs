@@ -291,6 +291,18 @@ impl Partition for HostPartition {
 /// The memory limit of this process's cgroup (v2 `memory.max`, else v1
 /// `memory.limit_in_bytes`), where one is set.
 fn cgroup_memory_limit() -> Option<u64> {
+    cgroup_memory_file("memory.max", "memory.limit_in_bytes")
+}
+
+/// The memory this process's cgroup uses now (v2 `memory.current`, else v1
+/// `memory.usage_in_bytes`), where it has a limit to count against.
+fn cgroup_memory_usage() -> Option<u64> {
+    cgroup_memory_file("memory.current", "memory.usage_in_bytes")
+}
+
+/// A number from a file of this process's memory cgroup: `v2` under the unified hierarchy,
+/// else `v1` under the memory controller's.
+fn cgroup_memory_file(v2_name: &str, v1_name: &str) -> Option<u64> {
     let group = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     // v2: a line `0::/path`; v1: `N:memory:/path` (or `N:...,memory,...:/path`).
     let v2 = group.lines().find_map(|line| line.strip_prefix("0::"));
@@ -304,10 +316,10 @@ fn cgroup_memory_limit() -> Option<u64> {
             .flatten()
     });
     let candidates = [
-        v2.map(|path| format!("/sys/fs/cgroup{path}/memory.max")),
-        Some("/sys/fs/cgroup/memory.max".to_owned()),
-        v1.map(|path| format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")),
-        Some("/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned()),
+        v2.map(|path| format!("/sys/fs/cgroup{path}/{v2_name}")),
+        Some(format!("/sys/fs/cgroup/{v2_name}")),
+        v1.map(|path| format!("/sys/fs/cgroup/memory{path}/{v1_name}")),
+        Some(format!("/sys/fs/cgroup/memory/{v1_name}")),
     ];
     candidates
         .into_iter()
@@ -330,17 +342,42 @@ pub fn host_memory_bytes() -> Option<u64> {
     }
 }
 
+/// The memory this process could still have now: the machine's available memory, or what is
+/// left under the container's (cgroup) limit where that is less.
+pub fn host_memory_available() -> Option<u64> {
+    let cgroup = cgroup_memory_limit()
+        .zip(cgroup_memory_usage())
+        .map(|(limit, usage)| limit.saturating_sub(usage));
+    match (meminfo_bytes("MemAvailable:"), cgroup) {
+        (Some(machine), Some(cgroup)) => Some(machine.min(cgroup)),
+        (machine, cgroup) => machine.or(cgroup),
+    }
+}
+
 /// Total physical memory from `/proc/meminfo`, where there is one.
 fn physical_memory_bytes() -> Option<u64> {
+    meminfo_bytes("MemTotal:")
+}
+
+/// A `/proc/meminfo` figure (given in KiB there), in bytes.
+fn meminfo_bytes(key: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let line = meminfo.lines().find(|l| l.starts_with(key))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    kib.checked_mul(1024)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn free_memory_is_known_and_within_the_memory() {
+        let free = host_memory_available().expect("/proc/meminfo has MemAvailable");
+        let total = host_memory_bytes().expect("/proc/meminfo has MemTotal");
+        assert!(free > 0 && free <= total, "{free} of {total}");
+    }
 
     #[tokio::test]
     async fn projected_reads_share_only_the_chosen_columns() {

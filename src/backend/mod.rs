@@ -28,7 +28,7 @@ pub use cuda::{CudaBackend, FragmentCopies, PlainCopies, UPLOADS_AT_ONCE};
 pub use export::{
     BufferKind, ExportDevice, ExportedArray, ExportedBuffer, ExportedColumn, ForeignAllocation,
 };
-pub use host::{HostBackend, host_memory_bytes};
+pub use host::{HostBackend, host_memory_available, host_memory_bytes};
 pub use ingest::PreparedImport;
 pub use spilled::SpilledPartition;
 

@@ -454,6 +454,17 @@ mod tests {
     }
 
     #[test]
+    fn at_most_half_of_the_free_memory_is_pinned() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(crate::config::pinnable(GIB, Some(64 * GIB)), GIB);
+        assert_eq!(crate::config::pinnable(GIB, Some(GIB)), GIB / 2);
+        assert_eq!(crate::config::pinnable(8 * GIB, Some(3 * GIB)), 3 * GIB / 2);
+        assert_eq!(crate::config::pinnable(GIB, Some(0)), 0);
+        // Where nothing says what is free, what was asked for.
+        assert_eq!(crate::config::pinnable(GIB, None), GIB);
+    }
+
+    #[test]
     fn pinned_host_memory_needs_a_gpu_and_memory_left_over() {
         const GIB: u64 = 1 << 30;
         let error = refusal(&["--backend", "host", "--pinned-host-memory", "1GiB"]);

@@ -143,7 +143,8 @@ pub struct ServeArgs {
     /// driver, during which the GPUs' other transfers wait: about 50 ms a GiB), and held for
     /// the life of the process, where nothing else on the machine can use it or swap it out;
     /// what does not fit in what is free of it goes through staging. At most half the host's
-    /// memory; the spills it holds count in `--host-memory-limit`.
+    /// memory, and never more than half of what is free at start (less is pinned, with a
+    /// warning); the spills it holds count in `--host-memory-limit`.
     #[arg(long, env = "GPU_FLIGHT_PINNED_HOST_MEMORY", value_parser = size)]
     pub pinned_host_memory: Option<ByteSize>,
 
@@ -368,6 +369,13 @@ pub const DEFAULT_PINNED_HOST_MEMORY: u64 = 1 << 30;
 /// The default is at most the host's memory divided by this, so that a small host keeps
 /// nearly all of its memory swappable.
 pub const DEFAULT_PINNED_HOST_FRACTION: u64 = 16;
+
+/// How much of `asked` bytes of host memory to pin when `available` bytes are free now (where
+/// known): at most half of them, since pinned memory is never given back or swapped out and
+/// the server and everything else on the machine need the rest.
+pub fn pinnable(asked: u64, available: Option<u64>) -> u64 {
+    available.map_or(asked, |available| asked.min(available / 2))
+}
 
 impl ServeArgs {
     /// Host memory to pin for the CUDA backend's transfers, on a host with `host_memory`

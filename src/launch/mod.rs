@@ -110,7 +110,18 @@ where
     }
     let pinned = args.pinned_host_memory_bytes(host_memory);
     if !backend.holds_host_memory() {
-        backend.pin_host_memory(pinned);
+        let available = crate::backend::host_memory_available();
+        let pinnable = crate::config::pinnable(pinned, available);
+        if pinnable < pinned {
+            tracing::warn!(
+                asked = pinned,
+                available,
+                pinning = pinnable,
+                "less host memory is free than --pinned-host-memory asks to pin (pinned memory \
+                 is never given back): pinning at most half of what is free"
+            );
+        }
+        backend.pin_host_memory(pinnable);
     } else if args.pinned_host_memory.is_some() && pinned > 0 {
         // `--backend auto` on a machine without a GPU: validation let it through.
         tracing::warn!(
