@@ -445,6 +445,13 @@ impl PinnedBuffer {
     }
 
     fn pin(context: &Arc<Context>, bytes: usize, portable: bool) -> Result<Self, BackendError> {
+        /// Set once the driver has refused to register host memory: every later buffer is
+        /// allocated by the driver at once, not mapped and faulted in only to be thrown away.
+        static CANNOT_REGISTER: std::sync::atomic::AtomicBool =
+            std::sync::atomic::AtomicBool::new(false);
+        if CANNOT_REGISTER.load(std::sync::atomic::Ordering::Relaxed) {
+            return Self::allocate(context, bytes, portable);
+        }
         let mut buffer = Self::map(bytes)?;
         context.bind()?;
         let flags = if portable {
@@ -468,6 +475,11 @@ impl PinnedBuffer {
             }
             Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)) => {
                 drop(buffer);
+                CANNOT_REGISTER.store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!(
+                    "the CUDA driver cannot register host memory: pinned memory comes from \
+                     cuMemHostAlloc, which holds the driver while it pins"
+                );
                 Self::allocate(context, bytes, portable)
             }
             Err(error) => Err(device_error("cuMemHostRegister", error)),
