@@ -147,6 +147,23 @@ async fn backend(args: &Args) -> Arc<dyn Backend> {
     select(args.backend, &GpuSelection::Ordinals(vec![0]), 1).expect("backend")
 }
 
+/// Where spills through staging spent their time (cuda): the backend's counters, summed over
+/// the two lanes each spill runs.
+fn staged_spills(store: &Store) -> String {
+    let counters = store.backend().counters();
+    let count = |name: &str| counters.get(name).and_then(|v| v.as_u64()).unwrap_or(0);
+    let seconds = |name: &str| count(name) as f64 / 1e9;
+    format!(
+        "{} spill copies ({:.2} GiB) through staging; their lanes spent {:.3} s leasing staging, \
+         {:.3} s waiting for device-to-host copies, {:.3} s writing into host memory",
+        count("staged_spill_copies"),
+        count("staged_spill_bytes") as f64 / (1u64 << 30) as f64,
+        seconds("spill_lease_ns"),
+        seconds("spill_copy_ns"),
+        seconds("spill_write_ns"),
+    )
+}
+
 /// How many spills and uploads (restores) went straight through pinned host memory (cuda).
 fn pinned_copies(store: &Store) -> String {
     let counters = store.backend().counters();
@@ -198,6 +215,7 @@ async fn spill(args: &Args) {
     assert!(status.devices[0].used_bytes <= total / 3, "the budget held");
     if !store.backend().holds_host_memory() {
         println!("spill: {}", pinned_copies(&store));
+        println!("spill: {}", staged_spills(&store));
     }
     if !store.backend().holds_host_memory() {
         plain_copies(per_dataset as usize);
@@ -241,6 +259,16 @@ async fn spill(args: &Args) {
         after.restores - before.restores,
         restored as f64 / (1u64 << 30) as f64,
         gbps(restored, seconds),
+    );
+    // Each restore first makes room on the full device by spilling others: apart from them,
+    // the restores' own uploads.
+    let spilling = after.spill_seconds - before.spill_seconds;
+    println!(
+        "restore: of which {:.3} s spilling {} partitions ({:.2} GiB) to make room; without them {:.2} GB/s",
+        spilling,
+        after.spills - before.spills,
+        (after.spilled_bytes - before.spilled_bytes) as f64 / (1u64 << 30) as f64,
+        gbps(restored, seconds - spilling),
     );
     println!("restore: {}", pinned_copies(&store));
 }

@@ -404,7 +404,7 @@ pub(super) fn download(
         return Ok(block.into_buffer());
     }
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
-    ffi::host_buffer_written(
+    let image = ffi::host_buffer_written(
         len,
         |image| {
             let mut targets: Vec<LaneTargets<'_>> = (0..lanes).map(|_| Vec::new()).collect();
@@ -419,24 +419,60 @@ pub(super) fn download(
                 let Some(largest) = pieces.iter().map(|(_, target)| target.len()).max() else {
                     return Ok(());
                 };
+                let mut spent = SpillTimes::default();
+                let started = Instant::now();
                 // Under the read cap, like the reads a spill made before.
                 let mut staging = shared.pool.lease_for_read(largest)?;
+                spent.lease += started.elapsed();
                 for (start, target) in pieces {
                     another_failed(failed)?;
                     stop_if_cancelled(cancelled)?;
+                    let started = Instant::now();
                     let staged = &mut staging.buffer_mut().as_mut_slice()[..target.len()];
                     shared.with_stream(|stream| {
                         stream.copies(|batch| batch.copy_to_host(staged, allocation, start))
                     })?;
-                    let copied = write_all(&staging.as_ref().as_slice()[..target.len()], target);
-                    lock(&written).extend(copied);
+                    let copied = Instant::now();
+                    let written_now =
+                        write_all(&staging.as_ref().as_slice()[..target.len()], target);
+                    spent.copy += copied - started;
+                    spent.write += copied.elapsed();
+                    lock(&written).extend(written_now);
                 }
+                spent.add_to(&shared.counters);
                 Ok(())
             })?;
             Ok(written.into_inner().unwrap_or_else(|p| p.into_inner()))
         },
         || BackendError::Device("a host copy was left incomplete".to_owned()),
-    )
+    )?;
+    let counters = &shared.counters;
+    counters.staged_spill_copies.fetch_add(1, Ordering::Relaxed);
+    counters
+        .staged_spill_bytes
+        .fetch_add(len as u64, Ordering::Relaxed);
+    Ok(image)
+}
+
+/// Time a spill through staging spent in one lane: leasing its staging buffer, waiting for
+/// the device-to-host copies, and writing out of staging into the host buffer.
+#[derive(Debug, Default)]
+struct SpillTimes {
+    lease: Duration,
+    copy: Duration,
+    write: Duration,
+}
+
+impl SpillTimes {
+    fn add_to(&self, counters: &super::Counters) {
+        let add = |counter: &std::sync::atomic::AtomicU64, spent: Duration| {
+            let nanos = u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX);
+            counter.fetch_add(nanos, Ordering::Relaxed);
+        };
+        add(&counters.spill_lease_ns, self.lease);
+        add(&counters.spill_copy_ns, self.copy);
+        add(&counters.spill_write_ns, self.write);
+    }
 }
 
 fn stop_if_cancelled(cancelled: &AtomicBool) -> Result<(), BackendError> {
