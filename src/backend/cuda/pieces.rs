@@ -16,9 +16,9 @@
 //! no CPU copy; an upload whose buffers all lie there (a restore of such a copy, or a `DoPut`
 //! batch whose message body lies there) copies them straight to the device, one copy per run
 //! of buffers that follow each other without a gap there as on the device
-//! (`layout::copy_runs`). Spills through staging reach about 20 GB/s against the link's
-//! 52-55; not for faulting in their fresh host memory: in huge pages, which fault in twice as
-//! fast, they spilled no faster.
+//! (`layout::copy_runs`). Spills through staging reach 15-21 GB/s against the link's 52-55,
+//! bound by the cores' copy out of staging (19-26 GB/s alone on the H200 machine), not by
+//! faulting in fresh host memory: in huge pages, or faulted in first, they spilled no faster.
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
