@@ -557,18 +557,41 @@ async fn schema_change_mid_stream_is_refused(make: MakeBackend) {
 async fn small_receive_limit_reads_100_mb(make: MakeBackend) {
     let server = TestServer::start(make()).await;
     let mut client = server.client().await;
-    // One 100 MB batch: the server must split it for a client with a 4 MiB receive limit.
+    // One 100 MB batch, sent in messages of up to 16 MiB as pyarrow's writer may (kept as
+    // batches that large): the server must split it for a client with a 4 MiB receive limit.
     let batch = int64_batch(1_600_000, 8, 0);
-    put(&mut client, path("big"), vec![batch.clone()])
+    let data = FlightDataEncoderBuilder::new()
+        .with_schema(batch.schema())
+        .with_flight_descriptor(Some(path("big")))
+        .with_max_flight_data_size(16 << 20)
+        .build(futures::stream::iter([Ok(batch.clone())]));
+    let results: Vec<_> = client
+        .do_put(data)
+        .await
+        .expect("put")
+        .try_collect()
         .await
         .expect("put");
+    assert_eq!(results.len(), 1);
     let received = get_by_name(&mut client, "big")
         .await
         .expect("a 4 MiB client reads it");
     assert!(
-        received.len() >= 50,
-        "split into many messages, got {}",
+        received.len() >= 25,
+        "split into messages under 4 MiB, got {}",
         received.len()
+    );
+    // And into messages nearly as large as such a client takes: a reader pays per message
+    // (the default was 2 MiB).
+    let large = received
+        .iter()
+        .filter(|b| b.num_rows() * 64 > 3 << 20)
+        .count();
+    assert!(
+        large >= 20,
+        "{large} of {} messages over 3 MiB: {:?}",
+        received.len(),
+        received.iter().map(|b| b.num_rows()).collect::<Vec<_>>()
     );
     assert_same_data(&[batch], &received);
     server.shutdown_and_wait().await;

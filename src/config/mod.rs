@@ -175,7 +175,7 @@ pub struct ServeArgs {
     pub rows_per_endpoint: u64,
 
     /// Largest FlightData message DoGet sends (keep it under clients' 4 MiB gRPC default).
-    #[arg(long, env = "GPU_FLIGHT_MAX_MESSAGE_BYTES", default_value = "2MiB", value_parser = size)]
+    #[arg(long, env = "GPU_FLIGHT_MAX_MESSAGE_BYTES", default_value = "4032KiB", value_parser = size)]
     pub max_message_bytes: ByteSize,
 
     /// Seconds running streams get to finish after SIGINT/SIGTERM before the server exits.
@@ -513,7 +513,10 @@ mod tests {
         assert_eq!(args.listen, ["127.0.0.1:8815"]);
         assert!(args.auth_tokens.is_none() && !args.allow_unauthenticated);
         assert_eq!(args.backend, BackendChoice::Auto);
-        assert_eq!(args.flight_options().max_message_bytes, 2 << 20);
+        assert_eq!(
+            args.flight_options().max_message_bytes,
+            crate::flight::DEFAULT_MAX_MESSAGE_BYTES
+        );
         let serve = args.serve_options();
         assert_eq!(serve.flight.max_put_message_bytes, 1 << 30);
         assert_eq!(serve.flight.max_request_bytes, 64 << 10);
