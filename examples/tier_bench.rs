@@ -158,9 +158,9 @@ fn staged_spills(store: &Store) -> String {
          {:.3} s waiting for device-to-host copies, {:.3} s writing into host memory",
         count("staged_spill_copies"),
         count("staged_spill_bytes") as f64 / (1u64 << 30) as f64,
-        seconds("spill_lease_ns"),
-        seconds("spill_copy_ns"),
-        seconds("spill_write_ns"),
+        seconds("staged_spill_lease_ns"),
+        seconds("staged_spill_copy_ns"),
+        seconds("staged_spill_write_ns"),
     )
 }
 
@@ -261,14 +261,20 @@ async fn spill(args: &Args) {
         gbps(restored, seconds),
     );
     // Each restore first makes room on the full device by spilling others: apart from them,
-    // the restores' own uploads.
+    // the restores' own uploads. Nothing else runs meanwhile, so every spill of this phase
+    // is one a restore made (and timed within its own time).
     let spilling = after.spill_seconds - before.spill_seconds;
+    let own = seconds - spilling;
     println!(
-        "restore: of which {:.3} s spilling {} partitions ({:.2} GiB) to make room; without them {:.2} GB/s",
+        "restore: of which {:.3} s spilling {} partitions ({:.2} GiB) to make room; without them {}",
         spilling,
         after.spills - before.spills,
         (after.spilled_bytes - before.spilled_bytes) as f64 / (1u64 << 30) as f64,
-        gbps(restored, seconds - spilling),
+        if own > 0.0 {
+            format!("{:.2} GB/s", gbps(restored, own))
+        } else {
+            "not measurable".to_owned()
+        },
     );
     println!("restore: {}", pinned_copies(&store));
 }

@@ -819,6 +819,61 @@ fn wide_batch(columns: usize, rows: usize) -> RecordBatch {
     RecordBatch::try_from_iter(arrays).expect("wide batch")
 }
 
+/// A batch of 5,000 int64 rows whose schema carries `bytes` of metadata.
+fn batch_with_schema_of(bytes: usize) -> RecordBatch {
+    let schema = Schema::new(vec![Field::new("v", DataType::Int64, false)]).with_metadata(
+        std::collections::HashMap::from([("pad".to_owned(), "x".repeat(bytes))]),
+    );
+    let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..5000));
+    RecordBatch::try_new(Arc::new(schema), vec![values]).expect("batch")
+}
+
+#[tokio::test]
+async fn a_schema_leaves_room_for_the_replies_that_carry_it() {
+    // One row per endpoint: a GetFlightInfo reply lists as many endpoints as it may.
+    let options = ServeOptions {
+        flight: gpu_flight::flight::FlightOptions {
+            rows_per_endpoint: 1,
+            ..Default::default()
+        },
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start_with(host(), StoreOptions::default(), options).await;
+    let mut client = server.client().await;
+
+    // A schema of 3.8 MiB fits the default 4032 KiB DoGet message, but GetFlightInfo adds
+    // its endpoints (here about 250 KB of them), past what a client with gRPC's default
+    // 4 MiB limit takes: refused.
+    let error = put(
+        &mut client,
+        path("big"),
+        vec![batch_with_schema_of((4 << 20) - (200 << 10))],
+    )
+    .await
+    .expect_err("refused");
+    assert_eq!(code_of(&error), Code::InvalidArgument);
+    assert!(error.to_string().contains("--max-message-bytes"), "{error}");
+
+    // Just under 2 MiB: kept, and its FlightInfo, endpoints and all, reaches such a client.
+    put(
+        &mut client,
+        path("kept"),
+        vec![batch_with_schema_of((2 << 20) - (16 << 10))],
+    )
+    .await
+    .expect("put");
+    let info = client
+        .get_flight_info(path("kept"))
+        .await
+        .expect("a reply under 4 MiB");
+    assert!(
+        info.endpoint.len() >= 2000,
+        "{} endpoints",
+        info.endpoint.len()
+    );
+    server.shutdown_and_wait().await;
+}
+
 #[tokio::test]
 async fn wide_schemas_keep_the_reply_ceiling_or_say_why_they_cannot() {
     const CEILING: usize = 1 << 20;
@@ -862,8 +917,8 @@ async fn wide_schemas_keep_the_reply_ceiling_or_say_why_they_cannot() {
         500
     );
 
-    // 15,000 columns: the schema fits, but one row's metadata and padding alone are over the
-    // ceiling, so no row could be read back: the put is refused, and says why.
+    // 15,000 columns: one row's metadata and padding alone are over the ceiling, so no row
+    // could be read back: the put is refused, and says why.
     let error = put(&mut client, path("wider"), vec![wide_batch(15_000, 2)])
         .await
         .expect_err("too wide");

@@ -221,10 +221,12 @@ impl PutDecoder {
         let body_len = data.data_body.len();
         match message.header_type() {
             MessageHeader::Schema => {
-                if data.data_header.len() > self.max_message_bytes {
+                let limit = super::schema_limit(self.max_message_bytes);
+                if data.data_header.len() > limit {
                     return Err(invalid(format!(
-                        "the schema message has {} bytes, over the {}-byte message limit \
-                         (--max-message-bytes) that DoGet replies keep to",
+                        "the schema message has {} bytes, over the {limit} bytes a schema may \
+                         take of the {}-byte message limit (--max-message-bytes) that replies \
+                         carrying it keep to",
                         data.data_header.len(),
                         self.max_message_bytes
                     )));

@@ -91,14 +91,33 @@ const MAX_ENDPOINTS: u64 = 4096;
 /// ticket repeats the list, so a wide projection is read through fewer endpoints.
 const MAX_PROJECTION_BYTES: u64 = 1 << 20;
 
-/// Protocol settings.
 /// The largest `DoGet` message by default: as large as every gRPC client takes without raising
 /// its receive limit (4 MiB by default in grpc-core, grpc-java, grpc-go and tonic), less 64 KiB
-/// to spare. A client pays per message, not only per byte: reading strings from the host
-/// backend, pyarrow's client spent about a quarter less CPU per GB in messages of this size than
-/// in the 2 MiB ones sent before (docs/performance-notes.md, run (w)).
+/// of slack (the framed reply measures each message exactly; the slack is for any client that
+/// counts a message otherwise). A client pays per message, not only per byte: reading strings
+/// from the host backend, pyarrow's client spent about a quarter less CPU per GB in messages of
+/// this size than in the 2 MiB ones sent before (docs/performance-notes.md, run (w)).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = (4 << 20) - (64 << 10);
 
+/// What a `GetFlightInfo` reply adds to the dataset's schema at most: its endpoints
+/// ([`MAX_ENDPOINTS`], about 100 bytes each), their projection lists
+/// ([`MAX_PROJECTION_BYTES`]) and the caller's descriptor.
+const INFO_ROOM_BYTES: usize = 2 << 20;
+
+/// The largest schema message a put may carry: within `max_message_bytes` (`DoGet` sends it as
+/// one message), leaving [`INFO_ROOM_BYTES`] of that limit to what a `GetFlightInfo` reply adds
+/// to the schema, but always 2 MiB where the limit allows it, as when the limit was 2 MiB. At
+/// the default limit a schema takes 2 MiB, so that every reply carrying one stays under the
+/// 4 MiB that clients take by default.
+pub(crate) fn schema_limit(max_message_bytes: usize) -> usize {
+    max_message_bytes.min(
+        max_message_bytes
+            .saturating_sub(INFO_ROOM_BYTES)
+            .max(2 << 20),
+    )
+}
+
+/// Protocol settings.
 #[derive(Debug, Clone)]
 pub struct FlightOptions {
     /// Where clients reach this server (`--advertise-uri`): every endpoint's locations.
@@ -796,7 +815,9 @@ impl FlightService for Service {
         let messages = FlightDataEncoderBuilder::new()
             .with_schema(reading.schema)
             .with_options(options)
-            .with_max_flight_data_size(self.options.max_message_bytes)
+            // arrow-flight splits a batch by its buffers' bytes alone (not its metadata and
+            // padding): half the limit keeps each message under it.
+            .with_max_flight_data_size(self.options.max_message_bytes / 2)
             // Dictionary columns stay dictionaries, as they were stored.
             .with_dictionary_handling(DictionaryHandling::Resend)
             .build(batches)
@@ -906,6 +927,18 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
     use super::*;
+
+    #[test]
+    fn a_schema_takes_2_mib_or_leaves_room_for_what_replies_add() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(schema_limit(MIB), MIB);
+        assert_eq!(schema_limit(2 * MIB), 2 * MIB);
+        // The default: every reply that carries the schema stays under 4 MiB.
+        assert_eq!(schema_limit(DEFAULT_MAX_MESSAGE_BYTES), 2 * MIB);
+        assert!(schema_limit(DEFAULT_MAX_MESSAGE_BYTES) + INFO_ROOM_BYTES <= 4 * MIB);
+        assert_eq!(schema_limit(64 * MIB), 62 * MIB);
+        assert_eq!(schema_limit(0), 0);
+    }
 
     #[test]
     fn same_node_paths_are_refused_from_other_nodes() {

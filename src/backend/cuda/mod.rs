@@ -199,14 +199,15 @@ struct Counters {
     /// The host-to-device copies those uploads made: one per run of buffers that follow each
     /// other without a gap in pinned memory as on the device (`layout::copy_runs`).
     pinned_upload_runs: AtomicU64,
-    /// Spills through staging: their allocations and bytes, and the time their lanes spent
-    /// (summed) leasing staging, waiting for device-to-host copies and writing out of
-    /// staging into fresh host memory.
+    /// Spills through staging (those not straight into pinned memory): the allocations they
+    /// copied (one per allocation of a partition, not one per spill) and their bytes, and the
+    /// time their lanes spent, summed, leasing staging, waiting for device-to-host copies and
+    /// writing out of staging into fresh host memory. Counted once a copy is done.
     staged_spill_copies: AtomicU64,
     staged_spill_bytes: AtomicU64,
-    spill_lease_ns: AtomicU64,
-    spill_copy_ns: AtomicU64,
-    spill_write_ns: AtomicU64,
+    staged_spill_lease_ns: AtomicU64,
+    staged_spill_copy_ns: AtomicU64,
+    staged_spill_write_ns: AtomicU64,
 }
 
 impl Drop for CudaBackend {
@@ -1157,9 +1158,9 @@ impl Shared {
             "pinned_upload_bytes": c.pinned_upload_bytes.load(Ordering::Relaxed),
             "staged_spill_copies": c.staged_spill_copies.load(Ordering::Relaxed),
             "staged_spill_bytes": c.staged_spill_bytes.load(Ordering::Relaxed),
-            "spill_lease_ns": c.spill_lease_ns.load(Ordering::Relaxed),
-            "spill_copy_ns": c.spill_copy_ns.load(Ordering::Relaxed),
-            "spill_write_ns": c.spill_write_ns.load(Ordering::Relaxed),
+            "staged_spill_lease_ns": c.staged_spill_lease_ns.load(Ordering::Relaxed),
+            "staged_spill_copy_ns": c.staged_spill_copy_ns.load(Ordering::Relaxed),
+            "staged_spill_write_ns": c.staged_spill_write_ns.load(Ordering::Relaxed),
         });
         match counters {
             Value::Object(map) => map,

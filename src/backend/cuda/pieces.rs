@@ -404,6 +404,7 @@ pub(super) fn download(
         return Ok(block.into_buffer());
     }
     let lanes = if len > PIECE_BYTES { LANES } else { 1 };
+    let times = Mutex::new(SpillTimes::default());
     let image = ffi::host_buffer_written(
         len,
         |image| {
@@ -439,23 +440,22 @@ pub(super) fn download(
                     spent.write += copied.elapsed();
                     lock(&written).extend(written_now);
                 }
-                spent.add_to(&shared.counters);
+                lock(&times).add(&spent);
                 Ok(())
             })?;
             Ok(written.into_inner().unwrap_or_else(|p| p.into_inner()))
         },
         || BackendError::Device("a host copy was left incomplete".to_owned()),
     )?;
-    let counters = &shared.counters;
-    counters.staged_spill_copies.fetch_add(1, Ordering::Relaxed);
-    counters
-        .staged_spill_bytes
-        .fetch_add(len as u64, Ordering::Relaxed);
+    // Counted once the whole copy is done, as uploads are: times of a copy that failed would
+    // stand beside no bytes.
+    let times = times.into_inner().unwrap_or_else(|p| p.into_inner());
+    times.add_to(&shared.counters, len);
     Ok(image)
 }
 
-/// Time a spill through staging spent in one lane: leasing its staging buffer, waiting for
-/// the device-to-host copies, and writing out of staging into the host buffer.
+/// Time a spill through staging spent, summed over its lanes: leasing staging buffers,
+/// waiting for the device-to-host copies, and writing out of staging into the host buffer.
 #[derive(Debug, Default)]
 struct SpillTimes {
     lease: Duration,
@@ -464,14 +464,25 @@ struct SpillTimes {
 }
 
 impl SpillTimes {
-    fn add_to(&self, counters: &super::Counters) {
+    fn add(&mut self, lane: &SpillTimes) {
+        self.lease += lane.lease;
+        self.copy += lane.copy;
+        self.write += lane.write;
+    }
+
+    /// Adds one allocation's copy of `bytes` to the backend's counters.
+    fn add_to(&self, counters: &super::Counters, bytes: usize) {
         let add = |counter: &std::sync::atomic::AtomicU64, spent: Duration| {
             let nanos = u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX);
             counter.fetch_add(nanos, Ordering::Relaxed);
         };
-        add(&counters.spill_lease_ns, self.lease);
-        add(&counters.spill_copy_ns, self.copy);
-        add(&counters.spill_write_ns, self.write);
+        counters.staged_spill_copies.fetch_add(1, Ordering::Relaxed);
+        counters
+            .staged_spill_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        add(&counters.staged_spill_lease_ns, self.lease);
+        add(&counters.staged_spill_copy_ns, self.copy);
+        add(&counters.staged_spill_write_ns, self.write);
     }
 }
 
