@@ -815,8 +815,9 @@ impl FlightService for Service {
         let messages = FlightDataEncoderBuilder::new()
             .with_schema(reading.schema)
             .with_options(options)
-            // arrow-flight splits a batch by its buffers' bytes alone (not its metadata and
-            // padding): half the limit keeps each message under it.
+            // arrow-flight splits a batch by its buffers' bytes alone: half the limit leaves
+            // the other half to each message's metadata and padding, far more than any but
+            // the widest schemas need (the framed reply, the default, measures each message).
             .with_max_flight_data_size(self.options.max_message_bytes / 2)
             // Dictionary columns stay dictionaries, as they were stored.
             .with_dictionary_handling(DictionaryHandling::Resend)

@@ -87,8 +87,10 @@ impl tower::Service<http::Request<Body>> for FlightEndpoint {
 }
 
 /// Builds the endpoint over `store`. Requests are bounded by `max_put_message_bytes` (`DoPut`)
-/// and `max_request_bytes` (everything else); replies by `max_message_bytes`. Callers are
-/// authenticated by `auth`; calls are counted in `metrics`, if any.
+/// and `max_request_bytes` (everything else). `DoGet` replies keep to `max_message_bytes`;
+/// the others are bounded by what they carry (a schema within `flight::schema_limit`, at most
+/// `MAX_ENDPOINTS` endpoints), not checked here. Callers are authenticated by `auth`; calls are
+/// counted in `metrics`, if any.
 pub(super) fn flight(
     store: Store,
     options: FlightOptions,
