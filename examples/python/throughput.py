@@ -14,7 +14,10 @@ one stream. DoPut: every client puts its own table of `--mib`. The raw ceiling m
 per connection through a bare socket (one write and one read copy, no framing): the most any
 server could do with these clients. The CPU columns are what each client process and the
 server kept busy during the best run, in cores (from /proc): a client near 1.0 is its own
-limit, whatever the server does. Nothing else should run on the machine meanwhile.
+limit, whatever the server does. "clients CPU s/GB" is what all the clients together spent per
+GB: on a machine whose cores the clients and the server fill, a server that makes its clients'
+work dearer (smaller messages, for pyarrow's client) is slower for it. Nothing else should run
+on the machine meanwhile.
 
 `--doget-encoders framed,plain` starts one server per DoGet encoder (the hidden
 `--doget-encoder` flag: `framed`, the server's own framing that hands the socket the Arrow
@@ -265,8 +268,8 @@ def main():
               + (f"; variants {args.server_variants}" if args.server_variants else "")
               + f"; DoGet encoders {args.doget_encoders}", flush=True)
         print("| table | op | clients | server | GB/s | GB/s / pyarrow | GB/s / raw TCP | CPU cores: each client | "
-              "server cores | server CPU s/GB | s/GB / pyarrow | stages, s/GB |")
-        print("|" + " --- |" * 12, flush=True)
+              "clients CPU s/GB | server cores | server CPU s/GB | s/GB / pyarrow | stages, s/GB |")
+        print("|" + " --- |" * 13, flush=True)
         raw = {}
         for table in args.tables.split(","):
             for _, location, _, pid, _ in targets:  # the dataset every DoGet client reads, once a server
@@ -306,7 +309,8 @@ def main():
                                      if pyarrow.server_cores > 0 else "-")
                         print(f"| {table} | {op} | {n} | {label} | {f:.2f} | {f / pyarrow:.2f}x | "
                               + (f"{f / tcp:.0%}" if tcp else "-")
-                              + f" | {f.client_cores:.2f} | {f.server_cores:.2f} | {f.server_cores / f:.3f} | "
+                              + f" | {f.client_cores:.2f} | {f.client_cores * n / f:.3f} | {f.server_cores:.2f} | "
+                              + f"{f.server_cores / f:.3f} | "
                               + f"{cpu_ratio} | " + (stages or "-") + " |", flush=True)
     finally:
         for server in servers:

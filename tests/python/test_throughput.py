@@ -38,9 +38,12 @@ def test_a_tiny_run_prints_every_row_with_cpu_columns():
         # CPU time comes from /proc in clock ticks (10 ms): a server can move 32 MiB within
         # one (pyarrow's, and a release build of ours on a fast machine), so a row may read 0;
         # each of our servers' rows together must not.
-        for column in ["server CPU s/GB", "server cores", "CPU cores: each client"]:
+        for column in ["server CPU s/GB", "server cores", "CPU cores: each client", "clients CPU s/GB"]:
             assert float(cells[column]) >= 0, row
         assert float(cells["CPU cores: each client"]) > 0, row
+        # All the clients' CPU per GB: each client's cores, times the clients, over the rate.
+        clients = float(cells["CPU cores: each client"]) * int(cells["clients"]) / float(cells["GB/s"])
+        assert abs(float(cells["clients CPU s/GB"]) - clients) <= 0.01 + 0.02 * clients, row
         if cells["server"].startswith("gpu-flight"):
             cpu[cells["server"]] = cpu.get(cells["server"], 0.0) + float(cells["server CPU s/GB"])
             assert re.fullmatch(r"\d+\.\d\dx|-", cells["s/GB / pyarrow"]), row
