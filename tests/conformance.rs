@@ -84,12 +84,13 @@ conformance!(
     #[ignore = "needs a CUDA device"]
 );
 
-/// Device 0 with 256 MiB of pinned host memory (`--pinned-host-memory`), once it is pinned:
-/// puts receive their message bodies there and upload them from there.
+/// Device 0 with about 256 MiB of pinned host memory (`--pinned-host-memory`), once it is
+/// pinned: puts receive their message bodies there and upload them from there. Not a whole
+/// number of pages, as an operator may ask for: the mapping is pinned in whole pages.
 fn cuda_with_pinned_host_memory() -> Arc<dyn Backend> {
     let backend = gpu_flight::backend::CudaBackend::open(0)
         .expect("CUDA device 0")
-        .with_pinned_host_memory(256 << 20);
+        .with_pinned_host_memory((256 << 20) + 1000);
     for _ in 0..600 {
         if backend.pinned_host_memory().is_some() {
             return Arc::new(backend);

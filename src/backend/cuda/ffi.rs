@@ -453,24 +453,25 @@ impl PinnedBuffer {
             return Self::allocate(context, bytes, portable);
         }
         let mut buffer = Self::map(bytes)?;
+        let PinnedMemory::Mapped { mapped, registered } = &mut buffer.memory else {
+            return Err(BackendError::Device(
+                "a mapping of host memory was not mapped".to_owned(),
+            ));
+        };
         context.bind()?;
         let flags = if portable {
             sys::CU_MEMHOSTREGISTER_PORTABLE
         } else {
             0
         };
-        // As `map` made it.
-        let mapped = bytes.max(1);
-        // SAFETY: the range is the buffer's mapping, alive until `drop`, which unregisters it
-        // before unmapping it; `flags` is 0 or PORTABLE (never DEVICEMAP or IOMEMORY).
-        match unsafe { sys::cuMemHostRegister_v2(buffer.ptr.as_ptr().cast(), mapped, flags) }
+        // SAFETY: the range is the buffer's whole mapping (whole pages), alive until `drop`,
+        // which unregisters it before unmapping it; `flags` is 0 or PORTABLE (never DEVICEMAP
+        // or IOMEMORY).
+        match unsafe { sys::cuMemHostRegister_v2(buffer.ptr.as_ptr().cast(), *mapped, flags) }
             .result()
         {
             Ok(()) => {
-                buffer.memory = PinnedMemory::Mapped {
-                    mapped,
-                    registered: Some(Arc::clone(context)),
-                };
+                *registered = Some(Arc::clone(context));
                 Ok(buffer)
             }
             Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)) => {
@@ -486,13 +487,18 @@ impl PinnedBuffer {
         }
     }
 
-    /// `bytes` of this process's memory (at least a page), faulted in by the calling thread.
+    /// `bytes` of this process's memory in whole pages (at least one), faulted in by the
+    /// calling thread.
     fn map(bytes: usize) -> Result<Self, BackendError> {
         use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap_anonymous};
         /// Every page is written once, at this stride, to fault it in: the smallest page size,
-        /// so none is missed whatever the kernel backs them with.
+        /// so none is missed whatever the kernel backs them with. The mapping is whole pages
+        /// of it too, which is what the driver registers.
         const PAGE: usize = 4096;
-        let mapped = bytes.max(1);
+        let mapped = bytes
+            .max(1)
+            .checked_next_multiple_of(PAGE)
+            .ok_or_else(|| BackendError::Device(format!("{bytes} bytes of host memory")))?;
         let length = std::num::NonZeroUsize::MIN.saturating_add(mapped - 1);
         // SAFETY: a new private anonymous mapping at an address the kernel chooses: it
         // overlaps nothing this process uses.
