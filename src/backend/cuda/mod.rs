@@ -597,11 +597,9 @@ impl Shared {
         counters
             .upload_syncs
             .fetch_add(times.syncs, Ordering::Relaxed);
-        let nanos = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        let add = |counter: &AtomicU64, d| counter.fetch_add(nanos(d), Ordering::Relaxed);
-        add(&counters.upload_allocate_ns, allocated);
-        add(&counters.upload_fill_ns, times.fill);
-        add(&counters.upload_copy_ns, times.copy);
+        add_time(&counters.upload_allocate_ns, allocated);
+        add_time(&counters.upload_fill_ns, times.fill);
+        add_time(&counters.upload_copy_ns, times.copy);
         Ok(Arc::new(CudaPartition {
             shared: Arc::clone(self),
             allocations: Arc::new(vec![allocation]),
@@ -786,27 +784,16 @@ impl Shared {
         })?;
         let counters = &self.counters;
         counters.concat_launches.fetch_add(1, Ordering::Relaxed);
-        let nanos = |since: std::time::Instant| {
-            u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
-        };
-        counters
-            .concat_last_kernel_ns
-            .store(nanos(launched), Ordering::Relaxed);
-        counters
-            .concat_last_total_ns
-            .store(nanos(started), Ordering::Relaxed);
-        counters.concat_last_allocate_ns.store(
-            u64::try_from(allocated.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        counters.concat_last_plan_ns.store(
-            u64::try_from(planned.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
-        counters.concat_last_table_ns.store(
-            u64::try_from(tabled.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        let last = [
+            (&counters.concat_last_kernel_ns, launched.elapsed()),
+            (&counters.concat_last_total_ns, started.elapsed()),
+            (&counters.concat_last_allocate_ns, allocated),
+            (&counters.concat_last_plan_ns, planned),
+            (&counters.concat_last_table_ns, tabled),
+        ];
+        for (counter, spent) in last {
+            counter.store(nanos(spent), Ordering::Relaxed);
+        }
         let rows = partitions.iter().map(|p| p.rows).sum();
         let columns = arrangement
             .columns
@@ -1167,6 +1154,16 @@ impl Shared {
             _ => Map::new(),
         }
     }
+}
+
+/// `spent` in whole nanoseconds, as the counters keep time.
+fn nanos(spent: std::time::Duration) -> u64 {
+    u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Adds `spent` to a counter of nanoseconds.
+fn add_time(counter: &AtomicU64, spent: std::time::Duration) {
+    counter.fetch_add(nanos(spent), Ordering::Relaxed);
 }
 
 fn flatten_join<T>(

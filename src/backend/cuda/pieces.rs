@@ -472,10 +472,7 @@ impl SpillTimes {
 
     /// Adds one allocation's copy of `bytes` to the backend's counters.
     fn add_to(&self, counters: &super::Counters, bytes: usize) {
-        let add = |counter: &std::sync::atomic::AtomicU64, spent: Duration| {
-            let nanos = u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX);
-            counter.fetch_add(nanos, Ordering::Relaxed);
-        };
+        use super::add_time as add;
         counters.staged_spill_copies.fetch_add(1, Ordering::Relaxed);
         counters
             .staged_spill_bytes
