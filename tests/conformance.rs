@@ -558,13 +558,13 @@ async fn schema_change_mid_stream_is_refused(make: MakeBackend) {
 async fn small_receive_limit_reads_100_mb(make: MakeBackend) {
     let server = TestServer::start(make()).await;
     let mut client = server.client().await;
-    // One 100 MB batch, sent in messages of up to 16 MiB as pyarrow's writer may (kept as
-    // batches that large): the server must split it for a client with a 4 MiB receive limit.
+    // One 100 MB batch, sent whole as pyarrow's writer sends a batch: the server must split
+    // it for a client with a 4 MiB receive limit.
     let batch = int64_batch(1_600_000, 8, 0);
     let data = FlightDataEncoderBuilder::new()
         .with_schema(batch.schema())
         .with_flight_descriptor(Some(path("big")))
-        .with_max_flight_data_size(16 << 20)
+        .with_max_flight_data_size(128 << 20)
         .build(futures::stream::iter([Ok(batch.clone())]));
     let results: Vec<_> = client
         .do_put(data)
@@ -582,15 +582,16 @@ async fn small_receive_limit_reads_100_mb(make: MakeBackend) {
         "split into messages under 4 MiB, got {}",
         received.len()
     );
-    // And into messages nearly as large as such a client takes: a reader pays per message
-    // (the default was 2 MiB).
+    // And into messages nearly as large as such a client takes, as few as the read's chunks
+    // allow: a reader pays per message. (With 2 MiB messages there were 50; with chunks of 16
+    // MiB split into five equal messages, 31; 25 would fill every message.)
     let large = received
         .iter()
-        .filter(|b| b.num_rows() * 64 > 3 << 20)
+        .filter(|b| b.num_rows() * 64 > 3840 << 10)
         .count();
     assert!(
-        large >= 20,
-        "{large} of {} messages over 3 MiB: {:?}",
+        received.len() <= 26 && large >= 24,
+        "{large} of {} messages over 3.75 MiB: {:?}",
         received.len(),
         received.iter().map(|b| b.num_rows()).collect::<Vec<_>>()
     );

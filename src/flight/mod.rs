@@ -34,6 +34,7 @@ pub(crate) mod doget;
 pub mod ipc_export;
 mod ipc_import;
 mod lifecycle;
+mod message_size;
 pub(crate) mod put;
 mod put_stream;
 mod read;

@@ -16,6 +16,7 @@ use super::Service;
 use super::call::Call;
 use super::descriptor::ReadOptions;
 use super::lifecycle::StreamGuard;
+use super::message_size::{body_budget, whole_messages};
 use super::ticket::{self, TicketRequest};
 use crate::error::Error;
 use crate::store::{Dataset, StoreError};
@@ -108,14 +109,19 @@ pub(crate) fn plan(
         }
     };
     let options = &service.options;
+    // Each chunk goes as whole messages of the framed encoder.
+    let per_chunk = whole_messages(
+        options.read_chunk_bytes,
+        body_budget(&schema, options.max_message_bytes),
+    );
     // Chunks are planned by the bytes a row holds in all columns: a projection reads the
     // same bytes per chunk through proportionally more rows (at most 8 times as many).
     let chunk_bytes = match &columns {
-        None => options.read_chunk_bytes,
+        None => per_chunk,
         Some(columns) => {
             let chosen = dataset.projected_data_bytes(columns);
             let scale = (dataset.data_bytes() / chosen.max(1)).clamp(1, MAX_CHUNK_SCALE);
-            options.read_chunk_bytes.saturating_mul(scale)
+            per_chunk.saturating_mul(scale)
         }
     };
     Ok(Planned {

@@ -21,7 +21,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow::datatypes::{DataType, Schema, SchemaRef};
 use arrow::ipc::CompressionType;
 use arrow::record_batch::RecordBatch;
 use futures::stream::BoxStream;
@@ -31,15 +31,13 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use super::message::{IpcMessage, IpcMessageEncoder};
+use crate::flight::message_size::body_budget;
 
 use crate::arrays;
 use crate::arrays::batch_bytes;
 use crate::error::Error;
 use crate::flight::stages::Stages;
 use crate::task::panic_message;
-
-/// Smallest body budget: below this, headers dominate and splitting further helps nobody.
-const MIN_BODY_BYTES: usize = 16 * 1024;
 
 /// Encodes a stream of batches as IPC messages, each at most `max_message_bytes` unless a
 /// single row (or a dictionary) is larger than that on its own, up to `ahead` messages ahead
@@ -295,34 +293,6 @@ fn encoding_error(error: arrow::error::ArrowError) -> Status {
     Status::from(Error::Internal(format!("encoding DoGet reply: {error}")))
 }
 
-/// The part of a message left for the body once the IPC header, flatbuffer field nodes and
-/// buffer alignment padding (64 bytes per buffer at most) are paid for.
-fn body_budget(schema: &SchemaRef, max_message_bytes: usize) -> usize {
-    let nodes: usize = schema.fields().iter().map(|f| count_nodes(f)).sum();
-    let overhead = 1024 + nodes * (16 + 3 * (16 + 64));
-    max_message_bytes
-        .saturating_sub(overhead)
-        .max(MIN_BODY_BYTES)
-}
-
-fn count_nodes(field: &Field) -> usize {
-    1 + match field.data_type() {
-        DataType::List(child)
-        | DataType::LargeList(child)
-        | DataType::FixedSizeList(child, _)
-        | DataType::Map(child, _)
-        | DataType::ListView(child)
-        | DataType::LargeListView(child) => count_nodes(child),
-        DataType::Struct(fields) => fields.iter().map(|f| count_nodes(f)).sum(),
-        DataType::Union(fields, _) => fields.iter().map(|(_, f)| count_nodes(f)).sum(),
-        DataType::Dictionary(_, value) => {
-            count_nodes(&Field::new("", value.as_ref().clone(), true))
-        }
-        DataType::RunEndEncoded(ends, values) => count_nodes(ends) + count_nodes(values),
-        _ => 0,
-    }
-}
-
 /// Splits `batch` into row slices of at most `budget` bytes each (a single row may exceed it).
 pub(crate) fn split_to_size(batch: RecordBatch, budget: usize) -> Vec<RecordBatch> {
     let mut pieces = Vec::new();
@@ -352,6 +322,7 @@ mod tests {
     use std::sync::Arc;
 
     use arrow::array::{ArrayRef, Int64Array, StringArray};
+    use arrow::datatypes::Field;
 
     use super::*;
 
