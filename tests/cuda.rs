@@ -654,6 +654,58 @@ async fn put_bodies_are_received_into_pinned_host_memory_and_uploaded_from_it() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a CUDA device"]
+async fn reads_stage_in_the_pinned_host_memory_and_give_it_back() {
+    let backend = with_pinned_host_memory(256 << 20).await;
+    let server = serve_pinned(&backend, StoreOptions::default()).await;
+    let mut client = server.client().await;
+    // About 48 MB with nulls and strings: three chunks, each two rounds (offsets, then the
+    // strings they address).
+    let batch = ints_and_strings(600_000, 4, 2);
+    put(&mut client, path("read"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let before = status(&mut client).await;
+    let got = get_by_name(&mut client, "read").await.expect("get");
+    let after = status(&mut client).await;
+    let grew = |name: &str| counter(&after, name) - counter(&before, name);
+    assert!(
+        grew("read_chunks") >= 3 && grew("read_pinned_rounds") >= 2 * grew("read_chunks"),
+        "every round staged in the pinned host memory: {}",
+        after["counters"]
+    );
+    assert_same_data(&[batch], &got);
+    assert_eq!(
+        pinned_in_use(&backend).await,
+        Some((256 << 20, 0)),
+        "the blocks came back once the reply was written"
+    );
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
+async fn reads_beyond_half_the_pinned_host_memory_stage_in_the_pool() {
+    // 16 MiB: each of the two chunks (about 16 and 10 MB) is larger than half of it.
+    let backend = with_pinned_host_memory(16 << 20).await;
+    let server = serve_pinned(&backend, StoreOptions::default()).await;
+    let mut client = server.client().await;
+    let batch = ints_and_strings(400_000, 8, 0);
+    put(&mut client, path("read"), vec![batch.clone()])
+        .await
+        .expect("put");
+    let before = status(&mut client).await;
+    let got = get_by_name(&mut client, "read").await.expect("get");
+    let after = status(&mut client).await;
+    let grew = |name: &str| counter(&after, name) - counter(&before, name);
+    assert!(grew("read_chunks") >= 2, "{}", after["counters"]);
+    assert_eq!(grew("read_pinned_rounds"), 0, "{}", after["counters"]);
+    assert_same_data(&[batch], &got);
+    assert_eq!(pinned_in_use(&backend).await, Some((16 << 20, 0)));
+    server.shutdown_and_wait().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a CUDA device"]
 async fn a_body_laid_out_as_on_the_device_is_uploaded_in_one_copy() {
     let backend = with_pinned_host_memory(256 << 20).await;
     let server = serve_pinned(&backend, StoreOptions::default()).await;

@@ -31,7 +31,7 @@ use super::ffi::{
 use super::filter_abi::{self, TILE};
 use super::layout::{ALIGNMENT, DeviceArray, Kind, Region};
 use super::read::{Stored, read_rows};
-use super::staging::PinnedPool;
+use super::staging::ReadStaging;
 use crate::backend::BackendError;
 use crate::backend::filter::{ColumnType, KeyType, RowFilter};
 
@@ -156,8 +156,9 @@ pub(super) fn read_filtered(
     schema: &SchemaRef,
     rows: Range<usize>,
     stream: &mut Stream,
-    pool: &Arc<PinnedPool>,
+    read_staging: ReadStaging<'_>,
 ) -> Result<(RecordBatch, FilterStats), BackendError> {
+    let pool = read_staging.pool;
     let mut stats = FilterStats::default();
     let n = rows.len();
     if n == 0 {
@@ -268,7 +269,7 @@ pub(super) fn read_filtered(
         return Ok((RecordBatch::new_empty(Arc::clone(schema)), stats));
     }
     if kept == n {
-        let (batch, syncs, bytes) = read_rows(&outputs, schema, rows, stream, pool)?;
+        let (batch, syncs, bytes) = read_rows(&outputs, schema, rows, stream, read_staging)?;
         stats.syncs += syncs;
         stats.bytes += bytes;
         return Ok((batch, stats));
@@ -413,7 +414,7 @@ pub(super) fn read_filtered(
             array,
         })
         .collect();
-    let (batch, syncs, bytes) = read_rows(&stored, schema, 0..kept, stream, pool)?;
+    let (batch, syncs, bytes) = read_rows(&stored, schema, 0..kept, stream, read_staging)?;
     stats.syncs += syncs;
     stats.bytes += bytes;
     Ok((batch, stats))

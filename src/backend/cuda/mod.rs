@@ -69,7 +69,7 @@ use ffi::{ConcatTable, Context, DeviceAllocation, FilterKernels, Kernel, Stream}
 use layout::{DeviceArray, Kind, UploadPlan};
 use pinned::PinnedHostMemory;
 use read::Stored;
-use staging::PinnedPool;
+use staging::{PinnedPool, ReadStaging};
 
 /// The concatenation kernel, compiled from `kernels/concat.cu` by `kernels/build_ptx.py`.
 const CONCAT_PTX: &str = include_str!("../../../kernels/concat.ptx");
@@ -165,6 +165,8 @@ struct Counters {
     upload_fill_ns: AtomicU64,
     upload_copy_ns: AtomicU64,
     read_chunks: AtomicU64,
+    /// Read rounds staged in the pinned host memory rather than the pool (`ReadStaging`).
+    read_pinned_rounds: AtomicU64,
     read_syncs: AtomicU64,
     /// Bytes reads copied from the device to host memory.
     read_bytes: AtomicU64,
@@ -567,6 +569,15 @@ pub struct FragmentCopies {
 }
 
 impl Shared {
+    /// Where this GPU's reads stage (see `ReadStaging`).
+    fn read_staging(&self) -> ReadStaging<'_> {
+        ReadStaging {
+            pool: &self.pool,
+            arena: self.pinned.ready(),
+            in_arena: &self.counters.read_pinned_rounds,
+        }
+    }
+
     /// Runs `work` with a stream from the pool.
     fn with_stream<T>(
         &self,
@@ -1149,10 +1160,16 @@ impl Shared {
             "staged_spill_copy_ns": c.staged_spill_copy_ns.load(Ordering::Relaxed),
             "staged_spill_write_ns": c.staged_spill_write_ns.load(Ordering::Relaxed),
         });
-        match counters {
+        let mut counters = match counters {
             Value::Object(map) => map,
             _ => Map::new(),
-        }
+        };
+        // Past what one `json!` expands.
+        counters.insert(
+            "read_pinned_rounds".to_owned(),
+            c.read_pinned_rounds.load(Ordering::Relaxed).into(),
+        );
+        counters
     }
 }
 
@@ -1329,7 +1346,13 @@ impl Partition for CudaPartition {
         let task = tokio::task::spawn_blocking(move || {
             let stored = stored_columns(&allocations, &columns, &chosen)?;
             let (batch, syncs, bytes) = shared.with_stream(|stream| {
-                read::read_rows(&stored, &schema, offset..offset + len, stream, &shared.pool)
+                read::read_rows(
+                    &stored,
+                    &schema,
+                    offset..offset + len,
+                    stream,
+                    shared.read_staging(),
+                )
             })?;
             shared.counters.read_chunks.fetch_add(1, Ordering::Relaxed);
             shared
@@ -1380,7 +1403,7 @@ impl Partition for CudaPartition {
                     &schema,
                     offset..offset + len,
                     stream,
-                    &shared.pool,
+                    shared.read_staging(),
                 )
             });
             let (batch, stats) = match filtered {

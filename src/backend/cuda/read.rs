@@ -7,8 +7,8 @@
 //! one synchronization per chunk, flat strings two, and each further level of list nesting one
 //! more. Bitmaps are copied from byte `s / 8` and addressed with a bit offset, so no bits are
 //! shifted on the CPU; offsets are rebased to start at zero in pinned memory before Arrow sees
-//! them. The arrays returned use the pinned buffers directly, which go back to the pool when
-//! the last of them is dropped.
+//! them. The arrays returned use the pinned buffers directly (of the pool, or of the pinned
+//! host memory: `staging::ReadStaging`), which go back when the last of them is dropped.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -20,7 +20,7 @@ use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 
 use super::ffi::{self, DeviceAllocation, Stream};
 use super::layout::{ALIGNMENT, DeviceArray, Kind, Region, offset_at, rebase_offsets};
-use super::staging::{PinnedLease, PinnedPool};
+use super::staging::{ReadBuffer, ReadStaging};
 use crate::backend::BackendError;
 
 /// A range of one round's pinned buffer.
@@ -102,7 +102,7 @@ pub(super) fn read_rows(
     schema: &SchemaRef,
     rows: Range<usize>,
     stream: &mut Stream,
-    pool: &Arc<PinnedPool>,
+    staging: ReadStaging<'_>,
 ) -> Result<(RecordBatch, u64, u64), BackendError> {
     let mut outputs: Vec<OutArray> = Vec::new();
     let mut roots = Vec::with_capacity(columns.len());
@@ -117,7 +117,8 @@ pub(super) fn read_rows(
         });
     }
 
-    let mut leases: Vec<PinnedLease> = Vec::new();
+    // Each round's pinned memory, and the bytes of it the round staged.
+    let mut leases: Vec<(ReadBuffer, usize)> = Vec::new();
     let mut syncs = 0;
     let mut copied = 0u64;
     while !work.is_empty() {
@@ -173,16 +174,18 @@ pub(super) fn read_rows(
                 }
             }
         }
-        let mut lease = pool.lease_for_read(staged)?;
+        let mut lease = staging.lease(staged)?;
         if !copies.is_empty() {
-            let mut rest = lease.buffer_mut().as_mut_slice();
+            let mut rest = lease.as_mut_slice();
             stream.copies(|batch| {
                 let mut consumed = 0;
                 for (allocation, region, slot) in &copies {
                     if slot.len == 0 {
                         continue;
                     }
-                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(slot.start - consumed);
+                    let (gap, tail) = std::mem::take(&mut rest).split_at_mut(slot.start - consumed);
+                    // Alignment padding: nothing of a buffer used before shows through.
+                    gap.fill(0);
                     let (target, tail) = tail.split_at_mut(slot.len);
                     batch.copy_to_host(target, allocation, region.offset)?;
                     rest = tail;
@@ -196,7 +199,7 @@ pub(super) fn read_rows(
                 .map(|(_, region, _)| region.len as u64)
                 .sum::<u64>();
         }
-        let bytes = lease.buffer_mut().as_mut_slice();
+        let bytes = lease.as_mut_slice();
         for step in after {
             match step {
                 AfterRound::Strings {
@@ -236,10 +239,13 @@ pub(super) fn read_rows(
                 }
             }
         }
-        leases.push(lease);
+        leases.push((lease, staged));
     }
 
-    let leases: Vec<Arc<PinnedLease>> = leases.into_iter().map(Arc::new).collect();
+    let leases: Vec<Buffer> = leases
+        .into_iter()
+        .map(|(lease, staged)| lease.into_buffer(staged))
+        .collect();
     let arrays: Vec<ArrayRef> = roots
         .iter()
         .map(|&root| build(&outputs, root, &leases).map(make_array))
@@ -382,20 +388,13 @@ fn schedule<'a>(
     }
 }
 
-fn slot_buffer(leases: &[Arc<PinnedLease>], slot: Slot) -> Buffer {
-    ffi::arrow_buffer(
-        Arc::clone(&leases[slot.round]),
-        slot.start..slot.start + slot.len,
-    )
+fn slot_buffer(rounds: &[Buffer], slot: Slot) -> Buffer {
+    rounds[slot.round].slice_with_length(slot.start, slot.len)
 }
 
 /// Assembles an output array from the pinned slots its rounds filled, checked for structure
 /// (see [`ffi::read_back_array`]).
-fn build(
-    outputs: &[OutArray],
-    index: usize,
-    leases: &[Arc<PinnedLease>],
-) -> Result<ArrayData, BackendError> {
+fn build(outputs: &[OutArray], index: usize, leases: &[Buffer]) -> Result<ArrayData, BackendError> {
     let out = &outputs[index];
     let buffers = out
         .buffers

@@ -24,8 +24,63 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::ffi::{Context, PinnedBuffer};
+use arrow::buffer::Buffer;
+
+use super::ffi::{self, ArenaBlock, Context, PinnedArena, PinnedBuffer};
 use crate::backend::{BackendError, numa};
+
+/// Where reads stage their device-to-host copies: blocks of the pinned host memory
+/// (`--pinned-host-memory`, pinned at start) while the blocks in use hold at most half of it,
+/// as spills' may, so that put bodies keep the rest; the pool otherwise. A read staged in
+/// that memory pins nothing: the pool pins its buffers as they are first needed, and while the
+/// driver pins, every other call to it waits (the first reads after a start pinned their
+/// chunks one by one). Readers that stop reading hold their blocks, so the half bounds what
+/// they can keep from puts; what they hold of the pool is capped as before.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ReadStaging<'a> {
+    pub(super) pool: &'a Arc<PinnedPool>,
+    pub(super) arena: Option<&'a Arc<PinnedArena>>,
+    /// Counts the rounds staged in the pinned host memory.
+    pub(super) in_arena: &'a AtomicU64,
+}
+
+impl ReadStaging<'_> {
+    /// Pinned memory for `bytes` of one read round.
+    pub(super) fn lease(&self, bytes: usize) -> Result<ReadBuffer, BackendError> {
+        if let Some(arena) = self.arena
+            && let Some(block) = arena.take_within(bytes, arena.len() / 2)
+        {
+            self.in_arena.fetch_add(1, Ordering::Relaxed);
+            return Ok(ReadBuffer::Arena(block));
+        }
+        self.pool.lease_for_read(bytes).map(ReadBuffer::Pool)
+    }
+}
+
+/// A read round's pinned memory: a buffer of the pool or a block of the pinned host memory.
+#[derive(Debug)]
+pub(super) enum ReadBuffer {
+    Pool(PinnedLease),
+    Arena(ArenaBlock),
+}
+
+impl ReadBuffer {
+    pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Self::Pool(lease) => lease.buffer_mut().as_mut_slice(),
+            Self::Arena(block) => block.as_mut_slice(),
+        }
+    }
+
+    /// Its first `len` bytes (at most what was leased) as one Arrow buffer, which the arrays
+    /// of the round slice; the memory goes back when the last of them is dropped.
+    pub(super) fn into_buffer(self, len: usize) -> Buffer {
+        match self {
+            Self::Pool(lease) => ffi::arrow_buffer(Arc::new(lease), 0..len),
+            Self::Arena(block) => block.into_buffer().slice_with_length(0, len),
+        }
+    }
+}
 
 /// Smallest pinned buffer handed out.
 const MIN_BUFFER_BYTES: usize = 1 << 20;
