@@ -658,7 +658,7 @@ async fn reads_stage_in_the_pinned_host_memory_and_give_it_back() {
     let backend = with_pinned_host_memory(256 << 20).await;
     let server = serve_pinned(&backend, StoreOptions::default()).await;
     let mut client = server.client().await;
-    // About 48 MB with nulls and strings: three chunks, each two rounds (offsets, then the
+    // About 57 MB with nulls and strings: four chunks, each two rounds (offsets, then the
     // strings they address).
     let batch = ints_and_strings(600_000, 4, 2);
     put(&mut client, path("read"), vec![batch.clone()])

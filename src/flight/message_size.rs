@@ -36,7 +36,7 @@ fn count_nodes(field: &Field) -> usize {
 }
 
 /// `chunk_bytes` (what a read copies at a time) rounded down to a whole number of messages of
-/// `budget` body bytes, less a 64th of one. A chunk is split into equal pieces, as few as fit
+/// `budget` body bytes, each less a 64th. A chunk is split into equal pieces, as few as fit
 /// `budget`: 16 MiB against a budget just under 4 MiB went as five messages of 3.2 MiB where
 /// four of 3.9 would do, and clients pay per message as well as per byte. The margin absorbs
 /// chunks of variable-length rows, which are sized by their partition's mean row. A chunk
@@ -46,7 +46,7 @@ pub(crate) fn whole_messages(chunk_bytes: u64, budget: usize) -> u64 {
     if chunk_bytes <= budget {
         return chunk_bytes;
     }
-    (chunk_bytes / budget) * budget - budget / 64
+    (chunk_bytes / budget) * (budget - budget / 64)
 }
 
 #[cfg(test)]
@@ -58,12 +58,14 @@ mod tests {
         let budget = 4_125_696;
         // Four messages nearly full, not five of 3.2 MiB.
         let chunk = whole_messages(16 << 20, budget);
-        assert_eq!(chunk, 4 * budget as u64 - budget as u64 / 64);
+        assert_eq!(chunk, 4 * (budget as u64 - budget as u64 / 64));
         assert_eq!(chunk.div_ceil(budget as u64), 4);
-        // Exactly whole already: still a 64th of a message under, for variable-length rows.
+        // Rows 1.5% larger than the mean still fit the four.
+        assert_eq!((chunk + chunk * 3 / 200).div_ceil(budget as u64), 4);
+        // Exactly whole already: still a 64th under each, for variable-length rows.
         assert_eq!(
             whole_messages(2 * budget as u64, budget),
-            2 * 4_125_696 - 64_464
+            2 * (4_125_696 - 64_464)
         );
         // A chunk within one message is left as it is.
         assert_eq!(whole_messages(1 << 20, budget), 1 << 20);

@@ -109,7 +109,7 @@ pub(crate) fn plan(
         }
     };
     let options = &service.options;
-    // Each chunk goes as whole messages of the framed encoder.
+    // The bytes of the columns read in each chunk: whole messages of the framed encoder.
     let per_chunk = whole_messages(
         options.read_chunk_bytes,
         body_budget(&schema, options.max_message_bytes),
@@ -119,9 +119,11 @@ pub(crate) fn plan(
     let chunk_bytes = match &columns {
         None => per_chunk,
         Some(columns) => {
-            let chosen = dataset.projected_data_bytes(columns);
-            let scale = (dataset.data_bytes() / chosen.max(1)).clamp(1, MAX_CHUNK_SCALE);
-            per_chunk.saturating_mul(scale)
+            let chosen = u128::from(dataset.projected_data_bytes(columns).max(1));
+            let all = u128::from(dataset.data_bytes()).max(chosen);
+            let scaled = u128::from(per_chunk) * all / chosen;
+            let most = u128::from(per_chunk) * u128::from(MAX_CHUNK_SCALE);
+            u64::try_from(scaled.min(most)).unwrap_or(u64::MAX)
         }
     };
     Ok(Planned {

@@ -133,3 +133,48 @@ async fn concatenations_and_copies_show_nothing_outside_their_arrays() {
         "a copy"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA device"]
+async fn read_arrays_report_their_own_memory_not_their_rounds() {
+    // A read's columns share one pinned buffer per round; each must still report its own bytes
+    // (arrow-flight's encoder splits batches by what they report). Staged in the pool, then in
+    // the pinned host memory.
+    let rows = 100_000;
+    let columns: Vec<(String, ArrayRef)> = (0..8)
+        .map(|c| {
+            let values = Int64Array::from_iter((0..rows).map(|r| (r % 7 != c).then_some(r as i64)));
+            (format!("c{c}"), Arc::new(values) as ArrayRef)
+        })
+        .collect();
+    let batch = RecordBatch::try_from_iter(columns).expect("batch");
+    for pinned in [0, 64 << 20] {
+        let backend = CudaBackend::open(0)
+            .expect("a CUDA device")
+            .with_pinned_host_memory(pinned);
+        for _ in 0..600 {
+            if pinned == 0 || backend.pinned_host_memory().is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let partition = backend.upload(0, batch.clone()).await.expect("upload");
+        let read = partition.read(0, rows, None).await.expect("read");
+        assert_eq!(read, batch);
+        let in_arena = backend.devices[0]
+            .shared
+            .counters
+            .read_pinned_rounds
+            .load(Ordering::Relaxed);
+        assert_eq!(in_arena > 0, pinned > 0, "staged in the pinned host memory");
+        for column in read.columns() {
+            // Values and a validity bitmap, no more.
+            let own = rows * 8 + rows.div_ceil(8);
+            assert!(
+                column.get_buffer_memory_size() <= own,
+                "a column of {own} bytes reports {}",
+                column.get_buffer_memory_size()
+            );
+        }
+    }
+}

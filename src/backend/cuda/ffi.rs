@@ -628,8 +628,8 @@ impl Drop for PinnedBuffer {
     }
 }
 
-/// Host memory pinned once, at startup, that `DoPut` bodies are copied into and spills copy
-/// partitions into straight from the device, and that uploads copy from, handed out in
+/// Host memory pinned once, at startup, that `DoPut` bodies are copied into, spills and reads
+/// copy into straight from the device, and uploads copy from, handed out in
 /// blocks ([`ArenaBlock`]; the bookkeeping is [`Ranges`]). Portable: every GPU's context
 /// copies to and from it.
 #[derive(Debug)]
@@ -777,6 +777,19 @@ where
     // SAFETY: `ptr..ptr+len` lies inside the pinned allocation that `owner` keeps alive for
     // as long as the Buffer exists; nobody writes to it once it is shared.
     unsafe { Buffer::from_custom_allocation(ptr, len, owner) }
+}
+
+/// `range` of `buffer` as a buffer of its own, whose capacity is its length, keeping all of
+/// `buffer`'s memory alive: a slice of a shared buffer reports the whole of it as its capacity,
+/// and what Arrow says an array holds (which arrow-flight's encoder splits batches by) is then
+/// that of everything it shares memory with.
+pub(super) fn own_slice(buffer: &Buffer, range: std::ops::Range<usize>) -> Buffer {
+    let slice = &buffer.as_slice()[range];
+    let ptr = NonNull::from(slice).cast::<u8>();
+    let len = slice.len();
+    // SAFETY: `ptr..ptr+len` lies inside `buffer`'s memory, which the clone the new buffer owns
+    // keeps alive; nobody writes an Arrow buffer's memory once it is shared.
+    unsafe { Buffer::from_custom_allocation(ptr, len, Arc::new(buffer.clone())) }
 }
 
 /// A host buffer of `len` bytes (64-byte aligned) that `write` fills without its being zeroed

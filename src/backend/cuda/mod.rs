@@ -137,6 +137,9 @@ struct Shared {
     pool: Arc<PinnedPool>,
     /// The backend's pinned host memory (`pieces`).
     pinned: Arc<PinnedHostMemory>,
+    /// Whether reads stage in it (`ReadStaging`): only on the NUMA node it was pinned on (the
+    /// first GPU's); the pool places its buffers on this GPU's.
+    reads_in_pinned: std::sync::atomic::AtomicBool,
     /// Freed device memory kept for the next allocation of its size.
     reuse: reuse::Reuse,
     /// Uploads running at once. Each copies on several cores and keeps the copy engine busy
@@ -243,6 +246,11 @@ impl CudaBackend {
                 .numa_node
                 .and_then(|node| super::numa::node_cpus(std::path::Path::new("/sys"), node));
             pinned.place(Arc::clone(&first.shared.context), cpus);
+            for gpu in &devices {
+                gpu.shared
+                    .reads_in_pinned
+                    .store(gpu.numa_node == first.numa_node, Ordering::Relaxed);
+            }
         }
         let peer_access = devices
             .iter()
@@ -353,6 +361,7 @@ impl Gpu {
                 identity,
                 pool,
                 pinned: Arc::clone(pinned),
+                reads_in_pinned: std::sync::atomic::AtomicBool::new(false),
                 reuse: reuse::Reuse::new(total_bytes / KEPT_DEVICE_FRACTION),
                 upload_permits: Arc::new(tokio::sync::Semaphore::new(UPLOADS_AT_ONCE)),
                 streams: Mutex::new(Vec::new()),
@@ -403,9 +412,9 @@ impl CudaBackend {
     /// second a GiB, see `pinned`); [`CudaBackend::pinned_host_memory`] says when it is done.
     /// Once it is pinned, large `DoPut` message bodies are copied into it
     /// ([`Backend::pinned_copy`]) and uploaded straight from it, a spill copies a partition
-    /// straight from the device into it and a restore uploads straight from it: all at the
-    /// link's rate, without staging. Until then, and for what does not fit in what is free of
-    /// it, transfers go through staging.
+    /// straight from the device into it and a restore uploads straight from it, and reads copy
+    /// rows into it (`ReadStaging`): all at the link's rate, without staging of their own. Until
+    /// then, and for what does not fit in what is free of it, transfers go through staging.
     pub fn with_pinned_host_memory(self, bytes: u64) -> Self {
         self.pinned.start(bytes);
         self
@@ -417,8 +426,9 @@ impl CudaBackend {
         Some((arena.len() as u64, arena.used() as u64))
     }
 
-    /// Caps the pinned staging memory leased at once on each GPU, past which reads are
-    /// refused (default [`MAX_LEASED_PINNED_BYTES`]).
+    /// Caps the pinned staging memory leased at once on each GPU, past which reads staged in
+    /// the pool are refused (default [`MAX_LEASED_PINNED_BYTES`]; what reads hold of the
+    /// pinned host memory is bounded by that memory instead).
     pub fn with_pinned_limit(self, bytes: u64) -> Self {
         for gpu in &self.devices {
             gpu.shared.pool.set_max_leased_bytes(bytes);
@@ -573,7 +583,10 @@ impl Shared {
     fn read_staging(&self) -> ReadStaging<'_> {
         ReadStaging {
             pool: &self.pool,
-            arena: self.pinned.ready(),
+            arena: self
+                .pinned
+                .ready()
+                .filter(|_| self.reads_in_pinned.load(Ordering::Relaxed)),
             in_arena: &self.counters.read_pinned_rounds,
         }
     }

@@ -118,7 +118,7 @@ pub(super) fn read_rows(
     }
 
     // Each round's pinned memory, and the bytes of it the round staged.
-    let mut leases: Vec<(ReadBuffer, usize)> = Vec::new();
+    let mut leases: Vec<(Option<ReadBuffer>, usize)> = Vec::new();
     let mut syncs = 0;
     let mut copied = 0u64;
     while !work.is_empty() {
@@ -174,8 +174,14 @@ pub(super) fn read_rows(
                 }
             }
         }
-        let mut lease = staging.lease(staged)?;
-        if !copies.is_empty() {
+        // A round whose slots are all empty (null columns, empty strings) leases nothing.
+        let mut lease = match staged {
+            0 => None,
+            _ => Some(staging.lease(staged)?),
+        };
+        if let Some(lease) = lease.as_mut()
+            && !copies.is_empty()
+        {
             let mut rest = lease.as_mut_slice();
             stream.copies(|batch| {
                 let mut consumed = 0;
@@ -191,6 +197,8 @@ pub(super) fn read_rows(
                     rest = tail;
                     consumed = slot.start + slot.len;
                 }
+                // And after the last: empty slots there are aligned past it too.
+                rest[..staged - consumed].fill(0);
                 Ok(())
             })?;
             syncs += 1;
@@ -199,7 +207,10 @@ pub(super) fn read_rows(
                 .map(|(_, region, _)| region.len as u64)
                 .sum::<u64>();
         }
-        let bytes = lease.as_mut_slice();
+        let bytes: &mut [u8] = match lease.as_mut() {
+            Some(lease) => lease.as_mut_slice(),
+            None => &mut [],
+        };
         for step in after {
             match step {
                 AfterRound::Strings {
@@ -244,7 +255,10 @@ pub(super) fn read_rows(
 
     let leases: Vec<Buffer> = leases
         .into_iter()
-        .map(|(lease, staged)| lease.into_buffer(staged))
+        .map(|(lease, staged)| match lease {
+            Some(lease) => lease.into_buffer(staged),
+            None => Buffer::from(Vec::<u8>::new()),
+        })
         .collect();
     let arrays: Vec<ArrayRef> = roots
         .iter()
@@ -388,8 +402,9 @@ fn schedule<'a>(
     }
 }
 
+/// A slot as a buffer of its own (see `ffi::own_slice`), sharing its round's memory.
 fn slot_buffer(rounds: &[Buffer], slot: Slot) -> Buffer {
-    rounds[slot.round].slice_with_length(slot.start, slot.len)
+    ffi::own_slice(&rounds[slot.round], slot.start..slot.start + slot.len)
 }
 
 /// Assembles an output array from the pinned slots its rounds filled, checked for structure

@@ -72,8 +72,8 @@ impl ReadBuffer {
         }
     }
 
-    /// Its first `len` bytes (at most what was leased) as one Arrow buffer, which the arrays
-    /// of the round slice; the memory goes back when the last of them is dropped.
+    /// Its first `len` bytes (at most what was leased) as one Arrow buffer, which the round's
+    /// arrays slice (`ffi::own_slice`); the memory goes back when the last of them is dropped.
     pub(super) fn into_buffer(self, len: usize) -> Buffer {
         match self {
             Self::Pool(lease) => ffi::arrow_buffer(Arc::new(lease), 0..len),
