@@ -37,6 +37,15 @@ environment settings (`TOKIO_WORKER_THREADS=8`), so that one run A/Bs them all:
     python3 examples/python/throughput.py --backends host,cuda --clients 8,16 --mib 1024 \
         --server-variants 'base=;prefetch4=--read-prefetch 4;w8=TOKIO_WORKER_THREADS=8'
 
+`--client-variants` measures every row once per variant, its clients (pyarrow's and ours
+alike) started with extra environment settings, each labelled `[NAME]` and compared with
+pyarrow's server read or written by the same clients: what a client-side setting is worth.
+pyarrow readers spend much of their CPU on glibc's malloc handing each message's memory back to
+the kernel and faulting it in again (README, Clients):
+
+    python3 examples/python/throughput.py --backends host,cuda --clients 8 --mib 1024 --ops get \
+        --client-variants 'default=;kept=GLIBC_TUNABLES=glibc.malloc.trim_threshold=4294967295:glibc.malloc.mmap_threshold=33554432'
+
 Every server is a row of its own: GB/s, and its ratio to pyarrow's; the CPU cores each client
 and the server kept busy; the server's CPU seconds per GB, and their ratio to pyarrow's; and,
 for gpu-flight, where its streams' time went per GB (the `stages` of its `status`: for DoGet
@@ -115,11 +124,14 @@ class Rate(float):
         return self
 
 
-def run_together(argvs, server_pid, probe=None):
-    """Starts every process, waits until all are ready, says go, and returns the aggregate
-    GB/s from their reports, with the CPU the clients and the server used meanwhile and, given a
-    `probe` (a function returning a dict of counters), how much each counter grew per GB."""
-    processes = [subprocess.Popen(a, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for a in argvs]
+def run_together(argvs, server_pid, probe=None, env=None):
+    """Starts every process (with `env` added to their environment), waits until all are ready,
+    says go, and returns the aggregate GB/s from their reports, with the CPU the clients and the
+    server used meanwhile and, given a `probe` (a function returning a dict of counters), how
+    much each counter grew per GB."""
+    environment = {**os.environ, **(env or {})}
+    processes = [subprocess.Popen(a, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+                 for a in argvs]
     try:
         for p in processes:
             line = p.stdout.readline()
@@ -215,6 +227,10 @@ def main():
     parser.add_argument("--server-variants", default="", metavar="NAME=FLAGS[;NAME=FLAGS...]",
                         help="one server per backend and variant, each with these extra flags (and leading "
                              "VAR=value environment settings), e.g. 'base=;big=--h2-max-frame-bytes 4MiB'")
+    parser.add_argument("--client-variants", default="", metavar="NAME=[VAR=value ...][;...]",
+                        help="measure every row once per variant, its clients started with these environment "
+                             "settings, e.g. 'default=;tuned=GLIBC_TUNABLES=glibc.malloc.trim_threshold=4294967295'; "
+                             "each row's ratios are to pyarrow's with the same clients")
     parser.add_argument("--compare", metavar="BINARY[,BINARY...]", default="",
                         help="other gpu-flight builds (e.g. an earlier commit's) to run beside --server, "
                              "TCP only, each labelled with its file name")
@@ -224,6 +240,8 @@ def main():
 
     encoders = args.doget_encoders.split(",")
     variants = [v.split("=", 1) for v in args.server_variants.split(";") if v.strip()] or [["", ""]]
+    client_variants = [(name.strip(), settings(flags)) for name, flags in
+                       (v.split("=", 1) for v in args.client_variants.split(";") if v.strip())] or [("", {})]
     # targets: (label, location, is gpu-flight, server pid, takes puts)
     servers, targets = [], []
     try:
@@ -277,45 +295,64 @@ def main():
                     run_together([client_argv("python", "put", location, f"bench-{table}", args, table)], pid)
             for op in args.ops.split(","):
                 for n in clients:
-                    figures = []
-                    for label, location, ours, pid, puts in targets:
-                        probe = stage_probe(location, op) if ours else None
-                        if op == "put" and not puts:
-                            figures.append(None)  # the same server as the first encoder's
-                        elif op == "get":
-                            argvs = [client_argv(args.client, "get", location, f"bench-{table}", args, table)] * n
-                            figures.append(best(args, lambda: run_together(argvs, pid, probe)))
-                        else:
-                            names = [f"put-{i}" for i in range(n)]
-
-                            def put_all():
-                                rate = run_together([client_argv(args.client, "put", location, name, args, table)
-                                                     for name in names], pid, probe)
-                                drop_names(location, names, ours)
-                                return rate
-                            figures.append(best(args, put_all))
-                    if n not in raw:
-                        raw[n] = [None, None] if args.no_raw else [
-                            best(args, lambda: raw_rate(args, n, address)) for address in
-                            ("127.0.0.1:0", f"unix://{scratch / 'raw.sock'}")]
-                    tcp, uds = raw[n]
-                    pyarrow = figures[-1]
-                    rows = [(label, f) for (label, *_), f in zip(targets, figures) if f is not None]
-                    rows += [(name, f) for name, f in (("raw TCP", tcp), ("raw UDS", uds)) if f is not None]
-                    for label, f in rows:
-                        stages = ", ".join(f"{k} {v:.3f}" for k, v in getattr(f, "per_gb", {}).items())
-                        # A tiny run can end within one clock tick of the server's CPU time.
-                        cpu_ratio = (f"{(f.server_cores / f) / (pyarrow.server_cores / pyarrow):.2f}x"
-                                     if pyarrow.server_cores > 0 else "-")
-                        print(f"| {table} | {op} | {n} | {label} | {f:.2f} | {f / pyarrow:.2f}x | "
-                              + (f"{f / tcp:.0%}" if tcp else "-")
-                              + f" | {f.client_cores:.2f} | {f.client_cores * n / f:.3f} | {f.server_cores:.2f} | "
-                              + f"{f.server_cores / f:.3f} | "
-                              + f"{cpu_ratio} | " + (stages or "-") + " |", flush=True)
+                    for variant, client_env in client_variants:
+                        measure_row(args, table, op, n, targets, raw, scratch, variant, client_env)
     finally:
         for server in servers:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def settings(flags):
+    """`VAR=value` words as an environment mapping."""
+    env = {}
+    for word in shlex.split(flags):
+        if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word):
+            raise SystemExit(f"a client variant takes VAR=value settings only, not {word!r}")
+        key, value = word.split("=", 1)
+        env[key] = value
+    return env
+
+
+def measure_row(args, table, op, n, targets, raw, scratch, variant, client_env):
+    """Measures `op` on `table` with `n` clients (started with `client_env`) against every target,
+    and prints a row for each, its ratios to pyarrow's with the same clients."""
+    figures = []
+    for label, location, ours, pid, puts in targets:
+        probe = stage_probe(location, op) if ours else None
+        if op == "put" and not puts:
+            figures.append(None)  # the same server as the first encoder's
+        elif op == "get":
+            argvs = [client_argv(args.client, "get", location, f"bench-{table}", args, table)] * n
+            figures.append(best(args, lambda: run_together(argvs, pid, probe, client_env)))
+        else:
+            names = [f"put-{i}" for i in range(n)]
+
+            def put_all():
+                rate = run_together([client_argv(args.client, "put", location, name, args, table)
+                                     for name in names], pid, probe, client_env)
+                drop_names(location, names, ours)
+                return rate
+            figures.append(best(args, put_all))
+    if n not in raw:
+        raw[n] = [None, None] if args.no_raw else [
+            best(args, lambda: raw_rate(args, n, address)) for address in
+            ("127.0.0.1:0", f"unix://{scratch / 'raw.sock'}")]
+    tcp, uds = raw[n]
+    pyarrow = figures[-1]
+    suffix = f" [{variant}]" if variant else ""
+    rows = [(label + suffix, f) for (label, *_), f in zip(targets, figures) if f is not None]
+    rows += [(name, f) for name, f in (("raw TCP", tcp), ("raw UDS", uds)) if f is not None]
+    for label, f in rows:
+        stages = ", ".join(f"{k} {v:.3f}" for k, v in getattr(f, "per_gb", {}).items())
+        # A tiny run can end within one clock tick of the server's CPU time.
+        cpu_ratio = (f"{(f.server_cores / f) / (pyarrow.server_cores / pyarrow):.2f}x"
+                     if pyarrow.server_cores > 0 else "-")
+        print(f"| {table} | {op} | {n} | {label} | {f:.2f} | {f / pyarrow:.2f}x | "
+              + (f"{f / tcp:.0%}" if tcp else "-")
+              + f" | {f.client_cores:.2f} | {f.client_cores * n / f:.3f} | {f.server_cores:.2f} | "
+              + f"{f.server_cores / f:.3f} | "
+              + f"{cpu_ratio} | " + (stages or "-") + " |", flush=True)
 
 
 def drop_names(location, names, ours):

@@ -53,3 +53,29 @@ def test_a_tiny_run_prints_every_row_with_cpu_columns():
             assert all(float(v) >= 0 for v in stages.values()), row
     assert seen == {(t, op): servers for t in ("int64", "strings") for op in ("get", "put")}, done.stdout
     assert all(cpu[server] > 0 for server in servers[:2]), (cpu, done.stdout)
+
+
+def test_client_variants_measure_every_server_with_each_set_of_clients():
+    # Each row once per client variant, its ratio to pyarrow's server read by the same clients
+    # (so pyarrow's own rows read 1.00x in every variant).
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backends", "host", "--clients", "1", "--mib", "8",
+         "--tables", "int64", "--ops", "get", "--repeat", "1", "--no-uds", "--no-raw", "--server", BINARY,
+         "--client-variants", "plain=;kept=GLIBC_TUNABLES=glibc.malloc.trim_threshold=4294967295"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    header = [cell.strip() for cell in rows.pop(0).strip("|").split("|")]
+    cells = [dict(zip(header, (cell.strip() for cell in row.strip("|").split("|")))) for row in rows]
+    assert [c["server"] for c in cells] == [
+        "gpu-flight host [plain]", "pyarrow [plain]", "gpu-flight host [kept]", "pyarrow [kept]",
+    ], done.stdout
+    assert all(float(c["GB/s"]) > 0 for c in cells), done.stdout
+    assert [c["GB/s / pyarrow"] for c in cells if c["server"].startswith("pyarrow")] == ["1.00x", "1.00x"]
+    # A setting that is not VAR=value is refused before anything runs.
+    refused = subprocess.run(
+        [sys.executable, str(SCRIPT), "--server", BINARY, "--client-variants", "bad=--flag"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert refused.returncode != 0 and "VAR=value" in refused.stderr, refused.stderr[-2000:]
