@@ -240,8 +240,8 @@ def main():
 
     encoders = args.doget_encoders.split(",")
     variants = [v.split("=", 1) for v in args.server_variants.split(";") if v.strip()] or [["", ""]]
-    client_variants = [(name.strip(), settings(flags)) for name, flags in
-                       (v.split("=", 1) for v in args.client_variants.split(";") if v.strip())] or [("", {})]
+    client_variants = [(name.strip(), settings(flags)) for name, _, flags in
+                       (v.partition("=") for v in args.client_variants.split(";") if v.strip())] or [("", {})]
     # targets: (label, location, is gpu-flight, server pid, takes puts)
     servers, targets = [], []
     try:
