@@ -5,10 +5,16 @@ prepare, print `ready`, wait for a line on standard input, transfer, print one J
 
     python3 flight_client.py get --location grpc://127.0.0.1:8815 --name bench
     python3 flight_client.py put --location grpc+unix:///tmp/gf.sock --name put-3 --table strings --mib 512
+
+With `--keep-freed-memory` (or `FLIGHT_CLIENT_KEEP_FREED_MEMORY=1`, which `throughput.py
+--client-variants` can set), the client first calls `gpu_flight.keep_freed_memory()` (the
+package in python/, installed or found beside this file).
 """
 
 import argparse
 import json
+import os
+import pathlib
 import sys
 import time
 
@@ -38,6 +44,16 @@ def make_table(kind, mib):
     raise SystemExit(f"unknown table {kind}")
 
 
+def keep_freed_memory():
+    try:
+        import gpu_flight
+    except ImportError:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python" / "src"))
+        import gpu_flight
+    if not gpu_flight.keep_freed_memory():
+        raise SystemExit("keep_freed_memory: not applied (the C library is not glibc)")
+
+
 def ready():
     print("ready", flush=True)
     sys.stdin.readline()
@@ -51,7 +67,14 @@ def main():
     parser.add_argument("--table", default="int64")
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--batch-rows", type=int, default=131_072)
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        default=os.environ.get("FLIGHT_CLIENT_KEEP_FREED_MEMORY") == "1",
+    )
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
 
     client = connect(args.location)
     if args.op == "get":

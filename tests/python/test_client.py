@@ -1,5 +1,6 @@
 """The gpu_flight package's client against the real binary."""
 
+import platform
 import subprocess
 import sys
 import textwrap
@@ -252,6 +253,51 @@ def test_imports_without_gpu_libraries():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings")
+def test_keep_freed_memory_keeps_large_blocks_in_the_heap():
+    # In a process of its own: the settings are the whole process's. A chunk's size word, just
+    # before it, has bit 2 set where glibc mapped it (IS_MMAPPED).
+    script = textwrap.dedent(
+        """
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+
+        class Mallinfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost")]
+
+        libc.mallinfo2.restype = Mallinfo2
+        MIB = 1 << 20
+
+        def mapped(size):
+            block = libc.malloc(size)
+            flags = ctypes.c_size_t.from_address(block - 8).value
+            libc.free(block)
+            return bool(flags & 2)
+
+        # Freeing a mapped block raises glibc's threshold to its size (24 MiB here): 28 MiB
+        # would still be mapped, and 3 x 28 MiB freed at the heap's top given back.
+        before = mapped(24 * MIB)
+        import gpu_flight
+        applied = gpu_flight.keep_freed_memory()
+        after = mapped(28 * MIB)
+        blocks = [libc.malloc(28 * MIB) for _ in range(3)]
+        for block in reversed(blocks):
+            libc.free(block)
+        kept = libc.mallinfo2().fordblks >= 84 * MIB
+        print(before, applied, after, kept)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "False", "True"]
 
 
 def test_tls_mutual_certificates_and_basic_login(make_server, tmp_path):

@@ -25,6 +25,10 @@ PERMISSION_DENIED `pyarrow.flight.FlightUnauthorizedError`, UNAVAILABLE
 `pyarrow.flight.FlightUnavailableError`, DEADLINE_EXCEEDED `pyarrow.flight.FlightTimedOutError`;
 the other codes (ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...) are raised as
 pyarrow maps them, every one a `pyarrow.ArrowException` whose text holds the code and message.
+
+A process that reads many GB should call `gpu_flight.keep_freed_memory()` first: glibc's
+allocator then keeps the memory of each received message for the next instead of handing it
+back to the kernel (see its docs for what that costs).
 """
 
 from ._client import Client, Compression, Mode, PutData, connect
@@ -33,6 +37,7 @@ from ._cuda import CudaError
 from ._documents import CopyResult, Device, DropResult, MoveResult, PutResult
 from ._export import Bitmap, Column, DeviceNotVisible, Export, Partition, device_uuid
 from ._import import NotShareable
+from ._memory import keep_freed_memory
 
 __all__ = [
     "Bitmap",
@@ -55,5 +60,6 @@ __all__ = [
     "connect",
     "connect_all",
     "device_uuid",
+    "keep_freed_memory",
 ]
 __version__ = "0.1.0"
