@@ -57,7 +57,7 @@ use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use super::filter::RowFilter;
 use super::{
@@ -1130,59 +1130,147 @@ impl Shared {
     fn counters(&self) -> Map<String, Value> {
         let c = &self.counters;
         let free = self.context.memory_info().map(|(free, _)| free).ok();
-        let counters = json!({
-            "device_allocated_bytes": c.device_bytes.load(Ordering::Acquire),
-            "device_kept_bytes": self.reuse.kept_bytes(),
-            "device_reused_allocations": self.reuse.hits.load(Ordering::Relaxed),
-            "device_new_allocations": self.reuse.misses.load(Ordering::Relaxed),
-            "device_free_bytes": free,
-            "pinned_leased_bytes": self.pool.leased_bytes(),
-            "pinned_cached_bytes": self.pool.cached_bytes(),
-            "uploads": c.uploads.load(Ordering::Relaxed),
-            "upload_syncs": c.upload_syncs.load(Ordering::Relaxed),
-            "upload_allocate_ns": c.upload_allocate_ns.load(Ordering::Relaxed),
-            "upload_fill_ns": c.upload_fill_ns.load(Ordering::Relaxed),
-            "upload_copy_ns": c.upload_copy_ns.load(Ordering::Relaxed),
-            "read_chunks": c.read_chunks.load(Ordering::Relaxed),
-            "read_syncs": c.read_syncs.load(Ordering::Relaxed),
-            "read_bytes": c.read_bytes.load(Ordering::Relaxed),
-            "concat_launches": c.concat_launches.load(Ordering::Relaxed),
-            "peer_copies": c.peer_copies.load(Ordering::Relaxed),
-            "peer_copy_bytes": c.peer_copy_bytes.load(Ordering::Relaxed),
-            "concat_last_total_ns": c.concat_last_total_ns.load(Ordering::Relaxed),
-            "concat_last_allocate_ns": c.concat_last_allocate_ns.load(Ordering::Relaxed),
-            "concat_last_plan_ns": c.concat_last_plan_ns.load(Ordering::Relaxed),
-            "concat_last_table_ns": c.concat_last_table_ns.load(Ordering::Relaxed),
-            "concat_last_kernel_ns": c.concat_last_kernel_ns.load(Ordering::Relaxed),
-            "concat_kernel_loaded": self.concat_kernel.is_some(),
-            "filtered_chunks": c.filtered_chunks.load(Ordering::Relaxed),
-            "filtered_rows": c.filtered_rows.load(Ordering::Relaxed),
-            "filtered_rows_kept": c.filtered_rows_kept.load(Ordering::Relaxed),
-            "filter_fallbacks": c.filter_fallbacks.load(Ordering::Relaxed),
-            "filter_kernels_loaded": self.filter_kernels.is_some(),
-            "imports": c.imports.load(Ordering::Relaxed),
-            "imported_bytes": c.imported_bytes.load(Ordering::Relaxed),
-            "pinned_spill_copies": c.pinned_spill_copies.load(Ordering::Relaxed),
-            "pinned_spill_bytes": c.pinned_spill_bytes.load(Ordering::Relaxed),
-            "pinned_upload_copies": c.pinned_upload_copies.load(Ordering::Relaxed),
-            "pinned_upload_runs": c.pinned_upload_runs.load(Ordering::Relaxed),
-            "pinned_upload_bytes": c.pinned_upload_bytes.load(Ordering::Relaxed),
-            "staged_spill_copies": c.staged_spill_copies.load(Ordering::Relaxed),
-            "staged_spill_bytes": c.staged_spill_bytes.load(Ordering::Relaxed),
-            "staged_spill_lease_ns": c.staged_spill_lease_ns.load(Ordering::Relaxed),
-            "staged_spill_copy_ns": c.staged_spill_copy_ns.load(Ordering::Relaxed),
-            "staged_spill_write_ns": c.staged_spill_write_ns.load(Ordering::Relaxed),
-        });
-        let mut counters = match counters {
-            Value::Object(map) => map,
-            _ => Map::new(),
-        };
-        // Past what one `json!` expands.
-        counters.insert(
-            "read_pinned_rounds".to_owned(),
-            c.read_pinned_rounds.load(Ordering::Relaxed).into(),
-        );
-        counters
+        let figures: [(&str, Value); 42] = [
+            (
+                "device_allocated_bytes",
+                c.device_bytes.load(Ordering::Acquire).into(),
+            ),
+            ("device_kept_bytes", self.reuse.kept_bytes().into()),
+            (
+                "device_reused_allocations",
+                self.reuse.hits.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "device_new_allocations",
+                self.reuse.misses.load(Ordering::Relaxed).into(),
+            ),
+            ("device_free_bytes", free.into()),
+            ("pinned_leased_bytes", self.pool.leased_bytes().into()),
+            ("pinned_cached_bytes", self.pool.cached_bytes().into()),
+            ("uploads", c.uploads.load(Ordering::Relaxed).into()),
+            (
+                "upload_syncs",
+                c.upload_syncs.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "upload_allocate_ns",
+                c.upload_allocate_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "upload_fill_ns",
+                c.upload_fill_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "upload_copy_ns",
+                c.upload_copy_ns.load(Ordering::Relaxed).into(),
+            ),
+            ("read_chunks", c.read_chunks.load(Ordering::Relaxed).into()),
+            (
+                "read_pinned_rounds",
+                c.read_pinned_rounds.load(Ordering::Relaxed).into(),
+            ),
+            ("read_syncs", c.read_syncs.load(Ordering::Relaxed).into()),
+            ("read_bytes", c.read_bytes.load(Ordering::Relaxed).into()),
+            (
+                "concat_launches",
+                c.concat_launches.load(Ordering::Relaxed).into(),
+            ),
+            ("peer_copies", c.peer_copies.load(Ordering::Relaxed).into()),
+            (
+                "peer_copy_bytes",
+                c.peer_copy_bytes.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "concat_last_total_ns",
+                c.concat_last_total_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "concat_last_allocate_ns",
+                c.concat_last_allocate_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "concat_last_plan_ns",
+                c.concat_last_plan_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "concat_last_table_ns",
+                c.concat_last_table_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "concat_last_kernel_ns",
+                c.concat_last_kernel_ns.load(Ordering::Relaxed).into(),
+            ),
+            ("concat_kernel_loaded", self.concat_kernel.is_some().into()),
+            (
+                "filtered_chunks",
+                c.filtered_chunks.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "filtered_rows",
+                c.filtered_rows.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "filtered_rows_kept",
+                c.filtered_rows_kept.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "filter_fallbacks",
+                c.filter_fallbacks.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "filter_kernels_loaded",
+                self.filter_kernels.is_some().into(),
+            ),
+            ("imports", c.imports.load(Ordering::Relaxed).into()),
+            (
+                "imported_bytes",
+                c.imported_bytes.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "pinned_spill_copies",
+                c.pinned_spill_copies.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "pinned_spill_bytes",
+                c.pinned_spill_bytes.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "pinned_upload_copies",
+                c.pinned_upload_copies.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "pinned_upload_runs",
+                c.pinned_upload_runs.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "pinned_upload_bytes",
+                c.pinned_upload_bytes.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "staged_spill_copies",
+                c.staged_spill_copies.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "staged_spill_bytes",
+                c.staged_spill_bytes.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "staged_spill_lease_ns",
+                c.staged_spill_lease_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "staged_spill_copy_ns",
+                c.staged_spill_copy_ns.load(Ordering::Relaxed).into(),
+            ),
+            (
+                "staged_spill_write_ns",
+                c.staged_spill_write_ns.load(Ordering::Relaxed).into(),
+            ),
+        ];
+        figures
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect()
     }
 }
 
