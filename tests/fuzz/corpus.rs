@@ -128,6 +128,14 @@ pub(crate) async fn put_corpus() -> Vec<Stream> {
         ),
         ("fixed-size", vec![fixed_size_batch(21)], true),
         ("multi-batch", multi_batches(), true),
+        // Bodies large enough for a block of pinned memory (at least 256 KiB, buffers of 64 KiB
+        // on average): received into one where the backend has them (`blocks`).
+        (
+            "int64-large",
+            vec![int64_batch(12_000, 3, 0), int64_batch(11_000, 3, 12_000)],
+            true,
+        ),
+        ("strings-large", vec![string_batch(9_000, 0)], true),
         ("views", vec![views_batch(19)], false),
         ("union", vec![union_batch(16)], false),
         ("run-end", vec![run_end_batch()], false),

@@ -15,6 +15,10 @@
 //!   real one, unknown fields), which the server's own reader of FlightData must read as prost
 //!   does.
 //!
+//! `do_put_mutations_into_body_blocks` runs the same cases against a host backend that hands out
+//! blocks for large message bodies, as the CUDA backend does from its pinned host memory, so that
+//! the server receives those bodies straight into a block and decodes them there (`blocks`).
+//!
 //! `unary_mutations` sends mutated GetFlightInfo, GetSchema, PollFlightInfo (descriptors), DoGet
 //! (server-issued tickets, bare names, forged tickets), DoAction (every action type with odd
 //! JSON bodies), ListFlights, ListActions, Handshake and DoExchange requests, as raw protobuf.
@@ -28,7 +32,8 @@
 //! - a failed put left the catalog as it was; a committed one reads back completely through
 //!   ListFlights, GetFlightInfo, GetSchema and DoGet of every endpoint, its rows agree with the
 //!   put summary, and every call answers within 30 s;
-//! - once datasets are dropped, `used_bytes` returns to its baseline and `status` answers.
+//! - once datasets are dropped, `used_bytes` returns to its baseline and `status` answers, and
+//!   every body block and pinned copy has been freed.
 //!
 //! Every run prints its seed and case count. Replay a run with
 //! `GPU_FLIGHT_FUZZ_SEED=<seed> cargo test --test fuzz -- --nocapture`; each case draws from its
@@ -45,13 +50,14 @@
 //! OOM killer.
 //!
 //! Layout: `campaign` (configuration, failures, the report, panics), `server` (the server under
-//! test), `checks` (what is checked after each case), `corpus` (the valid streams),
+//! test), `blocks` (the backend with body blocks), `checks` (what is checked after each case), `corpus` (the valid streams),
 //! `mutate` and `descriptors` (what is done to them), then the two tests: `put` and `unary`
 //! (with `unary::requests`, what a unary case sends).
 
 #[path = "../common/mod.rs"]
 mod common;
 
+mod blocks;
 mod campaign;
 mod checks;
 mod corpus;
@@ -63,26 +69,57 @@ mod unary;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
+
+use gpu_flight::backend::{Backend, HostBackend};
 
 use campaign::{Campaign, Config, SERIAL, install_panic_hook, lock};
 use server::{Served, client_runtime, serve_options};
 
 #[test]
 fn do_put_mutations() {
-    run("do_put_mutations", put::campaign);
+    run(
+        "do_put_mutations",
+        Arc::new(HostBackend::new()),
+        put::campaign,
+    );
+}
+
+/// The same cases against a backend that receives large bodies into blocks of its own and
+/// decodes them there (`blocks`), as the CUDA backend does into pinned memory.
+#[test]
+fn do_put_mutations_into_body_blocks() {
+    let before = blocks::blocks_handed_out();
+    run(
+        "do_put_mutations_into_body_blocks",
+        Arc::new(blocks::BlockHost::new()),
+        put::campaign,
+    );
+    assert!(
+        blocks::blocks_handed_out() > before,
+        "no body was received into a block"
+    );
 }
 
 #[test]
 fn unary_mutations() {
-    run("unary_mutations", unary::campaign);
+    run(
+        "unary_mutations",
+        Arc::new(HostBackend::new()),
+        unary::campaign,
+    );
 }
 
 /// One test: its cases, on a client runtime, against a server of their own, then the report.
-fn run<F: Future<Output = Campaign>>(test: &str, campaign: fn(Config, SocketAddr) -> F) {
+fn run<F: Future<Output = Campaign>>(
+    test: &str,
+    backend: Arc<dyn Backend>,
+    campaign: fn(Config, SocketAddr) -> F,
+) {
     let _serial = lock(&SERIAL);
     install_panic_hook();
     let config = Config::from_env(test);
-    let served = Served::start(serve_options());
+    let served = Served::start(backend, serve_options());
     let campaign = client_runtime().block_on(campaign(config, served.addr));
     campaign.finish(test);
     served.stop();

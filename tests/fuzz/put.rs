@@ -16,8 +16,8 @@ use tonic::transport::Channel;
 
 use crate::campaign::{Campaign, Checked, Config, Failure, panic_count};
 use crate::checks::{
-    ReadBack, drop_dataset, list_datasets, read_back, same_data, server_status, settle,
-    status_class, status_summary, timed, used_bytes,
+    ReadBack, blocks_returned, drop_dataset, list_datasets, read_back, same_data, server_status,
+    settle, status_class, status_summary, timed, used_bytes,
 };
 use crate::common::path;
 use crate::common::raw::raw_do_put;
@@ -207,7 +207,8 @@ impl PutRig {
         for name in &names {
             drop_dataset(&self.channel, name).await?;
         }
-        settle(&self.channel, self.baseline, 0).await
+        settle(&self.channel, self.baseline, 0).await?;
+        blocks_returned().await
     }
 
     /// A failed put leaves the catalog as it was.

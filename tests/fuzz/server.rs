@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_flight::backend::HostBackend;
+use gpu_flight::backend::Backend;
 use gpu_flight::flight::{FlightOptions, SharedMemoryOptions};
 use gpu_flight::server::ServeOptions;
 use gpu_flight::store::{SharedLimits, StoreOptions};
@@ -22,7 +22,7 @@ pub(crate) struct Served {
 }
 
 impl Served {
-    pub(crate) fn start(options: ServeOptions) -> Self {
+    pub(crate) fn start(backend: Arc<dyn Backend>, options: ServeOptions) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("fuzz-server")
@@ -33,7 +33,7 @@ impl Served {
         let socket =
             std::env::temp_dir().join(format!("gpu-flight-fuzz-{}.sock", std::process::id()));
         let server = runtime.block_on(crate::common::TestServer::start_with_shared_memory(
-            Arc::new(HostBackend::new()),
+            backend,
             StoreOptions {
                 memory_limit: Some(MEMORY_LIMIT),
                 // The device's limit alone: no host tier to spill to.
