@@ -276,8 +276,9 @@ async fn spill(args: &Args) {
             "not measurable".to_owned()
         },
     );
-    // The host memory these spills write into was freed by the restores before them, and the
-    // allocator hands it out again, written before: unlike the first spills, into fresh pages.
+    // The host memory these spills write into was freed by the restore just before each, and
+    // the allocator (mimalloc, which gives freed memory back to the kernel after 10 ms) hands
+    // it out again, written before: the first spills wrote into fresh pages.
     println!(
         "restore: the spills making room: {:.2} GB/s",
         gbps(after.spilled_bytes - before.spilled_bytes, spilling)

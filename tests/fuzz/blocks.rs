@@ -2,7 +2,8 @@
 //! from its pinned host memory: the server then receives large bodies straight into a block and
 //! decodes them there, a path no other backend reaches and mutated streams must not break. Every
 //! block and pinned copy is counted until its memory is freed, so a case that leaves one behind
-//! fails; and blocks run out, as pinned memory does, so the fallback is taken too.
+//! once its datasets are dropped fails; and blocks run out, as pinned memory does, so the
+//! fallback (the body where the reader put it) is taken too.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -14,12 +15,15 @@ use futures::future::BoxFuture;
 use gpu_flight::backend::{Backend, BackendError, BodyBlock, DeviceInfo, HostBackend, Partition};
 
 /// Bytes of blocks and copies held at once, beyond which none is handed out (the CUDA backend's
-/// pinned memory is full): a few of the corpus's large bodies.
-const HELD_AT_MOST: usize = 2 << 20;
+/// pinned memory is full): one large body of the corpus at a time, so that the second batch of
+/// `int64-large` (whose first one its dataset holds) finds none.
+const HELD_AT_MOST: usize = 640 << 10;
 
-/// Bytes held now in blocks and pinned copies, and how many blocks were ever handed out.
+/// Bytes held now in blocks and pinned copies, how many blocks were ever handed out, and how
+/// many blocks and copies were refused for want of room.
 static HELD: AtomicUsize = AtomicUsize::new(0);
 static BLOCKS: AtomicU64 = AtomicU64::new(0);
+static REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes of blocks and pinned copies not yet freed.
 pub(crate) fn held() -> usize {
@@ -29,6 +33,11 @@ pub(crate) fn held() -> usize {
 /// Body blocks handed out since the process started.
 pub(crate) fn blocks_handed_out() -> u64 {
     BLOCKS.load(Ordering::Acquire)
+}
+
+/// Blocks and pinned copies refused since the process started, the limit reached.
+pub(crate) fn refused() -> u64 {
+    REFUSED.load(Ordering::Acquire)
 }
 
 /// Memory counted in [`HELD`] until dropped, 64-byte aligned as the pinned arena's blocks are.
@@ -41,10 +50,13 @@ struct Counted {
 
 impl Counted {
     fn take(len: usize) -> Option<Self> {
-        HELD.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+        let room = HELD.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
             held.checked_add(len).filter(|&total| total <= HELD_AT_MOST)
-        })
-        .ok()?;
+        });
+        if room.is_err() {
+            REFUSED.fetch_add(1, Ordering::AcqRel);
+            return None;
+        }
         // Filled with a byte no body is made of alone, so that a part left unwritten shows.
         let bytes = vec![0xA5; len + 64];
         let start = bytes.as_ptr().align_offset(64).min(64);
@@ -83,8 +95,11 @@ impl BodyBlock for Counted {
     }
 }
 
-/// The host backend, but with body blocks and pinned copies, and the decoded arrays not kept
-/// as they are (so they are copied out of the blocks at upload, as a device backend's are).
+/// The host backend, but with body blocks and pinned copies, as a device backend has, and
+/// `keeps_decoded_arrays` false, as a device backend's is: the decoder then leaves arrays in
+/// their block, and the host backend keeps a batch whose buffers hold nothing else as it is, so
+/// a committed dataset holds its blocks until it is dropped (a device backend copies them to
+/// the device and frees them at once).
 #[derive(Debug)]
 pub(crate) struct BlockHost {
     host: HostBackend,

@@ -65,6 +65,12 @@ impl Config {
     }
 }
 
+/// Whether one case alone is replayed (`GPU_FLIGHT_FUZZ_CASE`): the corpus is then not put
+/// unmutated first.
+pub(crate) fn one_case_only() -> bool {
+    env_u64("GPU_FLIGHT_FUZZ_CASE").is_some()
+}
+
 fn env_u64(name: &str) -> Option<u64> {
     let value = std::env::var(name).ok()?;
     Some(

@@ -117,20 +117,22 @@ pub(crate) async fn settle(channel: &Channel, baseline: u64, datasets: u64) -> C
 /// Waits until every body block and pinned copy is freed (`blocks`; none for other backends).
 pub(crate) async fn blocks_returned() -> Checked<()> {
     let deadline = Instant::now() + SETTLE_TIMEOUT;
-    while crate::blocks::held() > 0 {
+    loop {
+        let held = crate::blocks::held();
+        if held == 0 {
+            return Ok(());
+        }
         if Instant::now() > deadline {
             return Err(Failure::new(
                 "body blocks not returned",
                 format!(
-                    "after {} s {} bytes of body blocks and pinned copies are still held",
+                    "after {} s {held} bytes of body blocks and pinned copies are still held",
                     SETTLE_TIMEOUT.as_secs(),
-                    crate::blocks::held()
                 ),
             ));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(())
 }
 
 /// Every dataset ListFlights reports, by name.

@@ -132,7 +132,7 @@ pub(crate) async fn put_corpus() -> Vec<Stream> {
         // on average): received into one where the backend has them (`blocks`).
         (
             "int64-large",
-            vec![int64_batch(12_000, 3, 0), int64_batch(11_000, 3, 12_000)],
+            vec![int64_batch(12_000, 3, 0), int64_batch(16_000, 3, 12_000)],
             true,
         ),
         ("strings-large", vec![string_batch(9_000, 0)], true),

@@ -1130,7 +1130,7 @@ impl Shared {
     fn counters(&self) -> Map<String, Value> {
         let c = &self.counters;
         let free = self.context.memory_info().map(|(free, _)| free).ok();
-        let figures: [(&str, Value); 42] = [
+        let figures: Vec<(&str, Value)> = vec![
             (
                 "device_allocated_bytes",
                 c.device_bytes.load(Ordering::Acquire).into(),
