@@ -295,8 +295,9 @@ def main():
                     run_together([client_argv("python", "put", location, f"bench-{table}", args, table)], pid)
             for op in args.ops.split(","):
                 for n in clients:
-                    for variant, client_env in client_variants:
-                        measure_row(args, table, op, n, targets, raw, scratch, variant, client_env)
+                    for index, (variant, client_env) in enumerate(client_variants):
+                        measure_row(args, table, op, n, targets, raw, scratch, variant, client_env,
+                                    with_raw=index == 0)
     finally:
         for server in servers:
             server.stop()
@@ -314,9 +315,10 @@ def settings(flags):
     return env
 
 
-def measure_row(args, table, op, n, targets, raw, scratch, variant, client_env):
+def measure_row(args, table, op, n, targets, raw, scratch, variant, client_env, with_raw):
     """Measures `op` on `table` with `n` clients (started with `client_env`) against every target,
-    and prints a row for each, its ratios to pyarrow's with the same clients."""
+    and prints a row for each, its ratios to pyarrow's with the same clients; `with_raw`: the
+    raw-socket rows too (whose clients no variant changes: measured once for `n`)."""
     figures = []
     for label, location, ours, pid, puts in targets:
         probe = stage_probe(location, op) if ours else None
@@ -342,7 +344,8 @@ def measure_row(args, table, op, n, targets, raw, scratch, variant, client_env):
     pyarrow = figures[-1]
     suffix = f" [{variant}]" if variant else ""
     rows = [(label + suffix, f) for (label, *_), f in zip(targets, figures) if f is not None]
-    rows += [(name, f) for name, f in (("raw TCP", tcp), ("raw UDS", uds)) if f is not None]
+    if with_raw:
+        rows += [(name, f) for name, f in (("raw TCP", tcp), ("raw UDS", uds)) if f is not None]
     for label, f in rows:
         stages = ", ".join(f"{k} {v:.3f}" for k, v in getattr(f, "per_gb", {}).items())
         # A tiny run can end within one clock tick of the server's CPU time.

@@ -5,10 +5,12 @@ tables, must print a row of figures for every server, with the CPU columns prese
 CPU time measured for each of our servers. Not a measurement: the sizes are too small to mean anything. (The raw-socket rows
 need the Rust client and are left out, to stay quick.)"""
 
+import pathlib
 import re
 import subprocess
 import sys
 
+import pytest
 from conftest import BINARY, ROOT
 
 SCRIPT = ROOT / "examples" / "python" / "throughput.py"
@@ -56,6 +58,27 @@ def test_a_tiny_run_prints_every_row_with_cpu_columns():
             assert all(float(v) >= 0 for v in stages.values()), row
     assert seen == {(t, op): servers for t in ("int64", "strings") for op in ("get", "put")}, done.stdout
     assert all(cpu[server] > 0 for server in servers[:2]), (cpu, done.stdout)
+
+
+RUST_CLIENT = pathlib.Path(BINARY).parent / "examples" / "flight_client"
+
+
+@pytest.mark.skipif(not RUST_CLIENT.exists(), reason=f"no Rust client at {RUST_CLIENT} (cargo test builds it)")
+def test_raw_socket_rows_come_once_whatever_the_client_variants():
+    # The raw ceiling's clients are the Rust client's, which no variant changes.
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backends", "host", "--clients", "1", "--mib", "4",
+         "--tables", "int64", "--ops", "get", "--repeat", "1", "--no-uds", "--server", BINARY,
+         "--rust-client", str(RUST_CLIENT), "--client-variants", "plain=;other=SOME_SETTING=1"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    servers = [line.split("|")[4].strip() for line in done.stdout.splitlines()
+               if line.startswith("| int64 ")]
+    assert servers == [
+        "gpu-flight host [plain]", "pyarrow [plain]", "raw TCP", "raw UDS",
+        "gpu-flight host [other]", "pyarrow [other]",
+    ], done.stdout
 
 
 def test_client_variants_measure_every_server_with_each_set_of_clients():
