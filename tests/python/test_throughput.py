@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import BINARY, ROOT
 
 SCRIPT = ROOT / "examples" / "python" / "throughput.py"
