@@ -1130,142 +1130,59 @@ impl Shared {
     fn counters(&self) -> Map<String, Value> {
         let c = &self.counters;
         let free = self.context.memory_info().map(|(free, _)| free).ok();
+        let n = |counter: &AtomicU64| Value::from(counter.load(Ordering::Relaxed));
         let figures: Vec<(&str, Value)> = vec![
             (
                 "device_allocated_bytes",
-                c.device_bytes.load(Ordering::Acquire).into(),
+                Value::from(c.device_bytes.load(Ordering::Acquire)),
             ),
-            ("device_kept_bytes", self.reuse.kept_bytes().into()),
+            ("device_kept_bytes", Value::from(self.reuse.kept_bytes())),
+            ("device_reused_allocations", n(&self.reuse.hits)),
+            ("device_new_allocations", n(&self.reuse.misses)),
+            ("device_free_bytes", Value::from(free)),
+            ("pinned_leased_bytes", Value::from(self.pool.leased_bytes())),
+            ("pinned_cached_bytes", Value::from(self.pool.cached_bytes())),
+            ("uploads", n(&c.uploads)),
+            ("upload_syncs", n(&c.upload_syncs)),
+            ("upload_allocate_ns", n(&c.upload_allocate_ns)),
+            ("upload_fill_ns", n(&c.upload_fill_ns)),
+            ("upload_copy_ns", n(&c.upload_copy_ns)),
+            ("read_chunks", n(&c.read_chunks)),
+            ("read_pinned_rounds", n(&c.read_pinned_rounds)),
+            ("read_syncs", n(&c.read_syncs)),
+            ("read_bytes", n(&c.read_bytes)),
+            ("concat_launches", n(&c.concat_launches)),
+            ("peer_copies", n(&c.peer_copies)),
+            ("peer_copy_bytes", n(&c.peer_copy_bytes)),
+            ("concat_last_total_ns", n(&c.concat_last_total_ns)),
+            ("concat_last_allocate_ns", n(&c.concat_last_allocate_ns)),
+            ("concat_last_plan_ns", n(&c.concat_last_plan_ns)),
+            ("concat_last_table_ns", n(&c.concat_last_table_ns)),
+            ("concat_last_kernel_ns", n(&c.concat_last_kernel_ns)),
             (
-                "device_reused_allocations",
-                self.reuse.hits.load(Ordering::Relaxed).into(),
+                "concat_kernel_loaded",
+                Value::from(self.concat_kernel.is_some()),
             ),
-            (
-                "device_new_allocations",
-                self.reuse.misses.load(Ordering::Relaxed).into(),
-            ),
-            ("device_free_bytes", free.into()),
-            ("pinned_leased_bytes", self.pool.leased_bytes().into()),
-            ("pinned_cached_bytes", self.pool.cached_bytes().into()),
-            ("uploads", c.uploads.load(Ordering::Relaxed).into()),
-            (
-                "upload_syncs",
-                c.upload_syncs.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "upload_allocate_ns",
-                c.upload_allocate_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "upload_fill_ns",
-                c.upload_fill_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "upload_copy_ns",
-                c.upload_copy_ns.load(Ordering::Relaxed).into(),
-            ),
-            ("read_chunks", c.read_chunks.load(Ordering::Relaxed).into()),
-            (
-                "read_pinned_rounds",
-                c.read_pinned_rounds.load(Ordering::Relaxed).into(),
-            ),
-            ("read_syncs", c.read_syncs.load(Ordering::Relaxed).into()),
-            ("read_bytes", c.read_bytes.load(Ordering::Relaxed).into()),
-            (
-                "concat_launches",
-                c.concat_launches.load(Ordering::Relaxed).into(),
-            ),
-            ("peer_copies", c.peer_copies.load(Ordering::Relaxed).into()),
-            (
-                "peer_copy_bytes",
-                c.peer_copy_bytes.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "concat_last_total_ns",
-                c.concat_last_total_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "concat_last_allocate_ns",
-                c.concat_last_allocate_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "concat_last_plan_ns",
-                c.concat_last_plan_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "concat_last_table_ns",
-                c.concat_last_table_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "concat_last_kernel_ns",
-                c.concat_last_kernel_ns.load(Ordering::Relaxed).into(),
-            ),
-            ("concat_kernel_loaded", self.concat_kernel.is_some().into()),
-            (
-                "filtered_chunks",
-                c.filtered_chunks.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "filtered_rows",
-                c.filtered_rows.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "filtered_rows_kept",
-                c.filtered_rows_kept.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "filter_fallbacks",
-                c.filter_fallbacks.load(Ordering::Relaxed).into(),
-            ),
+            ("filtered_chunks", n(&c.filtered_chunks)),
+            ("filtered_rows", n(&c.filtered_rows)),
+            ("filtered_rows_kept", n(&c.filtered_rows_kept)),
+            ("filter_fallbacks", n(&c.filter_fallbacks)),
             (
                 "filter_kernels_loaded",
-                self.filter_kernels.is_some().into(),
+                Value::from(self.filter_kernels.is_some()),
             ),
-            ("imports", c.imports.load(Ordering::Relaxed).into()),
-            (
-                "imported_bytes",
-                c.imported_bytes.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "pinned_spill_copies",
-                c.pinned_spill_copies.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "pinned_spill_bytes",
-                c.pinned_spill_bytes.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "pinned_upload_copies",
-                c.pinned_upload_copies.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "pinned_upload_runs",
-                c.pinned_upload_runs.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "pinned_upload_bytes",
-                c.pinned_upload_bytes.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "staged_spill_copies",
-                c.staged_spill_copies.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "staged_spill_bytes",
-                c.staged_spill_bytes.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "staged_spill_lease_ns",
-                c.staged_spill_lease_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "staged_spill_copy_ns",
-                c.staged_spill_copy_ns.load(Ordering::Relaxed).into(),
-            ),
-            (
-                "staged_spill_write_ns",
-                c.staged_spill_write_ns.load(Ordering::Relaxed).into(),
-            ),
+            ("imports", n(&c.imports)),
+            ("imported_bytes", n(&c.imported_bytes)),
+            ("pinned_spill_copies", n(&c.pinned_spill_copies)),
+            ("pinned_spill_bytes", n(&c.pinned_spill_bytes)),
+            ("pinned_upload_copies", n(&c.pinned_upload_copies)),
+            ("pinned_upload_runs", n(&c.pinned_upload_runs)),
+            ("pinned_upload_bytes", n(&c.pinned_upload_bytes)),
+            ("staged_spill_copies", n(&c.staged_spill_copies)),
+            ("staged_spill_bytes", n(&c.staged_spill_bytes)),
+            ("staged_spill_lease_ns", n(&c.staged_spill_lease_ns)),
+            ("staged_spill_copy_ns", n(&c.staged_spill_copy_ns)),
+            ("staged_spill_write_ns", n(&c.staged_spill_write_ns)),
         ];
         figures
             .into_iter()
