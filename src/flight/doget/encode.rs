@@ -107,6 +107,7 @@ async fn produce(
             encode_within(&mut encoder, piece, limits, &mut first, &mut messages)?;
             started = Stages::lap(&stages.doget_encode_nanos, started);
             for message in messages.drain(..) {
+                let message = message.padded(limits.max_message_bytes);
                 Stages::add(&stages.doget_messages, 1);
                 Stages::add(&stages.doget_bytes, message.encoded_len() as u64);
                 if sender.send(Ok(message)).await.is_err() {
