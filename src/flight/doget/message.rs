@@ -13,8 +13,8 @@
 //! in one more field, of zeros, with a number `FlightData` does not use, which protobuf readers
 //! skip ([`IpcMessage::padded`]): it rounds the message up to whole 64 KiB, so that a client's
 //! allocator is asked for a few sizes over and over. Messages of a large partition otherwise
-//! differ by a few bytes each, and pyarrow readers spent 20-28% more CPU per GB on them
-//! (docs/performance-notes.md, run (ak)).
+//! differ by up to a few hundred bytes each, and pyarrow readers spent 20-28% more CPU per GB
+//! on them (docs/performance-notes.md, run (ak)).
 
 use std::collections::VecDeque;
 
@@ -44,7 +44,8 @@ const ZERO_COPY_BYTES: usize = 64 * 1024;
 /// Largest chunk handed on: h2 refuses a single chunk of 2 GiB or more (its largest window) by
 /// resetting the stream, so a larger buffer (one huge value) goes as several slices of itself.
 const MAX_CHUNK_BYTES: usize = 16 << 20;
-/// Messages of at least this many bytes are padded to whole [`PAD_QUANTUM`]s (at most 6% more).
+/// Messages of at least this many bytes are padded to whole [`PAD_QUANTUM`]s (at most a 16th
+/// more).
 const PAD_FROM: usize = 1 << 20;
 const PAD_QUANTUM: usize = 64 << 10;
 /// The padding's field number, which `FlightData` does not use (its fields are 1, 2, 3, 1000).
