@@ -45,7 +45,7 @@ const ZERO_COPY_BYTES: usize = 64 * 1024;
 /// resetting the stream, so a larger buffer (one huge value) goes as several slices of itself.
 const MAX_CHUNK_BYTES: usize = 16 << 20;
 /// Messages of at least this many bytes are padded to whole [`PAD_QUANTUM`]s (at most a 16th
-/// more).
+/// more, or an 8th where the next whole quantum leaves no room for the field).
 const PAD_FROM: usize = 1 << 20;
 const PAD_QUANTUM: usize = 64 << 10;
 /// The padding's field number, which `FlightData` does not use (its fields are 1, 2, 3, 1000).
