@@ -51,6 +51,10 @@ pub(crate) struct Tiers {
     /// What partitions only on disk hold there, unbounded: for `status`.
     disk: Arc<MemoryBudget>,
     slots: Mutex<Vec<Weak<Slot>>>,
+    /// One turn per device at making room there: a second request would find the partitions
+    /// the first is spilling held (by that spill) and give up, though the spill is about to
+    /// free what it needs.
+    room_turns: Box<[tokio::sync::Mutex<()>]>,
     stats: Arc<Stats>,
 }
 
@@ -63,12 +67,16 @@ impl Tiers {
         host_limit: u64,
         stats: Arc<Stats>,
     ) -> Self {
+        let room_turns = (0..budget.devices())
+            .map(|_| tokio::sync::Mutex::new(()))
+            .collect();
         Self {
             backend,
             budget,
             host: MemoryBudget::new(vec![Some(host_limit)]),
             disk: MemoryBudget::new(vec![None]),
             slots: Mutex::new(Vec::new()),
+            room_turns,
             stats,
         }
     }
@@ -189,10 +197,19 @@ impl Tiers {
             Err(StoreError::MemoryExhausted { .. }) => {}
             reserved => return reserved,
         }
-        self.make_room(device, bytes).await;
+        // Reserved in the same turn, so that no other request takes the room made.
+        let _turn = self.room_turn(device).await;
+        self.make_room_in_turn(device, bytes).await;
         budget
             .try_reserve(device, bytes)
             .map_err(|error| self.tiers_full(error))
+    }
+
+    /// Waits for `device`'s turn at making room (none for a device the budget does not know,
+    /// which has no room to make).
+    async fn room_turn(&self, device: u32) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        let turn = self.room_turns.get(usize::try_from(device).ok()?)?;
+        Some(turn.lock().await)
     }
 
     /// `error` (the device's refusal), saying what the host tier holds where there is one.
@@ -304,6 +321,15 @@ impl Tiers {
     /// nothing more can go. Returns whether `bytes` are free. Without a host tier, only
     /// partitions the data directory holds go (back there).
     pub(crate) async fn make_room(&self, device: u32, bytes: u64) -> bool {
+        if self.budget.free(device) >= bytes {
+            return true;
+        }
+        let _turn = self.room_turn(device).await;
+        self.make_room_in_turn(device, bytes).await
+    }
+
+    /// [`Tiers::make_room`], for a caller that holds `device`'s turn.
+    async fn make_room_in_turn(&self, device: u32, bytes: u64) -> bool {
         let budget = &self.budget;
         let to_disk_only = self.host_limit() == 0;
         if !self.room_is_possible(device, bytes, to_disk_only) {
@@ -545,5 +571,25 @@ mod tests {
             stop.store(true, Ordering::Relaxed);
             assert!(sorted.is_ok(), "the spill order panicked");
         });
+    }
+
+    /// Two requests need room on a full device at once, and spilling its one partition makes
+    /// room for both. The second finds that partition held by the first's spill: it must wait
+    /// for that spill, not fail (a put's concurrent uploads did, now and then, on the GPU).
+    #[tokio::test]
+    async fn a_request_for_room_waits_for_the_spill_another_is_making() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let data = backend
+            .upload(0, crate::store::testing::batch(0..1000))
+            .await
+            .expect("upload");
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(backend, Arc::clone(&budget), 1 << 20, Arc::default());
+        let charge = budget.try_reserve(0, 1000).expect("fits");
+        let stored = tiers.hold(data, charge, 8000);
+        let (first, second) = tokio::join!(tiers.reserve_on(0, 500), tiers.reserve_on(0, 500));
+        first.expect("the first request's room");
+        second.expect("the second request's room, from the same spill");
+        assert_eq!(stored.tier(), Tier::Host);
     }
 }
