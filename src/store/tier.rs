@@ -51,9 +51,9 @@ pub(crate) struct Tiers {
     /// What partitions only on disk hold there, unbounded: for `status`.
     disk: Arc<MemoryBudget>,
     slots: Mutex<Vec<Weak<Slot>>>,
-    /// One turn per device at making room there: a second request would find the partitions
-    /// the first is spilling held (by that spill) and give up, though the spill is about to
-    /// free what it needs.
+    /// One turn per device at making room there. Two requests at once (two clients' puts on
+    /// a full device, say) would each find the partitions the other is spilling held (by that
+    /// spill) and could give up, though the spill is about to free what they need.
     room_turns: Box<[tokio::sync::Mutex<()>]>,
     stats: Arc<Stats>,
 }
@@ -197,7 +197,8 @@ impl Tiers {
             Err(StoreError::MemoryExhausted { .. }) => {}
             reserved => return reserved,
         }
-        // Reserved in the same turn, so that no other request takes the room made.
+        // Reserved in the same turn, so that no request waiting for the turn takes the room
+        // made (one that reserves without making room still may: it is within the budget).
         let _turn = self.room_turn(device).await;
         self.make_room_in_turn(device, bytes).await;
         budget
@@ -331,6 +332,10 @@ impl Tiers {
     /// [`Tiers::make_room`], for a caller that holds `device`'s turn.
     async fn make_room_in_turn(&self, device: u32, bytes: u64) -> bool {
         let budget = &self.budget;
+        // The turn's last holder may have freed enough.
+        if budget.free(device) >= bytes {
+            return true;
+        }
         let to_disk_only = self.host_limit() == 0;
         if !self.room_is_possible(device, bytes, to_disk_only) {
             return budget.free(device) >= bytes;
@@ -575,7 +580,7 @@ mod tests {
 
     /// Two requests need room on a full device at once, and spilling its one partition makes
     /// room for both. The second finds that partition held by the first's spill: it must wait
-    /// for that spill, not fail (a put's concurrent uploads did, now and then, on the GPU).
+    /// for that spill, not fail.
     #[tokio::test]
     async fn a_request_for_room_waits_for_the_spill_another_is_making() {
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());

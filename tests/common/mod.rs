@@ -30,6 +30,17 @@ use tokio::task::JoinHandle;
 use tonic::Code;
 use tonic::transport::Channel;
 
+/// With `RUST_LOG` set (`RUST_LOG=gpu_flight=info`), the servers' logs go to the tests'
+/// output, which the harness shows for the tests that fail: for a test that fails now and then.
+fn log_if_asked() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _already = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// A server running in this process.
 pub struct TestServer {
     pub addr: SocketAddr,
@@ -112,6 +123,7 @@ impl TestServer {
         health_listener: bool,
         shared_memory: Option<server::Listener>,
     ) -> Self {
+        log_if_asked();
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind port 0");
         let addr = listener.local_addr().expect("local addr");
         let health = match health_listener {
