@@ -91,7 +91,7 @@ impl Compactor {
         }
         let data: Vec<_> = partitions
             .iter()
-            .map(|p| Arc::clone(&p.slot.resident().data))
+            .map(|p| p.slot.look(|resident| Arc::clone(&resident.data)))
             .collect();
         if !self.backend.compacts(schema, &data) {
             return Ok(partitions);

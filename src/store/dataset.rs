@@ -158,11 +158,13 @@ impl Dataset {
     pub fn tier_bytes(&self) -> TierBytes {
         let mut bytes = TierBytes::default();
         for partition in &self.partitions {
-            let resident = partition.slot.resident();
-            match resident.tier {
-                Tier::Device(_) => bytes.device += resident.reservation.bytes(),
-                Tier::Host => bytes.host += resident.reservation.bytes(),
-                Tier::Disk => bytes.disk += resident.reservation.bytes(),
+            let (tier, held) = partition
+                .slot
+                .look(|resident| (resident.tier, resident.reservation.bytes()));
+            match tier {
+                Tier::Device(_) => bytes.device += held,
+                Tier::Host => bytes.host += held,
+                Tier::Disk => bytes.disk += held,
             }
         }
         bytes
@@ -183,11 +185,12 @@ impl Dataset {
         self.partitions
             .iter()
             .map(|partition| {
-                let data = &partition.slot.resident().data;
-                let measured = data
-                    .column_bytes(columns)
-                    .zip(data.column_bytes(&all))
-                    .filter(|&(_, whole)| whole > 0);
+                let measured = partition.slot.look(|resident| {
+                    let data = &resident.data;
+                    data.column_bytes(columns)
+                        .zip(data.column_bytes(&all))
+                        .filter(|&(_, whole)| whole > 0)
+                });
                 let (part, whole) = measured.unwrap_or((columns.len() as u64, width));
                 let share = u128::from(partition.data_bytes) * u128::from(part.min(whole))
                     / u128::from(whole.max(1));
@@ -331,7 +334,7 @@ impl Dataset {
         // its pieces in memory will.
         let chunks = futures::stream::try_unfold(chunks, |mut chunks| async move {
             if let Some(slot) = chunks.next_slot()
-                && slot.resident().tier == Tier::Disk
+                && slot.look(|resident| resident.tier) == Tier::Disk
             {
                 readable(&slot).await?;
             }
@@ -430,12 +433,16 @@ impl Iterator for Chunks {
                 continue;
             }
             let partition_rows = (end - first).max(1);
-            let resident = dataset.partitions[index].slot.resident();
-            let bytes_per_row = resident.reservation.bytes().div_ceil(partition_rows).max(1);
+            let (held, contiguous) = dataset.partitions[index].slot.look(|resident| {
+                (
+                    resident.reservation.bytes(),
+                    resident.data.contiguous_rows((start - first) as usize) as u64,
+                )
+            });
+            let bytes_per_row = held.div_ceil(partition_rows).max(1);
             let rows_per_chunk = (self.chunk_bytes / bytes_per_row).max(1);
             // Chunks end where the partition's pieces do (spilled or loaded ones), so that
             // each is a slice of one, not a copy of two joined.
-            let contiguous = resident.data.contiguous_rows((start - first) as usize) as u64;
             let len = rows_per_chunk.min(stop - start).min(contiguous.max(1));
             self.next_row = start + len;
             if self.next_row >= stop {

@@ -7,6 +7,8 @@
 //! whole. Readers, exports and copies clone the `Arc<Resident>` they work on, so a spill never
 //! frees memory under them: the old resident's memory (and its charge) goes when the last of
 //! them is done. Such held partitions are not spilled at all, since that would free nothing.
+//! A look at a partition (its tier, its size) borrows its resident instead of cloning it, so
+//! that looking never makes a partition look held.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,23 +48,26 @@ impl StoredPartition {
 
     /// Where its data is now.
     pub(crate) fn tier(&self) -> Tier {
-        self.slot.resident().tier
+        self.slot.look(|resident| resident.tier)
     }
 
     pub(crate) fn num_rows(&self) -> usize {
-        self.slot.resident().data.num_rows()
+        self.slot.look(|resident| resident.data.num_rows())
     }
 
     /// Bytes its tier is charged for it now.
     pub(crate) fn memory_bytes(&self) -> u64 {
-        self.slot.resident().reservation.bytes()
+        self.slot.look(|resident| resident.reservation.bytes())
     }
 }
 
 impl fmt::Debug for StoredPartition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoredPartition")
-            .field("resident", &self.slot.resident())
+            .field(
+                "resident",
+                &self.slot.look(|resident| format!("{resident:?}")),
+            )
             .field("data_bytes", &self.data_bytes)
             .finish()
     }
@@ -132,9 +137,17 @@ impl Slot {
         }
     }
 
-    /// What the partition holds now.
+    /// What the partition holds now, held until the returned `Arc` is dropped: a spill
+    /// meanwhile frees nothing, so none is made (see [`Slot::movable_from`]).
     pub(crate) fn resident(&self) -> Arc<Resident> {
         Arc::clone(&self.resident.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// `f` of what the partition holds now, without holding it: for a look (its tier, its
+    /// size), which must not, even for an instant, make it look held to a request that is
+    /// choosing partitions to spill.
+    pub(crate) fn look<T>(&self, f: impl FnOnce(&Resident) -> T) -> T {
+        f(&self.resident.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Marks the partition as just used, for the spill order.

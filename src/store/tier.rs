@@ -380,7 +380,7 @@ impl Tiers {
             if free >= bytes {
                 break;
             }
-            let moved = slot.resident().reservation.bytes();
+            let moved = slot.look(|resident| resident.reservation.bytes());
             free = free.saturating_add(moved);
             if slot.on_disk().is_none() {
                 to_host = to_host.saturating_add(moved);
@@ -396,7 +396,7 @@ impl Tiers {
             .spill_candidates(Tier::Host, true)
             .iter()
             .fold(0u64, |sum, slot| {
-                sum.saturating_add(slot.resident().reservation.bytes())
+                sum.saturating_add(slot.look(|resident| resident.reservation.bytes()))
             });
         let host_free = tiers.host_limit().saturating_sub(tiers.host_used());
         to_host <= host_free.saturating_add(evictable)
@@ -576,6 +576,53 @@ mod tests {
             stop.store(true, Ordering::Relaxed);
             assert!(sorted.is_ok(), "the spill order panicked");
         });
+    }
+
+    /// Looking at a partition (its tier and size, as `status`, the listings and a commit do)
+    /// must not make it look held to a request choosing what to spill, or that request fails
+    /// with RESOURCE_EXHAUSTED though the partition could go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn looking_at_a_partition_does_not_keep_it_from_being_spilled() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            1 << 30,
+            Arc::default(),
+        );
+        for round in 0..200 {
+            let data = backend
+                .upload(0, crate::store::testing::batch(0..100))
+                .await
+                .expect("upload");
+            let stored = tiers.hold(data, budget.try_reserve(0, 1000).expect("fits"), 800);
+            let (looking, stop) = (
+                Arc::new(AtomicBool::new(false)),
+                Arc::new(AtomicBool::new(false)),
+            );
+            let looker = {
+                let (stored, looking, stop) =
+                    (stored.clone(), Arc::clone(&looking), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut seen = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        seen = seen.wrapping_add(stored.memory_bytes());
+                        seen = seen.wrapping_add(stored.num_rows() as u64);
+                        looking.store(true, Ordering::Relaxed);
+                    }
+                    seen
+                })
+            };
+            while !looking.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+            let room = tiers.reserve_on(0, 1000).await;
+            stop.store(true, Ordering::Relaxed);
+            looker.join().expect("the looking thread");
+            room.unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert_eq!(stored.tier(), Tier::Host, "round {round}");
+        }
     }
 
     /// Two requests need room on a full device at once, and spilling its one partition makes
