@@ -50,10 +50,12 @@ const PAD_FROM: usize = 1 << 20;
 const PAD_QUANTUM: usize = 64 << 10;
 /// The padding's field number, which `FlightData` does not use (its fields are 1, 2, 3, 1000).
 const PADDING_TAG: u32 = 15;
-/// Field keys of `FlightData` (descriptor, header, app metadata, body): a padding length never
-/// equals one, so that a reader that reads keys without skipping unknown fields (taking the
-/// padding's length and then each zero as a key of its own) finds none of them there.
-const READER_KEYS: [usize; 4] = [10, 18, 26, 8002];
+/// Field numbers of `FlightData` (descriptor, header, app metadata, body). A padding length
+/// never reads as a key of one of them, so that a reader that reads keys without skipping
+/// unknown fields, taking the padding's length and then each zero for a key, finds none of
+/// its fields there: Arrow Java's reader compares whole keys, Arrow C++'s before version 14
+/// took the field number (`key >> 3`) whatever the wire type.
+const READER_FIELDS: [usize; 4] = [1, 2, 3, 1000];
 /// Zeros the padding is sent from.
 static ZEROS: [u8; 2 * PAD_QUANTUM] = [0; 2 * PAD_QUANTUM];
 
@@ -82,10 +84,16 @@ fn zeros_filling(room: usize) -> Option<usize> {
         .find(|&zeros| zeros > 0 && padding_field_len(zeros) == room)
 }
 
+/// Whether `value`, read as a protobuf key, names one of `FlightData`'s fields.
+fn reads_as_a_field(value: usize) -> bool {
+    READER_FIELDS.contains(&(value >> 3))
+}
+
 /// The padding that takes a message of `len` bytes to a whole number of [`PAD_QUANTUM`]s
-/// within `limit`: 0 for a message under [`PAD_FROM`], or where no such padding fits.
+/// within `limit`: 0 for a message under [`PAD_FROM`] or already whole, or where no such
+/// padding fits.
 fn padding_for(len: usize, limit: usize) -> usize {
-    if len < PAD_FROM {
+    if len < PAD_FROM || len.is_multiple_of(PAD_QUANTUM) {
         return 0;
     }
     let mut target = len.next_multiple_of(PAD_QUANTUM);
@@ -96,7 +104,7 @@ fn padding_for(len: usize, limit: usize) -> usize {
             return 0;
         }
         if let Some(zeros) = zeros_filling(target - len)
-            && !READER_KEYS.contains(&zeros)
+            && !reads_as_a_field(zeros)
             && zeros <= ZEROS.len()
         {
             return zeros;
@@ -429,14 +437,17 @@ mod tests {
         {
             let zeros = padding_for(len, limit);
             if zeros == 0 {
-                assert!(len + 2 * PAD_QUANTUM > limit, "{len} left unpadded");
+                assert!(
+                    len.is_multiple_of(PAD_QUANTUM) || len + 2 * PAD_QUANTUM > limit,
+                    "{len} left unpadded"
+                );
                 continue;
             }
             padded += 1;
             let total = len + padding_field_len(zeros);
             assert_eq!(total % PAD_QUANTUM, 0, "{len}");
             assert!(total <= limit, "{len}");
-            assert!(!READER_KEYS.contains(&zeros), "{len}");
+            assert!(!reads_as_a_field(zeros), "{len}");
         }
         assert!(padded > 2500);
         assert_eq!(
@@ -444,12 +455,17 @@ mod tests {
             0,
             "small messages stay as they are"
         );
-        // Where the room left is exactly a reader's key, the next quantum is taken.
-        let len = 3 * PAD_QUANTUM - 8002 - key_len(PADDING_TAG) - encoded_len_varint(8002);
-        let len = len + PAD_FROM.next_multiple_of(PAD_QUANTUM);
-        let zeros = padding_for(len, limit);
-        assert_ne!(zeros, 8002);
-        assert_eq!((len + padding_field_len(zeros)) % PAD_QUANTUM, 0);
+        // Where the room left would take a length that reads as a key of one of FlightData's
+        // fields, whatever its wire type, the next quantum is taken.
+        for key in [8, 10, 20, 26, 31, 8000, 8002, 8007] {
+            let room = key_len(PADDING_TAG) + encoded_len_varint(key as u64) + key;
+            let len = 2 * PAD_FROM - room;
+            let zeros = padding_for(len, limit);
+            assert!(zeros > 0 && !reads_as_a_field(zeros), "{key}: {zeros}");
+            assert_eq!((len + padding_field_len(zeros)) % PAD_QUANTUM, 0, "{key}");
+        }
+        // A message of whole quanta already is left as it is.
+        assert_eq!(padding_for(2 * PAD_FROM, limit), 0);
     }
 
     #[tokio::test]
