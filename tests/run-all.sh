@@ -45,7 +45,7 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e './python[dask]'
 
 step "ruff and mypy (the Python package and its tests)"
-package_tests="tests/python/test_client.py tests/python/test_dask.py tests/python/test_device_interface.py tests/python/test_ipc.py tests/python/test_shared_memory.py tests/python/test_ipc_import.py tests/python/test_export_lifetime.py tests/python/test_cluster.py tests/python/test_flight_sql.py tests/python/test_spark.py tests/python/test_java_client.py"
+package_tests="tests/python/test_client.py tests/python/test_dask.py tests/python/test_device_interface.py tests/python/test_ipc.py tests/python/test_shared_memory.py tests/python/test_ipc_import.py tests/python/test_export_lifetime.py tests/python/test_cluster.py tests/python/test_flight_sql.py tests/python/test_spark.py tests/python/test_java_client.py tests/python/test_module_graph.py"
 # shellcheck disable=SC2086 # the list is split on purpose
 .venv/bin/ruff check --config python/pyproject.toml python $package_tests
 # shellcheck disable=SC2086

@@ -22,17 +22,42 @@ inside lists and structs keep their values but lose their time zone (UTC).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import pyarrow as pa
 
 from . import _cdata
 
-if TYPE_CHECKING:
-    from ._export import Export, Partition
-
 log = logging.getLogger("gpu_flight")
+
+
+class PartitionView(Protocol):
+    """What this module reads of an export's partition (an `_export.Partition`)."""
+
+    @property
+    def device(self) -> int: ...
+
+    @property
+    def columns(self) -> Mapping[str, Any]: ...
+
+    def _part(self) -> _cdata.DevicePart: ...
+
+
+class ExportView(Protocol):
+    """What this module reads of an export (an `_export.Export`, whose `to_cudf` and
+    `cudf_copies` call it): a protocol, so that this module need not import the one that
+    imports it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def schema(self) -> pa.Schema: ...
+
+    @property
+    def partitions(self) -> Sequence[PartitionView]: ...
+
 
 VIEW = "view"
 DEVICE = "device"  # cuDF's device import takes it, converting it (a copy on the GPU)
@@ -83,7 +108,7 @@ def route(data_type: pa.DataType) -> tuple[str, str]:
     return HOST, f"cuDF's device import refuses {t}: copied through the host"
 
 
-def plan(export: Export) -> dict[str, str]:
+def plan(export: ExportView) -> dict[str, str]:
     """{column: why it is copied} for the columns `to_cudf` cannot hand to cuDF in place."""
     copies = {}
     for field in export.schema:
@@ -101,7 +126,7 @@ def plan(export: Export) -> dict[str, str]:
 class _Selection:
     """Some columns of a partition, as a record batch on its device: what pylibcudf takes."""
 
-    def __init__(self, partition: Partition, indices: Sequence[int]) -> None:
+    def __init__(self, partition: PartitionView, indices: Sequence[int]) -> None:
         self._partition = partition
         self._indices = list(indices)
 
@@ -148,7 +173,7 @@ def _cudf_version(cudf: Any) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def to_cudf(export: Export) -> Any:
+def to_cudf(export: ExportView) -> Any:
     try:
         import cudf
         import pylibcudf as plc

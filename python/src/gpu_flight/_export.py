@@ -22,16 +22,14 @@ import functools
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
 from . import _cdata, _cuda, _cudf
+from ._actions import Actions
 from ._documents import parse
 from ._lease import RELEASE_SECONDS, _Held, _Lease, _release, _start_lease_thread, end_pending
-
-if TYPE_CHECKING:
-    from ._client import Client
 
 log = logging.getLogger("gpu_flight")
 
@@ -270,7 +268,7 @@ class Export:
     lease ends).
     """
 
-    def __init__(self, client: Client, name: str, document: dict[str, Any]) -> None:
+    def __init__(self, client: Actions, name: str, document: dict[str, Any]) -> None:
         self.name = name
         self.document = document
         self.lease: str = document["lease"]
@@ -427,7 +425,7 @@ def consumer_device(device: Any) -> str:
 
 
 def open_export(
-    client: Client,
+    client: Actions,
     name: str,
     columns: Optional[Sequence[str]],
     device: Any,

@@ -21,15 +21,13 @@ import base64
 import ctypes
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
 from . import _cdata, _cuda
+from ._actions import Actions
 from ._documents import PutResult
-
-if TYPE_CHECKING:
-    from ._client import Client
 
 IMPORT_VERSION = 1
 
@@ -251,7 +249,7 @@ def _wait(device_array: _cdata.ArrowDeviceArray) -> None:
 
 
 def _import_batch(
-    client: Client, name: str, mode: str, schema: pa.Schema, device_array: _cdata.ArrowDeviceArray
+    client: Actions, name: str, mode: str, schema: pa.Schema, device_array: _cdata.ArrowDeviceArray
 ) -> PutResult:
     if device_array.device_type != _cdata.ARROW_DEVICE_CUDA:
         raise ValueError(
@@ -269,7 +267,7 @@ def _release(struct: Any) -> None:
         struct.release(ctypes.pointer(struct))
 
 
-def _from_device_array(client: Client, name: str, mode: str, obj: Any) -> PutResult:
+def _from_device_array(client: Actions, name: str, mode: str, obj: Any) -> PutResult:
     schema_capsule, array_capsule = obj.__arrow_c_device_array__()
     schema = pa.Schema._import_from_c_capsule(schema_capsule)
     pointer = _cdata.capsule_pointer(array_capsule, _cdata.DEVICE_ARRAY)
@@ -280,7 +278,7 @@ def _from_device_array(client: Client, name: str, mode: str, obj: Any) -> PutRes
         _release(device_array.array)  # the capsule is ours: its release is then a no-op
 
 
-def _from_device_stream(client: Client, name: str, mode: str, obj: Any) -> PutResult:
+def _from_device_stream(client: Actions, name: str, mode: str, obj: Any) -> PutResult:
     capsule = obj.__arrow_c_device_stream__()
     pointer = _cdata.capsule_pointer(capsule, _cdata.DEVICE_STREAM)
     stream = _cdata.ArrowDeviceArrayStream.from_address(pointer)
@@ -379,7 +377,7 @@ def _is_cudf_frame(obj: Any) -> bool:
     return type(obj).__module__.startswith("cudf") and hasattr(obj, "columns")
 
 
-def put_device(client: Client, name: str, obj: Any, mode: str) -> PutResult:
+def put_device(client: Actions, name: str, obj: Any, mode: str) -> PutResult:
     """`Client.put_device`: see there."""
     if _is_cudf_frame(obj) and not hasattr(obj, "__arrow_c_device_array__"):
         # Older cuDF without the Arrow device interface: its numeric columns as CuPy arrays.

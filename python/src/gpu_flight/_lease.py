@@ -22,14 +22,12 @@ import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import pyarrow as pa
 
 from . import _cuda
-
-if TYPE_CHECKING:
-    from ._client import Client
+from ._actions import Actions
 
 log = logging.getLogger("gpu_flight")
 
@@ -38,7 +36,7 @@ RELEASE_SECONDS = 5.0
 server that does not answer must not hold the process (the lease then expires)."""
 
 
-def _renew(client: Client, lease: str, seconds: int) -> None:
+def _renew(client: Actions, lease: str, seconds: int) -> None:
     """Extends `lease` by `seconds`; `KeyError` where it has ended (NOT_FOUND)."""
     try:
         client._action(
@@ -48,7 +46,7 @@ def _renew(client: Client, lease: str, seconds: int) -> None:
         raise KeyError(lease) from error
 
 
-def _release(client: Client, lease: str) -> None:
+def _release(client: Actions, lease: str) -> None:
     try:
         client._action("ipc-release", {"lease": lease}, timeout=RELEASE_SECONDS, reconnect=True)
     except pa.ArrowKeyError:

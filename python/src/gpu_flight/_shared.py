@@ -23,15 +23,13 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 
+from ._actions import Actions
 from ._documents import parse
 from ._lease import _Held, _Lease, _release, _renew, _start_lease_thread, end_pending
-
-if TYPE_CHECKING:
-    from ._client import Client
 
 DEFAULT_LEASE_SECONDS = 300
 SIDE_CHANNEL_SECONDS = 10.0
@@ -95,7 +93,7 @@ def _exchange(path: str, token: str) -> tuple[str, Optional[list[int]]]:
 
 
 def read_shared(
-    client: Client,
+    client: Actions,
     name: str,
     columns: Optional[Sequence[str]],
     where: Optional[str],
