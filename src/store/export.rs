@@ -219,7 +219,7 @@ impl Exporter {
                 }
                 _ => None,
             };
-            replicas.push(replica);
+            replicas.push(replica.map(super::lease::replica_held));
         }
         let terms = LeaseTerms {
             columns: names,
@@ -273,9 +273,7 @@ impl Exporter {
             .zip(lease.terms.replicas.iter())
             .map(|((partition, held), replica)| {
                 let (stored, columns, access) = match (replica, lease.terms.consumer) {
-                    (Some(replica), _) => {
-                        (replica.slot.resident(), &replica_columns, Access::Replica)
-                    }
+                    (Some(replica), _) => (Arc::clone(replica), &replica_columns, Access::Replica),
                     (None, Some(consumer)) if consumer != partition.device() => {
                         (Arc::clone(held), &columns, Access::Peer)
                     }

@@ -47,9 +47,10 @@ pub struct LeaseTerms {
     /// Per partition of the dataset, the device memory exported: held so that no spill frees
     /// it while consumers may have it mapped.
     pub(crate) held: Arc<Vec<Arc<Resident>>>,
-    /// Per partition of the dataset, its replica on the consumer's device, if one was made:
-    /// held by the lease alone, so its memory returns when the lease ends.
-    pub(crate) replicas: Arc<Vec<Option<StoredPartition>>>,
+    /// Per partition of the dataset, its replica on the consumer's device, if one was made
+    /// ([`replica_held`]): held by the lease alone, so its memory returns when the lease ends,
+    /// and never spilled before, since consumers may have it mapped.
+    pub(crate) replicas: Arc<Vec<Option<Arc<Resident>>>>,
     /// A shared-memory read's files (`shm-read`), held by the lease alone: their memory
     /// returns when the lease ends, and they are revoked then (emptied, whoever maps them).
     pub(crate) staged: Option<Arc<Vec<StagedFile>>>,
@@ -61,7 +62,7 @@ impl LeaseTerms {
         self.replicas
             .iter()
             .flatten()
-            .map(StoredPartition::memory_bytes)
+            .map(|replica| replica.reservation.bytes())
             .sum()
     }
 
@@ -71,6 +72,14 @@ impl LeaseTerms {
             .as_ref()
             .map_or(0, |staged| staged.iter().map(|file| file.bytes).sum())
     }
+}
+
+/// A replica made for a lease (`tiers.hold` of its copy), as the lease holds it: its memory,
+/// not its place in the tiers. A partition in the tiers that nobody holds may be spilled to
+/// make room, which would free device memory the lease's consumers have mapped; the
+/// memory held alone is in no tier, so nothing moves it, and it goes when the lease does.
+pub(crate) fn replica_held(replica: StoredPartition) -> Arc<Resident> {
+    replica.slot.resident()
 }
 
 impl Lease {

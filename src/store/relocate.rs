@@ -228,11 +228,11 @@ impl Mover {
         let mut partitions: Vec<StoredPartition> = Vec::new();
         let mut copied_bytes = 0;
         for partition in base.partitions() {
-            let resident = partition.slot.resident();
-            if keep_local && resident.tier == Tier::Device(device) {
+            if keep_local && partition.tier() == Tier::Device(device) {
                 partitions.push(partition.clone());
                 continue;
             }
+            let resident = partition.slot.resident();
             copied_bytes += partition.data_bytes;
             if !matches!(resident.tier, Tier::Device(_)) {
                 partitions.push(

@@ -625,6 +625,36 @@ mod tests {
         }
     }
 
+    /// A replica made for an `ipc-export` lease is mapped by the lease's consumers: a request
+    /// for room must not spill it (which frees its device memory) while the lease holds it,
+    /// and its memory returns once the lease lets it go.
+    #[tokio::test]
+    async fn a_replica_a_lease_holds_is_never_spilled() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            1 << 30,
+            Arc::default(),
+        );
+        let data = backend
+            .upload(0, crate::store::testing::batch(0..100))
+            .await
+            .expect("upload");
+        let copy = tiers.hold(data, budget.try_reserve(0, 1000).expect("fits"), 800);
+        let replica = crate::store::lease::replica_held(copy);
+        let refused = tiers.reserve_on(0, 1000).await;
+        assert!(refused.is_err(), "the replica was spilled to make room");
+        assert_eq!(replica.tier, Tier::Device(0));
+        assert_eq!(budget.used(0), 1000);
+        drop(replica);
+        tiers
+            .reserve_on(0, 1000)
+            .await
+            .expect("room once the lease ends");
+    }
+
     /// Two requests need room on a full device at once, and spilling its one partition makes
     /// room for both. The second finds that partition held by the first's spill: it must wait
     /// for that spill, not fail.
