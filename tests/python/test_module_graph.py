@@ -12,15 +12,20 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "python" / "src" / "gpu_flight"
 
 
-def imported(path: pathlib.Path) -> set[str]:
-    """The package's modules that `path` imports, by module name (`_client`, `dask`, ...)."""
+def imported(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package's modules that `path` imports, by module name (`_client`, `dask`, ...): a
+    name the package itself exports (`from . import Client`) is an import of `__init__`."""
     names: set[str] = set()
+
+    def of_package(aliases: list[ast.alias]) -> None:
+        names.update(a.name if a.name in modules else "__init__" for a in aliases)
+
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
             if node.level == 1 and node.module:  # from ._client import Client
                 names.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import _cdata, _cuda
-                names.update(alias.name for alias in node.names)
+            elif node.level == 1 or node.module == "gpu_flight":  # from . import _cdata, _cuda
+                of_package(node.names)
             elif node.module and node.module.startswith("gpu_flight."):
                 names.add(node.module.split(".")[1])
         elif isinstance(node, ast.Import):
@@ -50,7 +55,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def package_graph() -> dict[str, set[str]]:
     modules = {path.stem: path for path in PACKAGE.glob("*.py")}
-    return {name: imported(path) & set(modules) - {"__init__"} for name, path in modules.items()}
+    return {name: imported(path, set(modules)) & set(modules) for name, path in modules.items()}
 
 
 def test_the_package_has_no_import_cycles() -> None:
@@ -68,6 +73,9 @@ def test_a_cycle_through_type_checking_imports_is_found(tmp_path: pathlib.Path) 
         "if TYPE_CHECKING:\n"
         "    from ._client import Client\n"
     )
-    assert imported(module) == {"_cdata", "_cudf", "_client"}
+    assert imported(module, {"_cdata", "_cudf", "_client"}) == {"_cdata", "_cudf", "_client"}
+    # A name the package exports comes from `__init__`, which imports every module.
+    module.write_text("from gpu_flight import Client, _cdata\n")
+    assert imported(module, {"_cdata", "_client"}) == {"__init__", "_cdata"}
     graph = {"_client": {"_export"}, "_export": {"_client", "_cudf"}, "_cudf": {"_export"}}
     assert cycles(graph) == [["_client", "_export", "_client"], ["_cudf", "_export", "_cudf"]]
