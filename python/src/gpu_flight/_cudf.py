@@ -32,6 +32,12 @@ from . import _cdata
 log = logging.getLogger("gpu_flight")
 
 
+class ColumnView(Protocol):
+    """What this module reads of an exported column (an `_export.Column`)."""
+
+    def to_arrow(self) -> pa.Array: ...
+
+
 class PartitionView(Protocol):
     """What this module reads of an export's partition (an `_export.Partition`)."""
 
@@ -39,7 +45,7 @@ class PartitionView(Protocol):
     def device(self) -> int: ...
 
     @property
-    def columns(self) -> Mapping[str, Any]: ...
+    def columns(self) -> Mapping[str, ColumnView]: ...
 
     def _part(self) -> _cdata.DevicePart: ...
 
