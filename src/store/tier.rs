@@ -404,7 +404,7 @@ impl Tiers {
 
     /// Moves `slot`'s partition from its device to the host tier, or back to the disk tier
     /// where the data directory holds it as it is. `Ok(false)` when another move of it is
-    /// under way or it is no longer on a device.
+    /// under way, it is no longer on a device, or someone took it since it was chosen.
     async fn spill(&self, slot: &Slot) -> Result<bool, StoreError> {
         let Ok(_moving) = slot.moving().try_lock() else {
             return Ok(false);
@@ -413,6 +413,12 @@ impl Tiers {
         let Tier::Device(device) = resident.tier else {
             return Ok(false);
         };
+        // Held by the slot and by this spill alone, as when it was chosen: a reader, an export
+        // or a copy that took it since keeps its memory, so moving it would charge the host
+        // tier for a copy and free nothing.
+        if Arc::strong_count(&resident) > 2 {
+            return Ok(false);
+        }
         if self.evict(slot, &resident) {
             return Ok(true);
         }
@@ -623,6 +629,33 @@ mod tests {
             room.unwrap_or_else(|e| panic!("round {round}: {e}"));
             assert_eq!(stored.tier(), Tier::Host, "round {round}");
         }
+    }
+
+    /// A partition a reader took after a request for room chose it is not spilled: the copy
+    /// would be charged to the host tier and free nothing while the reader holds it.
+    #[tokio::test]
+    async fn a_partition_taken_since_it_was_chosen_is_not_spilled() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            1 << 30,
+            Arc::default(),
+        );
+        let data = backend
+            .upload(0, crate::store::testing::batch(0..100))
+            .await
+            .expect("upload");
+        let stored = tiers.hold(data, budget.try_reserve(0, 1000).expect("fits"), 800);
+        let reader = stored.slot.resident();
+        assert!(!tiers.spill(&stored.slot).await.expect("spill"));
+        assert_eq!(stored.tier(), Tier::Device(0));
+        assert_eq!(tiers.host_used(), 0);
+        drop(reader);
+        assert!(tiers.spill(&stored.slot).await.expect("spill"));
+        assert_eq!(stored.tier(), Tier::Host);
+        assert_eq!(budget.used(0), 0);
     }
 
     /// A replica made for an `ipc-export` lease is mapped by the lease's consumers: a request
