@@ -1043,3 +1043,32 @@ async fn the_longest_names_on_the_most_endpoints_fit_a_clients_message_limit() {
     assert!(info.encoded_len() < 2 << 20, "{} bytes", info.encoded_len());
     server.shutdown_and_wait().await;
 }
+
+/// `ipc-export` describes every column it names in every partition: a list that repeats one
+/// column thousands of times made one short request build a document of gigabytes. A list
+/// names each column at most once, and at least one, as reads' lists do.
+#[tokio::test]
+async fn export_column_lists_are_refused_when_they_repeat_or_are_empty() {
+    let server = TestServer::start(host()).await;
+    let mut client = server.client().await;
+    put(&mut client, path("t"), vec![int64_batch(10, 2, 0)])
+        .await
+        .expect("put");
+    let repeated = vec!["c0"; 3000];
+    for (columns, says) in [
+        (serde_json::json!(repeated), "at most once"),
+        (serde_json::json!([]), "at least one"),
+    ] {
+        let refused = action(
+            &mut client,
+            "ipc-export",
+            serde_json::json!({"name": "t", "columns": columns}),
+        )
+        .await
+        .expect_err("refused");
+        let status = code_of(&refused);
+        assert_eq!(status, Code::InvalidArgument, "{refused}");
+        assert!(refused.to_string().contains(says), "{refused}");
+    }
+    server.shutdown_and_wait().await;
+}

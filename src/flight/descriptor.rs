@@ -143,17 +143,15 @@ pub fn read_target(descriptor: &FlightDescriptor) -> Result<ReadTarget, Error> {
     })
 }
 
-/// The schema positions of the columns a [`ReadCommand`] names, checked against `schema` (of
-/// dataset `name`): at least one, every one known (an error names all that are not), each at
-/// most once, so never more than the schema has. The document's size bounds the list.
-pub fn projection(name: &str, schema: &Schema, columns: &[String]) -> Result<Vec<usize>, Error> {
-    let fields = schema.fields().len();
+/// Checks a request's list of columns: at least one, each at most once. What a request costs
+/// to answer then follows the dataset's columns, not the length of the list a client sends
+/// (an `ipc-export` describes every column it names in every partition).
+pub fn distinct_columns(columns: &[String]) -> Result<(), Error> {
     if columns.is_empty() {
         return Err(Error::InvalidCommand(
-            "\"columns\" must name at least one column; leave it out to read them all".to_owned(),
+            "\"columns\" must name at least one column; leave it out for them all".to_owned(),
         ));
     }
-    let indices = column_indices(name, schema, columns)?;
     let mut seen = std::collections::HashSet::with_capacity(columns.len());
     let repeated: Vec<&str> = columns
         .iter()
@@ -165,6 +163,16 @@ pub fn projection(name: &str, schema: &Schema, columns: &[String]) -> Result<Vec
             "\"columns\" names each column at most once; repeated: {repeated:?}"
         )));
     }
+    Ok(())
+}
+
+/// The schema positions of the columns a [`ReadCommand`] names, checked against `schema` (of
+/// dataset `name`): at least one, every one known (an error names all that are not), each at
+/// most once, so never more than the schema has. The document's size bounds the list.
+pub fn projection(name: &str, schema: &Schema, columns: &[String]) -> Result<Vec<usize>, Error> {
+    let fields = schema.fields().len();
+    distinct_columns(columns)?;
+    let indices = column_indices(name, schema, columns)?;
     if columns.len() > fields {
         return Err(Error::InvalidCommand(format!(
             "\"columns\" names {} columns, but dataset '{name}' has {fields}",

@@ -541,6 +541,9 @@ impl Service {
                 copy,
                 version,
             } => {
+                if let Some(columns) = &columns {
+                    descriptor::distinct_columns(columns)?;
+                }
                 let consumer = device
                     .map(|device| put::resolve_device(&self.store, device))
                     .transpose()?;
