@@ -584,25 +584,50 @@ mod tests {
         });
     }
 
+    /// Tiers over the host backend with one device of 1,000 bytes and a host tier of 1 GiB.
+    struct SmallDevice {
+        backend: Arc<dyn Backend>,
+        budget: Arc<MemoryBudget>,
+        tiers: Tiers,
+    }
+
+    impl SmallDevice {
+        fn new() -> Self {
+            let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+            let budget = MemoryBudget::new(vec![Some(1000)]);
+            let tiers = Tiers::new(
+                Arc::clone(&backend),
+                Arc::clone(&budget),
+                1 << 30,
+                Arc::default(),
+            );
+            Self {
+                backend,
+                budget,
+                tiers,
+            }
+        }
+
+        /// A partition charged the whole device.
+        async fn filled(&self) -> StoredPartition {
+            let data = self
+                .backend
+                .upload(0, crate::store::testing::batch(0..100))
+                .await
+                .expect("upload");
+            let charge = self.budget.try_reserve(0, 1000).expect("fits");
+            self.tiers.hold(data, charge, 800)
+        }
+    }
+
     /// Looking at a partition (its tier and size, as `status`, the listings and a commit do)
     /// must not make it look held to a request choosing what to spill, or that request fails
     /// with RESOURCE_EXHAUSTED though the partition could go.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn looking_at_a_partition_does_not_keep_it_from_being_spilled() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(1000)]);
-        let tiers = Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            1 << 30,
-            Arc::default(),
-        );
+        let small = SmallDevice::new();
         for round in 0..200 {
-            let data = backend
-                .upload(0, crate::store::testing::batch(0..100))
-                .await
-                .expect("upload");
-            let stored = tiers.hold(data, budget.try_reserve(0, 1000).expect("fits"), 800);
+            let stored = small.filled().await;
             let (looking, stop) = (
                 Arc::new(AtomicBool::new(false)),
                 Arc::new(AtomicBool::new(false)),
@@ -623,7 +648,7 @@ mod tests {
             while !looking.load(Ordering::Relaxed) {
                 std::hint::spin_loop();
             }
-            let room = tiers.reserve_on(0, 1000).await;
+            let room = small.tiers.reserve_on(0, 1000).await;
             stop.store(true, Ordering::Relaxed);
             looker.join().expect("the looking thread");
             room.unwrap_or_else(|e| panic!("round {round}: {e}"));
@@ -635,19 +660,9 @@ mod tests {
     /// would be charged to the host tier and free nothing while the reader holds it.
     #[tokio::test]
     async fn a_partition_taken_since_it_was_chosen_is_not_spilled() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(1000)]);
-        let tiers = Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            1 << 30,
-            Arc::default(),
-        );
-        let data = backend
-            .upload(0, crate::store::testing::batch(0..100))
-            .await
-            .expect("upload");
-        let stored = tiers.hold(data, budget.try_reserve(0, 1000).expect("fits"), 800);
+        let small = SmallDevice::new();
+        let stored = small.filled().await;
+        let tiers = &small.tiers;
         let reader = stored.slot.resident();
         assert!(!tiers.spill(&stored.slot).await.expect("spill"));
         assert_eq!(stored.tier(), Tier::Device(0));
@@ -655,7 +670,7 @@ mod tests {
         drop(reader);
         assert!(tiers.spill(&stored.slot).await.expect("spill"));
         assert_eq!(stored.tier(), Tier::Host);
-        assert_eq!(budget.used(0), 0);
+        assert_eq!(small.budget.used(0), 0);
     }
 
     /// A replica made for an `ipc-export` lease is mapped by the lease's consumers: a request
@@ -663,24 +678,13 @@ mod tests {
     /// and its memory returns once the lease lets it go.
     #[tokio::test]
     async fn a_replica_a_lease_holds_is_never_spilled() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(1000)]);
-        let tiers = Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            1 << 30,
-            Arc::default(),
-        );
-        let data = backend
-            .upload(0, crate::store::testing::batch(0..100))
-            .await
-            .expect("upload");
-        let copy = tiers.hold(data, budget.try_reserve(0, 1000).expect("fits"), 800);
-        let replica = crate::store::lease::replica_held(copy);
+        let small = SmallDevice::new();
+        let replica = crate::store::lease::replica_held(small.filled().await);
+        let tiers = &small.tiers;
         let refused = tiers.reserve_on(0, 1000).await;
         assert!(refused.is_err(), "the replica was spilled to make room");
         assert_eq!(replica.tier, Tier::Device(0));
-        assert_eq!(budget.used(0), 1000);
+        assert_eq!(small.budget.used(0), 1000);
         drop(replica);
         tiers
             .reserve_on(0, 1000)
