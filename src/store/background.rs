@@ -269,7 +269,7 @@ mod tests {
 
     use super::*;
     use crate::backend::HostBackend;
-    use crate::store::testing::{GatedBackend, batch, put};
+    use crate::store::testing::{Gate, GatedBackend, batch, put};
     use crate::store::{PutMode, Store, StoreOptions};
 
     /// The values of column `x` of `batches`, in order.
@@ -307,7 +307,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_append_commit_copies_what_it_adds_and_merges_after() {
-        let backend = GatedBackend::new(HostBackend::new(), false);
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         commit(&store, PutMode::Create, vec![batch(0..1000)]).await;
@@ -350,7 +350,7 @@ mod tests {
 
     #[tokio::test]
     async fn readers_and_tickets_of_a_version_outlive_its_merge() {
-        let backend = GatedBackend::new(HostBackend::new(), false);
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         commit(&store, PutMode::Create, vec![batch(0..1000)]).await;
@@ -380,7 +380,7 @@ mod tests {
     #[tokio::test]
     async fn a_merge_is_discarded_when_the_dataset_is_dropped_or_replaced() {
         for replace in [false, true] {
-            let backend = GatedBackend::new(HostBackend::new(), false);
+            let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
             let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
             let store = Store::new(Arc::new(backend), StoreOptions::default());
             commit(&store, PutMode::Create, vec![batch(0..1000)]).await;
@@ -415,7 +415,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_append_committed_while_merging_keeps_the_merge() {
-        let backend = GatedBackend::new(HostBackend::new(), false);
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         commit(&store, PutMode::Create, vec![batch(0..1000)]).await;

@@ -539,7 +539,7 @@ mod tests {
 
     use super::*;
     use crate::backend::HostBackend;
-    use crate::store::testing::{GatedBackend, batch, put};
+    use crate::store::testing::{Gate, GatedBackend, batch, put};
     use crate::store::{PutMode, Store, StoreOptions};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -566,7 +566,7 @@ mod tests {
         drop(store);
 
         // Two segments, so loading onto the device ends in a compaction, which waits.
-        let backend = GatedBackend::new(HostBackend::new(), false);
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::open(Arc::new(backend), options)
             .await

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use dashmap::mapref::entry::Entry;
+use futures::FutureExt;
 use futures::future::BoxFuture;
-use futures::{FutureExt, TryFutureExt};
 
 use super::background::Background;
 use super::catalog::Catalog;
@@ -22,7 +22,7 @@ use super::progress::{InFlight, Registered};
 use super::slot::StoredPartition;
 use super::tier::Tiers;
 use crate::arrays::{batch_bytes, schema_bytes};
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 
 /// What a committed put reports back to the client.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -204,14 +204,22 @@ impl PendingPut {
             .progress
             .add(batch.num_rows() as u64, data_bytes);
         let tiers = Arc::clone(&self.puts.tiers);
-        let upload = backend
-            .upload(self.device, batch)
-            .map_err(StoreError::from)
-            .map_ok(move |data| {
-                drop(message);
-                tiers.hold(data, reservation, data_bytes)
-            })
-            .boxed();
+        let uploading = backend.upload(self.device, batch);
+        // The backend may upload on a task of its own (the cuda backend does), which goes on
+        // when a failed put drops this future. So what pays for the upload goes on a task
+        // with it, and is given back with the uploaded partition once the upload is done.
+        let task = tokio::spawn(async move {
+            let data = uploading.await;
+            drop(message);
+            (data, reservation)
+        });
+        let upload = async move {
+            let (data, reservation) = task
+                .await
+                .map_err(|e| BackendError::Device(format!("an upload task failed: {e}")))?;
+            Ok(tiers.hold(data?, reservation, data_bytes))
+        }
+        .boxed();
         Ok(Some(upload))
     }
 
@@ -420,7 +428,7 @@ mod tests {
     use crate::backend::HostBackend;
     use crate::store::compactor::Room;
     use crate::store::slot::Tier;
-    use crate::store::testing::{GatedBackend, batch, put};
+    use crate::store::testing::{Gate, GatedBackend, batch, put};
     use crate::store::{Store, StoreOptions};
 
     /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts
@@ -465,7 +473,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_append_to_a_dataset_dropped_while_compacting_does_not_bring_it_back() {
-        let backend = GatedBackend::new(HostBackend::new(), false);
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         put(&store, PutMode::Create, vec![batch(0..10)])
@@ -488,7 +496,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_append_that_requires_its_dataset_fails_when_it_is_dropped_while_compacting() {
-        let backend = GatedBackend::new(HostBackend::new(), false);
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         let mut absent = store
@@ -536,7 +544,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_move_aborts_when_the_dataset_changes_meanwhile() {
-        let backend = GatedBackend::new(HostBackend::new().with_devices(2), false);
+        let backend = GatedBackend::new(HostBackend::new().with_devices(2), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         for (mode, device, rows) in [(PutMode::Create, 0, 0..10), (PutMode::Append, 1, 10..20)] {
@@ -576,7 +584,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_move_abandoned_mid_copy_keeps_its_budget_until_the_copy_is_done() {
-        let backend = GatedBackend::new(HostBackend::new().with_devices(2), true);
+        let backend = GatedBackend::new(HostBackend::new().with_devices(2), Gate::Copies);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
         let store = Store::new(Arc::new(backend), StoreOptions::default());
         let mut pending = store
@@ -613,5 +621,43 @@ mod tests {
         }
         assert_eq!(used(&store), 0, "returned with the copy's memory");
         assert_eq!(store.get("t").expect("t").device_runs()[0].1, 0);
+    }
+
+    /// The cuda backend uploads on a task of its own, which goes on when a failed DoPut drops
+    /// the upload's future: the memory it allocates stays paid for until it is freed.
+    #[tokio::test]
+    async fn an_upload_abandoned_mid_copy_keeps_its_budget_until_the_copy_is_done() {
+        let backend = GatedBackend::new(HostBackend::new(), Gate::Uploads);
+        let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
+        let store = Store::new(Arc::new(backend), StoreOptions::default());
+        let used = |store: &Store| store.status().devices[0].used_bytes;
+        let mut pending = store
+            .begin_put("t".to_owned(), PutMode::Create, "test")
+            .expect("begin");
+        pending
+            .declare_schema(batch(0..1).schema())
+            .expect("schema");
+        let schema_only = used(&store);
+        let upload = pending
+            .upload(batch(0..100_000), None)
+            .await
+            .expect("reserve")
+            .expect("rows");
+        started.notified().await;
+        drop(upload);
+        drop(pending);
+        assert!(
+            used(&store) >= 800_000,
+            "the upload still under way is still paid for"
+        );
+        release.notify_one();
+        for _ in 0..100 {
+            if used(&store) == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(schema_only > 0, "the schema was charged");
+        assert_eq!(used(&store), 0, "returned with the upload's memory");
     }
 }

@@ -31,24 +31,34 @@ pub(super) async fn put(store: &Store, mode: PutMode, batches: Vec<RecordBatch>)
     pending
 }
 
-/// The host backend, but compaction (or, with `gate_copies`, copying) waits for
-/// `release` (after saying it started), so a test can act while a commit or a background
-/// compaction is running.
+/// Which of its operations a [`GatedBackend`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Gate {
+    Compactions,
+    Copies,
+    /// Uploads, which run on a task of their own, as the cuda backend's do: dropping the
+    /// future does not stop them.
+    Uploads,
+}
+
+/// The host backend, but one kind of operation ([`Gate`]) waits for `release` (after saying
+/// it started), so a test can act while a commit, a background compaction, a copy or an
+/// upload is running.
 #[derive(Debug)]
 pub(super) struct GatedBackend {
     host: HostBackend,
     pub(super) started: Arc<tokio::sync::Notify>,
     pub(super) release: Arc<tokio::sync::Notify>,
-    gate_copies: bool,
+    gate: Gate,
 }
 
 impl GatedBackend {
-    pub(super) fn new(host: HostBackend, gate_copies: bool) -> Self {
+    pub(super) fn new(host: HostBackend, gate: Gate) -> Self {
         Self {
             host,
             started: Arc::new(tokio::sync::Notify::new()),
             release: Arc::new(tokio::sync::Notify::new()),
-            gate_copies,
+            gate,
         }
     }
 
@@ -78,7 +88,15 @@ impl Backend for GatedBackend {
         device: u32,
         batch: RecordBatch,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
-        self.host.upload(device, batch)
+        let upload = self.host.upload(device, batch);
+        if self.gate != Gate::Uploads {
+            return upload;
+        }
+        let task = tokio::spawn(self.gate(upload));
+        task.map(|joined| {
+            joined.unwrap_or_else(|e| Err(BackendError::Device(format!("upload task: {e}"))))
+        })
+        .boxed()
     }
     fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
         self.host.compacted_size(partitions)
@@ -97,7 +115,7 @@ impl Backend for GatedBackend {
         device: u32,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         let copy = self.host.copy_to(partition, columns, device);
-        if self.gate_copies {
+        if self.gate == Gate::Copies {
             self.gate(copy)
         } else {
             copy
@@ -108,10 +126,10 @@ impl Backend for GatedBackend {
         partitions: Vec<Arc<dyn Partition>>,
     ) -> BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
         let compacted = self.host.compact(partitions);
-        if self.gate_copies {
-            compacted
-        } else {
+        if self.gate == Gate::Compactions {
             self.gate(compacted)
+        } else {
+            compacted
         }
     }
 }
