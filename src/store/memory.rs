@@ -188,6 +188,18 @@ impl Reservation {
         std::mem::forget(more);
         Ok(())
     }
+
+    /// Makes `other` part of this reservation, where both are of one budget and device;
+    /// gives it back otherwise.
+    pub fn absorb(&mut self, other: Reservation) -> Result<(), Reservation> {
+        if !Arc::ptr_eq(&self.budget, &other.budget) || self.device != other.device {
+            return Err(other);
+        }
+        self.bytes = self.bytes.saturating_add(other.bytes);
+        // Its bytes are now this one's to give back.
+        std::mem::forget(other);
+        Ok(())
+    }
 }
 
 impl Reservation {
@@ -233,6 +245,21 @@ mod tests {
         drop(a);
         assert_eq!(budget.used(0), 0);
         let _b = budget.try_reserve(0, 100).expect("fits after release");
+    }
+
+    #[test]
+    fn an_absorbed_reservation_is_given_back_once_with_its_new_owner() {
+        let budget = MemoryBudget::new(vec![Some(100), Some(100)]);
+        let mut a = budget.try_reserve(0, 30).expect("fits");
+        a.absorb(budget.try_reserve(0, 20).expect("fits"))
+            .expect("same device");
+        assert_eq!((a.bytes(), budget.used(0)), (50, 50));
+        let elsewhere = a
+            .absorb(budget.try_reserve(1, 10).expect("fits"))
+            .expect_err("another device's");
+        assert_eq!((a.bytes(), budget.used(1)), (50, 10));
+        drop((a, elsewhere));
+        assert_eq!((budget.used(0), budget.used(1)), (0, 0));
     }
 
     #[test]

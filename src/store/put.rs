@@ -20,7 +20,7 @@ use super::memory::{ARRAY_OVERHEAD, Reservation, charge, stored_charge};
 use super::options::PutMode;
 use super::progress::{InFlight, Registered};
 use super::slot::StoredPartition;
-use super::tier::Tiers;
+use super::tier::{MessageYields, Tiers};
 use crate::arrays::{batch_bytes, schema_bytes};
 use crate::backend::{Backend, BackendError};
 
@@ -272,7 +272,21 @@ impl PendingPut {
             return Ok(reservation);
         }
         if let Some(charged) = message.take() {
-            *message = self.puts.tiers.message_yields(charged);
+            match self.puts.tiers.message_yields(charged, self.device) {
+                MessageYields::Within(charged) => {
+                    // Only the rest is reserved, so that the message's bytes stay paid for
+                    // while room is made.
+                    let rest = bytes.saturating_sub(charged.bytes());
+                    let mut reservation = self.puts.tiers.reserve_on(self.device, rest).await?;
+                    if let Err(other) = reservation.absorb(charged) {
+                        *message = Some(other);
+                    }
+                    reservation.resize(bytes)?;
+                    return Ok(reservation);
+                }
+                MessageYields::Beside(charged) => *message = Some(charged),
+                MessageYields::Gone => {}
+            }
             if let Some(reservation) = self.reserve_without_spilling(bytes)? {
                 return Ok(reservation);
             }
@@ -659,5 +673,63 @@ mod tests {
         }
         assert!(schema_only > 0, "the schema was charged");
         assert_eq!(used(&store), 0, "returned with the upload's memory");
+    }
+
+    /// On the host backend a batch is the memory of the message it was decoded from. While
+    /// its put waits to make room, that memory stays paid for: the message's charge becomes
+    /// part of the batch's, rather than being given back before the wait.
+    #[tokio::test]
+    async fn a_message_stays_paid_for_while_its_batch_waits_for_room() {
+        let store = Store::new(
+            Arc::new(HostBackend::new()),
+            StoreOptions {
+                memory_limit: Some(1 << 20),
+                host_memory_limit: Some(64 << 20),
+                ..StoreOptions::default()
+            },
+        );
+        let used = |store: &Store| store.tiers.budget().used(0);
+        put(&store, PutMode::Create, vec![batch(0..100_000)])
+            .await
+            .commit()
+            .await
+            .expect("a dataset filling most of the device");
+        let mut pending = store
+            .begin_put("u".to_owned(), PutMode::Create, "test")
+            .expect("begin");
+        pending
+            .declare_schema(batch(0..1).schema())
+            .expect("schema");
+        let message = store
+            .reserve_message(100_000)
+            .expect("room for the message");
+        assert_eq!(message.device(), 0);
+        let before = used(&store);
+        let turn = store.tiers.room_turn(0).await;
+        let uploading = tokio::spawn(async move {
+            let upload = pending
+                .upload(batch(0..40_000), Some(message))
+                .await?
+                .expect("rows");
+            let uploaded = upload.await?;
+            pending.add(uploaded);
+            pending.commit().await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(
+            !uploading.is_finished(),
+            "waiting for the turn to make room"
+        );
+        assert!(
+            used(&store) >= before,
+            "the message is still paid for: {} of {before}",
+            used(&store)
+        );
+        drop(turn);
+        uploading
+            .await
+            .expect("task")
+            .expect("room made by a spill");
+        assert!(used(&store) < 1 << 20);
     }
 }

@@ -39,6 +39,17 @@ const SPILL_PIECE_BYTES: u64 = 64 << 20;
 const SPILL_READS_AHEAD: usize = 2;
 const SPILL_COPIES: usize = 3;
 
+/// A received message's charge, once its batch found no room ([`Tiers::message_yields`]).
+#[derive(Debug)]
+pub(crate) enum MessageYields {
+    /// Still paid for beside the batch's charge, until the batch is uploaded.
+    Beside(Reservation),
+    /// The batch's own memory: to count as part of the batch's charge.
+    Within(Reservation),
+    /// Given back: the batch's charge on another device pays for the memory.
+    Gone,
+}
+
 /// The memory tiers: the devices' budget, the host tier's, what the disk tier holds, and
 /// every partition that may move between them.
 #[derive(Debug)]
@@ -208,7 +219,7 @@ impl Tiers {
 
     /// Waits for `device`'s turn at making room (none for a device the budget does not know,
     /// which has no room to make).
-    async fn room_turn(&self, device: u32) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+    pub(super) async fn room_turn(&self, device: u32) -> Option<tokio::sync::MutexGuard<'_, ()>> {
         let turn = self.room_turns.get(usize::try_from(device).ok()?)?;
         Some(turn.lock().await)
     }
@@ -299,22 +310,26 @@ impl Tiers {
         }
     }
 
-    /// A received message's charge when its batch finds no room on a device: where the
-    /// message is paid for by a device, that charge gives way to the batch's. A backend that
-    /// keeps the decoded arrays keeps the message's memory as the batch, which the batch's
-    /// charge then pays for: the two would count it twice. Any other's message is host
+    /// What becomes of a received message's charge when its batch finds no room on
+    /// `device`. A backend that keeps the decoded arrays keeps the message's memory as the
+    /// batch: a charge on `device` becomes part of the batch's (the two would otherwise count
+    /// it twice), and one on another device gives way to it. Any other's message is host
     /// memory that a device's budget stood in for: it moves to the host tier where that has
-    /// room, and otherwise stays where it is (counted, if beside the batch).
-    pub(crate) fn message_yields(&self, message: Reservation) -> Option<Reservation> {
+    /// room, and otherwise stays where it is, beside the batch. A charge to the host tier
+    /// stays as it is.
+    pub(crate) fn message_yields(&self, message: Reservation, device: u32) -> MessageYields {
         if !message.is_of(&self.budget) {
-            return Some(message);
+            return MessageYields::Beside(message);
         }
         if self.backend.keeps_decoded_arrays() {
-            return None;
+            if message.device() == device {
+                return MessageYields::Within(message);
+            }
+            return MessageYields::Gone;
         }
         match self.try_reserve_host(message.bytes()) {
-            Ok(host) => Some(host),
-            Err(_) => Some(message),
+            Ok(host) => MessageYields::Beside(host),
+            Err(_) => MessageYields::Beside(message),
         }
     }
 
