@@ -365,12 +365,11 @@ impl Tiers {
                 if budget.free(device) >= bytes {
                     return true;
                 }
+                // One that cannot go (too large for the host tier's room, say) leaves the
+                // rest to try.
                 match self.spill(&slot).await {
                     Ok(spilled) => spilled_any |= spilled,
-                    Err(error) => {
-                        tracing::info!(device, %error, "cannot spill to the host tier");
-                        return budget.free(device) >= bytes;
-                    }
+                    Err(error) => tracing::info!(device, %error, "cannot spill to the host tier"),
                 }
             }
             if !spilled_any {
@@ -382,7 +381,9 @@ impl Tiers {
     /// Whether moving what can move off `device` would free `bytes` there, the host tier
     /// taking what it must: a request that cannot fit however much moves must not displace
     /// anything (other threads change the tiers meanwhile, so this is an estimate; it errs
-    /// only where they free or take memory while it runs).
+    /// only where they free or take memory while it runs). Counts candidates in the order a
+    /// request spills them, leaving out those the host tier's room left cannot take, as the
+    /// request does.
     fn room_is_possible(&self, device: u32, bytes: u64, to_disk_only: bool) -> bool {
         let budget = &self.budget;
         if budget.limit(device).is_some_and(|limit| bytes > limit) {
@@ -391,30 +392,34 @@ impl Tiers {
         let tiers = self;
         let mut free = budget.free(device);
         let mut to_host = 0u64;
+        let mut host_room = None;
         for slot in tiers.spill_candidates(Tier::Device(device), to_disk_only) {
             if free >= bytes {
                 break;
             }
             let moved = slot.look(|resident| resident.reservation.bytes());
-            free = free.saturating_add(moved);
             if slot.on_disk().is_none() {
+                let room = *host_room.get_or_insert_with(|| {
+                    let evictable =
+                        tiers
+                            .spill_candidates(Tier::Host, true)
+                            .iter()
+                            .fold(0u64, |sum, slot| {
+                                sum.saturating_add(
+                                    slot.look(|resident| resident.reservation.bytes()),
+                                )
+                            });
+                    let host_free = tiers.host_limit().saturating_sub(tiers.host_used());
+                    host_free.saturating_add(evictable)
+                });
+                if to_host.saturating_add(moved) > room {
+                    continue;
+                }
                 to_host = to_host.saturating_add(moved);
             }
+            free = free.saturating_add(moved);
         }
-        if free < bytes {
-            return false;
-        }
-        if to_host == 0 {
-            return true;
-        }
-        let evictable = tiers
-            .spill_candidates(Tier::Host, true)
-            .iter()
-            .fold(0u64, |sum, slot| {
-                sum.saturating_add(slot.look(|resident| resident.reservation.bytes()))
-            });
-        let host_free = tiers.host_limit().saturating_sub(tiers.host_used());
-        to_host <= host_free.saturating_add(evictable)
+        free >= bytes
     }
 
     /// Moves `slot`'s partition from its device to the host tier, or back to the disk tier
@@ -725,5 +730,39 @@ mod tests {
         first.expect("the first request's room");
         second.expect("the second request's room, from the same spill");
         assert_eq!(stored.tier(), Tier::Host);
+    }
+
+    /// The least recently used partition is too large for the host tier, a newer one is not:
+    /// a request for room spills the newer one rather than giving up at the first.
+    #[tokio::test]
+    async fn a_partition_too_large_for_the_host_tier_does_not_stop_smaller_ones_going() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            700,
+            Arc::default(),
+        );
+        let mut held = Vec::new();
+        for (rows, charge) in [(100, 800), (25, 200)] {
+            let data = backend
+                .upload(0, crate::store::testing::batch(0..rows))
+                .await
+                .expect("upload");
+            let reservation = budget.try_reserve(0, charge).expect("fits");
+            held.push(tiers.hold(data, reservation, charge));
+        }
+        let room = tiers.reserve_on(0, 200).await;
+        assert_eq!(
+            (held[0].tier(), held[1].tier()),
+            (Tier::Device(0), Tier::Host)
+        );
+        room.expect("room from the smaller partition");
+        assert!(
+            tiers.reserve_on(0, 900).await.is_err(),
+            "the larger cannot go"
+        );
+        assert_eq!(held[0].tier(), Tier::Device(0));
     }
 }
