@@ -100,7 +100,7 @@ pub struct ExportedPartition {
 pub(crate) struct Exporter {
     backend: Arc<dyn Backend>,
     tiers: Arc<Tiers>,
-    loader: Arc<Loader>,
+    pub(super) loader: Arc<Loader>,
     catalog: Arc<Catalog>,
     background: Arc<Background>,
     mover: Arc<Mover>,

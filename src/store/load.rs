@@ -253,6 +253,10 @@ const JOINED_PIECE_BYTES: u64 = 8 << 20;
 /// Loads that run at once (see [`Loader::load`]).
 const LOADS_AT_ONCE: usize = 2;
 
+/// Moves a restore makes at most, each from where other moves left the partition (see
+/// [`Loader::restore`]).
+const RESTORE_PASSES: usize = 4;
+
 /// What to read `slot`'s rows from: where they are only on disk, they are loaded first (see
 /// [`Loader::load`]).
 pub(crate) async fn readable(slot: &Arc<Slot>) -> Result<Arc<Resident>, StoreError> {
@@ -451,24 +455,34 @@ impl Loader {
 
     /// `partition` on a device: restored from the host tier, or loaded from disk, onto the
     /// device it was stored on where it is not on one. The returned resident holds the device
-    /// memory for the caller.
+    /// memory for the caller. Another move may take the partition elsewhere while this one
+    /// waits its turn (a DoGet's load into the host tier, an eviction back to disk): each
+    /// pass starts from where the partition is then, for up to [`RESTORE_PASSES`]; a
+    /// partition other moves keep taking away is returned where the last left it.
     pub(crate) async fn restore(
         self: &Arc<Self>,
         partition: &StoredPartition,
     ) -> Result<Arc<Resident>, StoreError> {
         let slot = &partition.slot;
-        let resident = slot.resident();
-        match resident.tier {
-            Tier::Device(_) => return Ok(resident),
-            Tier::Disk => return self.load(slot, true).await,
-            Tier::Host => {}
+        let mut resident = slot.resident();
+        for _ in 0..RESTORE_PASSES {
+            resident = match resident.tier {
+                Tier::Device(_) => return Ok(resident),
+                Tier::Disk => self.load(slot, true).await?,
+                Tier::Host => {
+                    // On a task of its own, like a load (see `Loader::load`): a caller that
+                    // goes away mid-restore frees nothing still in use.
+                    let (loader, slot, data_bytes) =
+                        (Arc::clone(self), Arc::clone(slot), partition.data_bytes);
+                    tokio::spawn(async move { loader.restore_now(&slot, data_bytes).await })
+                        .await
+                        .map_err(|e| {
+                            BackendError::Device(format!("a restore task failed: {e}"))
+                        })??
+                }
+            };
         }
-        // On a task of its own, like a load (see `Loader::load`): a caller that goes away
-        // mid-restore frees nothing still in use.
-        let (loader, slot, data_bytes) = (Arc::clone(self), Arc::clone(slot), partition.data_bytes);
-        tokio::spawn(async move { loader.restore_now(&slot, data_bytes).await })
-            .await
-            .map_err(|e| BackendError::Device(format!("a restore task failed: {e}")))?
+        Ok(resident)
     }
 
     async fn restore_now(&self, slot: &Slot, data_bytes: u64) -> Result<Arc<Resident>, StoreError> {
@@ -599,6 +613,66 @@ mod tests {
             arrow::compute::concat_batches(&rows[0].schema(), &rows).expect("concat"),
             batch(0..1100)
         );
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A restore for an export finds the partition on disk, and waits while a DoGet's load
+    /// brings it into the host tier: the restore must go on to the device, not hand back
+    /// host memory (which fails the export with "not exportable").
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restore_goes_on_to_the_device_from_wherever_another_move_left_it() {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-restore-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = StoreOptions {
+            data_dir: Some(dir.clone()),
+            host_memory_limit: Some(64 << 20),
+            ..StoreOptions::default()
+        };
+        let store = Store::open(Arc::new(HostBackend::new()), options.clone())
+            .await
+            .expect("open");
+        put(&store, PutMode::Create, vec![batch(0..1000)])
+            .await
+            .commit()
+            .await
+            .expect("commit");
+        store.close().await;
+        drop(store);
+        let store = Store::open(Arc::new(HostBackend::new()), options)
+            .await
+            .expect("reopen");
+        let dataset = store.get("t").expect("t");
+        let partition = dataset.partitions()[0].clone();
+        let slot = Arc::clone(&partition.slot);
+        assert_eq!(slot.resident().tier, Tier::Disk);
+        let loader = Arc::clone(&store.exporter.loader);
+
+        let moving = slot.moving().lock().await;
+        let restoring = tokio::spawn({
+            let loader = Arc::clone(&loader);
+            async move { loader.restore(&partition).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // What a DoGet's load does meanwhile: into the host tier.
+        let resident = slot.resident();
+        let disk = DiskPartition::of(&resident).expect("on disk");
+        let host = loader
+            .tiers
+            .try_reserve_host(disk.file_bytes)
+            .expect("host room");
+        let loaded = loader
+            .load_to_host(disk, host, slot.home())
+            .await
+            .expect("load");
+        assert_eq!(loaded.tier, Tier::Host);
+        slot.replace(loaded);
+        drop((resident, moving));
+
+        let restored = restoring.await.expect("task").expect("restore");
+        assert_eq!(restored.tier, Tier::Device(0));
+        assert_eq!(slot.resident().tier, Tier::Device(0));
+        drop(restored);
         store.close().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
