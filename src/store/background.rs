@@ -26,6 +26,7 @@ use dashmap::mapref::entry::Entry;
 use super::catalog::Catalog;
 use super::compactor::{Compactor, Room};
 use super::dataset::Dataset;
+use super::durable::Job;
 use super::slot::{StoredPartition, Tier};
 use super::stats::Stats;
 
@@ -220,7 +221,10 @@ impl Background {
             kept,
             Arc::clone(current.schema_charge()),
         );
-        entry.insert(Arc::new(dataset));
+        let dataset = Arc::new(dataset);
+        entry.insert(Arc::clone(&dataset));
+        // Queued while the entry is held, so that it follows the write of this version.
+        let _ = self.catalog.persist(|_| Job::Compacted { dataset });
         Some(version.number)
     }
 }
@@ -521,5 +525,47 @@ mod tests {
             read(&dataset).await,
             (0..appends * rows).collect::<Vec<_>>()
         );
+    }
+
+    /// With `--data-dir` and no host tier (the host backend's default), memory is made by
+    /// letting partitions the data directory holds go back to it. A partition a background
+    /// compaction made holds rows the directory holds too: it must be able to go as well.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_partition_compacted_in_the_background_can_go_back_to_the_data_directory() {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = StoreOptions {
+            data_dir: Some(dir.clone()),
+            memory_limit: Some(8 << 20),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        };
+        let store = Store::open(Arc::new(HostBackend::new()), options)
+            .await
+            .expect("open");
+        // Small enough for the host backend to compact, and for their files to be merged.
+        commit(&store, PutMode::Create, vec![batch(0..100_000)]).await;
+        commit(&store, PutMode::Append, vec![batch(100_000..200_000)]).await;
+        store.compactions_settled().await;
+        let dataset = store.get("t").expect("t");
+        assert_eq!(dataset.num_partitions(), 1, "compacted");
+        let slot = Arc::clone(&dataset.partitions()[0].slot);
+        drop(dataset);
+        for _ in 0..500 {
+            if slot.on_disk().is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(slot.on_disk().is_some(), "not marked as held on disk");
+        let budget = store.tiers.budget();
+        let wanted = budget.free(0) + slot.look(|resident| resident.reservation.bytes());
+        assert!(store.tiers.make_room(0, wanted).await, "room made");
+        assert_eq!(slot.resident().tier, Tier::Disk);
+        let dataset = store.get("t").expect("t");
+        assert_eq!(read(&dataset).await, (0..200_000).collect::<Vec<_>>());
+        drop(dataset);
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

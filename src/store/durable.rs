@@ -14,6 +14,10 @@
 //! still holds the run it read. A merge changes neither rows nor version. The run's files go
 //! once no version being read pins them.
 //!
+//! A partition whose rows whole files hold is marked as held on disk, so that it can leave
+//! memory for the disk, as one loaded from it does: after the write, and again after a merge
+//! or a background compaction changes where files or partitions end.
+//!
 //! Under `--durability sync` a commit waits for its job and fails (undoing itself in the
 //! catalog) if the disk does; under `async` it is acknowledged at once, and a failed write is
 //! logged and counted while the dataset stays served from memory. Either way a crash leaves
@@ -64,6 +68,9 @@ pub(crate) enum Job {
     Rename { name: String, from: u64, to: u64 },
     /// `name` was dropped.
     Remove { name: String, done: Done },
+    /// A background compaction changed how `dataset` holds its rows, keeping its version:
+    /// partitions whose rows the data directory holds whole are marked as held there.
+    Compacted { dataset: Arc<Dataset> },
 }
 
 /// The handle commits queue their jobs on.
@@ -99,6 +106,7 @@ impl Durable {
             stats: Arc::clone(&stats),
             to_merge: BTreeSet::new(),
             merging: None,
+            live: HashMap::new(),
         };
         let writer = tokio::spawn(writer.run(receiver));
         Self {
@@ -176,6 +184,9 @@ struct Writer {
     /// The store's loader, for the partitions it holds on disk; a writer outliving it marks
     /// none.
     loader: Weak<Loader>,
+    /// The newest dataset seen for each name written, for marking its partitions held on
+    /// disk once the files are merged to end where they end.
+    live: HashMap<String, Weak<Dataset>>,
 }
 
 /// A run of a dataset's segments to write as one, pinned while it is read.
@@ -241,6 +252,10 @@ impl Writer {
                 (Ok(()), None)
             }
             Job::Remove { name, done } => (self.remove(&name).await, done),
+            Job::Compacted { dataset } => {
+                self.mark_held(&dataset);
+                (Ok(()), None)
+            }
         };
         self.stats
             .pending_writes
@@ -318,6 +333,7 @@ impl Writer {
                 match self.blocking(move |dir| dir.commit(change)).await {
                     Ok(()) => {
                         self.held_on_disk(dataset, rows, &written);
+                        self.live.insert(name.clone(), Arc::downgrade(dataset));
                         self.persisted.insert(name.clone(), dataset.version());
                         self.to_merge.insert(name);
                         return Ok(());
@@ -396,33 +412,55 @@ impl Writer {
         for partition in dataset.partitions() {
             let end = first.saturating_add(partition.num_rows() as u64);
             if first >= rows.start && end <= rows.end && end > first {
-                let mut pins = Vec::new();
+                let mut whole = Vec::new();
                 let mut covered = first;
                 while covered < end {
                     let Some(segment) = segments.next() else {
                         return;
                     };
                     covered = covered.saturating_add(segment.rows);
-                    pins.push(self.files.pin(segment));
+                    whole.push(segment);
                 }
                 if covered != end {
                     return; // not cut where the partitions end: nothing is guessed
                 }
                 // Small files are the merger's to join, and a pin would keep them: such a
                 // partition frees little memory anyway, and spills like any other.
-                if pins.iter().any(|pin| pin.segment().bytes < MERGE_BELOW) {
-                    continue;
-                }
-                if let Ok(disk) = DiskPartition::new(dataset.schema(), pins, &loader) {
-                    partition.slot.held_on_disk(Arc::new(disk));
+                let small = whole.iter().any(|segment| segment.bytes < MERGE_BELOW);
+                if !small && partition.slot.on_disk().is_none() {
+                    let pins = whole.into_iter().map(|s| self.files.pin(s)).collect();
+                    if let Ok(disk) = DiskPartition::new(dataset.schema(), pins, &loader) {
+                        partition.slot.held_on_disk(Arc::new(disk));
+                    }
                 }
             }
             first = end;
         }
     }
 
+    /// Marks each partition of `dataset` whose rows the directory's files for its name hold
+    /// whole as held there (see [`Writer::held_on_disk`]), where its version is the one the
+    /// directory holds.
+    fn mark_held(&mut self, dataset: &Arc<Dataset>) {
+        let name = dataset.name();
+        if self.persisted.get(name) != Some(&dataset.version()) {
+            return;
+        }
+        let Some(entry) = self
+            .dir
+            .as_ref()
+            .and_then(|dir| dir.catalog().datasets.get(name))
+        else {
+            return;
+        };
+        let segments = entry.segments.clone();
+        self.held_on_disk(dataset, 0..dataset.num_rows(), &segments);
+        self.live.insert(name.to_owned(), Arc::downgrade(dataset));
+    }
+
     async fn remove(&mut self, name: &str) -> Result<(), StoreError> {
         self.persisted.remove(name);
+        self.live.remove(name);
         if !self.holds(name) {
             return Ok(());
         }
@@ -500,6 +538,9 @@ impl Writer {
                         bytes,
                         "segment files merged"
                     );
+                    if let Some(dataset) = self.live.get(&name).and_then(Weak::upgrade) {
+                        self.mark_held(&dataset);
+                    }
                     self.to_merge.insert(name);
                     return;
                 }
