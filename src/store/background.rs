@@ -560,7 +560,7 @@ mod tests {
         assert!(slot.on_disk().is_some(), "not marked as held on disk");
         let budget = store.tiers.budget();
         let wanted = budget.free(0) + slot.look(|resident| resident.reservation.bytes());
-        assert!(store.tiers.make_room(0, wanted).await, "room made");
+        assert!(store.tiers.reserve_on(0, wanted).await.is_ok(), "room made");
         assert_eq!(slot.resident().tier, Tier::Disk);
         let dataset = store.get("t").expect("t");
         assert_eq!(read(&dataset).await, (0..200_000).collect::<Vec<_>>());

@@ -13,7 +13,7 @@ use futures::{StreamExt, TryStreamExt};
 
 use super::error::StoreError;
 use super::memory::{charge, stored_charge};
-use super::slot::{StoredPartition, Tier};
+use super::slot::{Resident, StoredPartition, Tier};
 use super::stats::Stats;
 use super::tier::Tiers;
 use crate::backend::{Backend, BackendError};
@@ -180,8 +180,10 @@ impl Compactor {
     }
 
     /// `pieces` (consecutive rows of one schema) uploaded onto `device` and compacted
-    /// there into one partition. Room for `peak` bytes is made first; each piece is
-    /// paid for before it is uploaded.
+    /// there into one partition. Room for `peak` bytes is reserved first, where moving others
+    /// can give it, else for `data_bytes` where that can; each piece is paid for out of that
+    /// room (and beyond it, where it holds too little) before it is uploaded, and is held
+    /// until compacted, so that no request for room spills it meanwhile.
     pub(crate) async fn upload_pieces(
         &self,
         pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
@@ -189,33 +191,38 @@ impl Compactor {
         device: u32,
         data_bytes: u64,
     ) -> Result<StoredPartition, StoreError> {
-        // The peak where moving others can give it; else at least room for the rows.
         let tiers = &self.tiers;
         let started = std::time::Instant::now();
-        if !tiers.make_room(device, peak).await {
-            tiers.make_room(device, data_bytes).await;
-        }
-        let room = started.elapsed();
+        // Reserved, not only made: another request could take room only made.
+        let mut room = match tiers.reserve_on(device, peak).await {
+            Ok(room) => room,
+            Err(_) => match tiers.reserve_on(device, data_bytes.min(peak)).await {
+                Ok(room) => room,
+                Err(_) => tiers.budget().try_reserve(device, 0)?,
+            },
+        };
+        let room_made = started.elapsed();
         let (backend, tiers) = (Arc::clone(&self.backend), Arc::clone(tiers));
-        let uploaded: Vec<StoredPartition> = pieces
+        let uploaded: Vec<(StoredPartition, Arc<Resident>)> = pieces
             // Each paid for in order, before its upload starts.
             .map(move |piece| {
                 let piece = piece?;
                 let charge = stored_charge(backend.as_ref(), &piece)?;
-                let reservation = tiers
-                    .budget()
-                    .try_reserve(device, charge)
-                    .map_err(|error| tiers.tiers_full(error))?;
+                let reservation = room.take(charge).map_err(|error| tiers.tiers_full(error))?;
                 let piece_bytes = crate::arrays::batch_bytes(&piece);
                 let upload = backend.upload(device, piece);
                 let tiers = Arc::clone(&tiers);
                 Ok(async move {
-                    Ok::<_, StoreError>(tiers.hold(upload.await?, reservation, piece_bytes))
+                    let stored = tiers.hold(upload.await?, reservation, piece_bytes);
+                    let held = stored.slot.resident();
+                    Ok::<_, StoreError>((stored, held))
                 })
             })
             .try_buffered(UPLOADS_AHEAD)
             .try_collect()
             .await?;
+        // What is left of the room goes back here, for the compaction to reserve.
+        let (uploaded, held): (Vec<_>, Vec<_>) = uploaded.into_iter().unzip();
         let total: u64 = uploaded.iter().map(StoredPartition::memory_bytes).sum();
         let pieces = uploaded.len();
         let uploaded_at = started.elapsed();
@@ -226,10 +233,11 @@ impl Compactor {
         }
         // Compacted whether or not the backend compacts puts: a slot holds one partition.
         let mut compacted = self.compact_always(uploaded, device, Room::Spill).await?;
+        drop(held);
         tracing::debug!(
             pieces,
-            room_ms = room.as_secs_f64() * 1e3,
-            upload_ms = (uploaded_at - room).as_secs_f64() * 1e3,
+            room_ms = room_made.as_secs_f64() * 1e3,
+            upload_ms = (uploaded_at - room_made).as_secs_f64() * 1e3,
             compact_ms = (started.elapsed() - uploaded_at).as_secs_f64() * 1e3,
             "pieces uploaded as one partition"
         );
@@ -246,5 +254,61 @@ impl Compactor {
                 host_backend: false,
             })),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::backend::HostBackend;
+    use crate::store::memory::MemoryBudget;
+    use crate::store::testing::batch;
+
+    /// A restore makes room for its pieces by spilling others. Another request that takes
+    /// memory while the pieces upload must not take that room: the pieces would find none.
+    #[tokio::test]
+    async fn the_room_made_for_pieces_is_theirs_while_they_upload() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(64 << 10)]);
+        let stats = Arc::new(Stats::default());
+        let tiers = Arc::new(Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            1 << 30,
+            Arc::clone(&stats),
+        ));
+        let compactor = Compactor::new(Arc::clone(&backend), Arc::clone(&tiers), stats);
+        let filler = backend.upload(0, batch(0..10)).await.expect("upload");
+        let charge = budget.try_reserve(0, budget.free(0)).expect("the rest");
+        let filler = tiers.hold(filler, charge, 80);
+
+        // The other request takes all that is free as the second piece comes.
+        let taken = Arc::new(Mutex::new(None));
+        let pieces = futures::stream::iter([batch(0..1000), batch(1000..2000)])
+            .enumerate()
+            .map({
+                let (budget, taken) = (Arc::clone(&budget), Arc::clone(&taken));
+                move |(index, piece)| {
+                    if index == 1 {
+                        let free = budget.free(0);
+                        *taken.lock().expect("lock") = budget.try_reserve(0, free).ok();
+                    }
+                    Ok(piece)
+                }
+            })
+            .boxed();
+        let charge = stored_charge(backend.as_ref(), &batch(0..1000)).expect("charge");
+        let restored = compactor
+            .upload_pieces(pieces, 4 * charge, 0, 16_000)
+            .await
+            .expect("the pieces had the room made for them");
+        assert_eq!(restored.num_rows(), 2000);
+        assert_eq!(filler.tier(), Tier::Host, "spilled to make the room");
+        assert!(
+            taken.lock().expect("lock").is_some(),
+            "the other request ran"
+        );
     }
 }

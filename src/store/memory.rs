@@ -189,6 +189,24 @@ impl Reservation {
         Ok(())
     }
 
+    /// `bytes` of this reservation as one of their own, as far as it holds them, and the rest
+    /// of `bytes` reserved anew (failing, with this one unchanged, where that does not fit).
+    pub fn take(&mut self, bytes: u64) -> Result<Reservation, StoreError> {
+        let moved = bytes.min(self.bytes);
+        let mut taken = Reservation {
+            budget: Arc::clone(&self.budget),
+            device: self.device,
+            bytes: moved,
+        };
+        self.bytes -= moved;
+        if let Err(error) = taken.try_grow(bytes - moved) {
+            self.bytes += moved;
+            taken.bytes = 0;
+            return Err(error);
+        }
+        Ok(taken)
+    }
+
     /// Makes `other` part of this reservation, where both are of one budget and device;
     /// gives it back otherwise.
     pub fn absorb(&mut self, other: Reservation) -> Result<(), Reservation> {
@@ -260,6 +278,21 @@ mod tests {
         assert_eq!((a.bytes(), budget.used(1)), (50, 10));
         drop((a, elsewhere));
         assert_eq!((budget.used(0), budget.used(1)), (0, 0));
+    }
+
+    #[test]
+    fn a_reservation_taken_from_another_moves_its_bytes_and_reserves_the_rest() {
+        let budget = MemoryBudget::new(vec![Some(100)]);
+        let mut room = budget.try_reserve(0, 50).expect("fits");
+        let piece = room.take(30).expect("within the room");
+        assert_eq!((piece.bytes(), room.bytes(), budget.used(0)), (30, 20, 50));
+        let beyond = room.take(40).expect("20 of the room and 20 more");
+        assert_eq!((beyond.bytes(), room.bytes(), budget.used(0)), (40, 0, 70));
+        let _other = budget.try_reserve(0, 30).expect("fits");
+        assert!(room.take(1).is_err(), "nothing left anywhere");
+        assert_eq!((room.bytes(), budget.used(0)), (0, 100));
+        drop((piece, beyond));
+        assert_eq!(budget.used(0), 30);
     }
 
     #[test]

@@ -466,7 +466,7 @@ mod tests {
         .await;
         let held: u64 = pending.partitions.iter().map(|p| p.memory_bytes()).sum();
         let all = store.tiers.budget().free(0) + held;
-        assert!(store.tiers.make_room(0, all).await, "both spill");
+        assert!(store.tiers.reserve_on(0, all).await.is_ok(), "both spill");
         assert!(pending.partitions.iter().all(|p| p.tier() == Tier::Host));
         let schema = pending.schema.clone().expect("schema");
         let partitions = store

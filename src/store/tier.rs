@@ -334,17 +334,9 @@ impl Tiers {
     }
 
     /// Spills least recently used partitions off `device` until `bytes` are free there, or
-    /// nothing more can go. Returns whether `bytes` are free. Without a host tier, only
-    /// partitions the data directory holds go (back there).
-    pub(crate) async fn make_room(&self, device: u32, bytes: u64) -> bool {
-        if self.budget.free(device) >= bytes {
-            return true;
-        }
-        let _turn = self.room_turn(device).await;
-        self.make_room_in_turn(device, bytes).await
-    }
-
-    /// [`Tiers::make_room`], for a caller that holds `device`'s turn.
+    /// nothing more can go; the caller holds `device`'s turn (see [`Tiers::reserve_on`]).
+    /// Returns whether `bytes` are free. Without a host tier, only partitions the data
+    /// directory holds go (back there).
     async fn make_room_in_turn(&self, device: u32, bytes: u64) -> bool {
         let budget = &self.budget;
         // The turn's last holder may have freed enough.
