@@ -249,7 +249,7 @@ async fn spill(args: &Args) {
             .export(ExportRequest::new(&name, Duration::from_secs(60), "bench"))
             .await
             .expect("export restores");
-        store.release(&export.lease.id).expect("release");
+        store.release(&export.lease.id, None).expect("release");
     }
     let after = store.status().tiers;
     let restored = after.restored_bytes - before.restored_bytes;

@@ -109,7 +109,7 @@ async fn a_consumer_elsewhere_gets_peer_access_or_a_replica_its_lease_holds() {
         .collect();
     assert_eq!(access, [(0, Access::Peer), (1, Access::Local)]);
     assert_eq!(used(&store), before, "peer access copies nothing");
-    store.release(&export.lease.id).expect("release");
+    store.release(&export.lease.id, None).expect("release");
     drop(export);
 
     let copy = request_on("t", 1, true);
@@ -139,7 +139,7 @@ async fn a_consumer_elsewhere_gets_peer_access_or_a_replica_its_lease_holds() {
     store.remove("t").expect("drop");
     let lease = export.lease.id.clone();
     drop(export);
-    store.release(&lease).expect("release");
+    store.release(&lease, None).expect("release");
     assert_eq!(used(&store), [0, 0]);
 }
 
@@ -258,7 +258,7 @@ async fn a_renewal_keeps_the_terms_it_was_granted() {
         granted.lease.terms.replica_bytes(),
     );
     drop((granted, renewed));
-    store.release(&lease).expect("release");
+    store.release(&lease, None).expect("release");
     assert_eq!(used(&store)[1], held[1] - replica_bytes);
 }
 
@@ -466,7 +466,7 @@ async fn memory_only_leases_hold_is_what_the_catalog_no_longer_holds() {
         "the first append's partition, merged away, is held by the second lease alone"
     );
     for export in [first, second] {
-        store.release(&export.lease.id).expect("release");
+        store.release(&export.lease.id, None).expect("release");
     }
     let status = store.status();
     assert_eq!(status.leased_only_bytes, 0);
@@ -489,5 +489,5 @@ async fn a_one_partition_export_right_after_an_append_waits_for_its_merge() {
     one.one_partition = true;
     let export = store.export(one).await.expect("one partition");
     assert_eq!(export.partitions.len(), 1);
-    store.release(&export.lease.id).expect("release");
+    store.release(&export.lease.id, None).expect("release");
 }

@@ -537,7 +537,7 @@ async fn a_replica_of_some_columns_copies_only_those() {
         "one 8 MB column and its rounding, not 64 MB: {charged}"
     );
     assert_eq!(export.partitions[0].columns.len(), 1);
-    store.release(&export.lease.id).expect("release");
+    store.release(&export.lease.id, None).expect("release");
     drop(export); // the description holds the lease's terms, the replica among them
     assert_eq!(used(&store), before, "the replica goes with its lease");
 }

@@ -458,7 +458,7 @@ async fn limits_refuse_before_spending_and_leave_nothing_behind() {
     );
     assert_eq!(used(&server), with_one);
     for lease in server.store.status().leases {
-        server.store.release(&lease.id).expect("release");
+        server.store.release(&lease.id, None).expect("release");
     }
     assert_eq!(used(&server), baseline);
     // 200,000 bytes a principal: three columns of 20,000 int64 are more.
@@ -641,10 +641,13 @@ async fn a_released_file_is_revoked_from_consumers_that_keep_it() {
 }
 
 #[tokio::test]
-async fn a_lease_is_renewed_by_its_owner_only() {
+async fn a_lease_is_renewed_and_released_by_its_owner_only() {
     let scratch = TempDataDir::new("shm_renew");
-    let (authenticator, tokens) = principals(&scratch, &[("reader", "write"), ("other", "read")]);
-    let [reader, other] = [&tokens[0], &tokens[1]];
+    let (authenticator, tokens) = principals(
+        &scratch,
+        &[("reader", "write"), ("other", "read"), ("root", "admin")],
+    );
+    let [reader, other, root] = [&tokens[0], &tokens[1], &tokens[2]];
     let (server, socket) = start(
         &scratch,
         SharedLimits::default(),
@@ -700,11 +703,17 @@ async fn a_lease_is_renewed_by_its_owner_only() {
     assert_eq!(server.store.status().leases.len(), 1, "renewed: still held");
     assert!(file.len() > 0, "and not revoked");
 
-    // Another principal may not; unknown leases and bad bodies are refused.
+    // Another principal may neither renew nor release it; unknown leases and bad bodies are
+    // refused.
     assert_eq!(
         action(&mut stranger, "lease-renew", json!({"lease": lease})).await,
         Err(Code::PermissionDenied)
     );
+    assert_eq!(
+        action(&mut stranger, "ipc-release", json!({"lease": lease})).await,
+        Err(Code::PermissionDenied)
+    );
+    assert_eq!(server.store.status().leases.len(), 1, "not released");
     for (body, code) in [
         (json!({"lease": "0".repeat(32)}), Code::NotFound),
         (
@@ -734,6 +743,20 @@ async fn a_lease_is_renewed_by_its_owner_only() {
     );
     assert_eq!(file.len(), 0, "revoked");
     assert_eq!(used(&server), baseline);
+
+    // An admin may end anyone's lease, to free what it holds.
+    let reply = shm_read(&mut client, json!({"name": "t"}))
+        .await
+        .expect("shm-read");
+    let lease = reply["lease"].as_str().expect("lease").to_owned();
+    let mut admin = server.client().await;
+    admin
+        .add_header("authorization", &format!("Bearer {root}"))
+        .expect("header");
+    action(&mut admin, "ipc-release", json!({"lease": lease}))
+        .await
+        .expect("an admin's release");
+    assert_eq!(server.store.status().leases.len(), 0);
     server.shutdown_and_wait().await;
 }
 

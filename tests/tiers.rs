@@ -174,7 +174,7 @@ async fn exported_partitions_stay_and_spilled_ones_come_back_to_be_exported() {
         "the other one went to the host tier"
     );
     let restores = store.status().tiers.restores;
-    store.release(&export.lease.id).expect("release");
+    store.release(&export.lease.id, None).expect("release");
 
     let again = store
         .export(ExportRequest::new("other", Duration::from_secs(60), "test"))

@@ -579,7 +579,7 @@ impl Service {
                         // Nobody would learn the lease id: end a new lease (and its replicas)
                         // now rather than at expiry.
                         if !renewal {
-                            self.store.release(&export.lease.id).ok();
+                            self.store.release(&export.lease.id, None).ok();
                         }
                         return Err(error);
                     }
@@ -636,7 +636,9 @@ impl Service {
                 })
             }
             ActionRequest::IpcRelease { lease } => {
-                let released = self.store.release(&lease)?;
+                // Its owner's to end; an admin may end anyone's (to free what it holds).
+                let owner = (!caller.sees_everyone()).then_some(&*caller.name);
+                let released = self.store.release(&lease, owner)?;
                 tracing::info!(
                     lease = action::lease_prefix(&lease),
                     dataset = ?released.dataset.name(),

@@ -139,6 +139,11 @@ impl Exporter {
             let lease = self
                 .leases
                 .renew(id, &request.name, request.duration, |lease| {
+                    if lease.owner != request.owner {
+                        return Err(StoreError::LeaseNotYours {
+                            lease: id.to_owned(),
+                        });
+                    }
                     let terms = &lease.terms;
                     if lease.terms.staged.is_some()
                         || request
@@ -369,4 +374,53 @@ fn check_partitions(dataset: &Dataset, one_partition: bool) -> Result<(), StoreE
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::HostBackend;
+    use crate::store::lease::Lease;
+    use crate::store::testing::{batch, put};
+    use crate::store::{PutMode, Store, StoreOptions};
+
+    /// A lease id is shown to its owner (and admins): renewing it through `ipc-export`, like
+    /// `lease-renew`, is for its owner alone.
+    #[tokio::test]
+    async fn an_export_renews_only_its_owners_lease() {
+        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
+        put(&store, PutMode::Create, vec![batch(0..10)])
+            .await
+            .commit()
+            .await
+            .expect("commit");
+        let terms = LeaseTerms {
+            columns: vec!["x".to_owned()],
+            consumer: None,
+            copy: false,
+            held: Arc::new(vec![]),
+            replicas: Arc::new(vec![]),
+            staged: None,
+        };
+        let dataset = store.get("t").expect("t");
+        let lease = Lease::new(dataset, terms, Duration::from_secs(5), "owner".to_owned());
+        store.leases.insert(lease.clone());
+        let renewal = |owner: &str| {
+            let mut request = ExportRequest::new("t", Duration::from_secs(60), owner);
+            request.renew = Some(lease.id.clone());
+            store.export(request)
+        };
+        let refused = renewal("stranger").await.map(|_| ());
+        assert!(
+            matches!(refused, Err(StoreError::LeaseNotYours { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(store.status().leases[0].expires_at, lease.expires_at);
+        let owned = renewal("owner").await.map(|_| ());
+        assert!(
+            !matches!(owned, Err(StoreError::LeaseNotYours { .. })),
+            "{owned:?}"
+        );
+        assert!(store.status().leases[0].expires_at > lease.expires_at);
+    }
 }

@@ -192,6 +192,23 @@ impl Leases {
         self.lock().remove(id)
     }
 
+    /// Ends lease `id` if it passes `check`, which sees it first; a lease that fails is left
+    /// as it was.
+    pub(crate) fn release_if(
+        &self,
+        id: &str,
+        check: impl FnOnce(&Lease) -> Result<(), StoreError>,
+    ) -> Result<Lease, StoreError> {
+        let mut leases = self.lock();
+        let lease = leases.get(id).ok_or_else(|| StoreError::LeaseNotFound {
+            lease: id.to_owned(),
+        })?;
+        check(lease)?;
+        leases.remove(id).ok_or_else(|| StoreError::LeaseNotFound {
+            lease: id.to_owned(),
+        })
+    }
+
     /// Ends every lease whose time is up; returns them (dropping them may free memory).
     pub(crate) fn expire(&self, now: Instant) -> Vec<Lease> {
         let mut leases = self.lock();

@@ -438,13 +438,15 @@ impl Store {
         })
     }
 
-    /// Ends lease `id`. Memory that only the lease held is freed.
-    pub fn release(&self, id: &str) -> Result<Lease, StoreError> {
-        self.leases
-            .release(id)
-            .ok_or_else(|| StoreError::LeaseNotFound {
+    /// Ends lease `id`, which `owner` must hold where given (`None`: an admin's release, or
+    /// the server's own). Memory that only the lease held is freed.
+    pub fn release(&self, id: &str, owner: Option<&str>) -> Result<Lease, StoreError> {
+        self.leases.release_if(id, |lease| match owner {
+            Some(owner) if lease.owner != owner => Err(StoreError::LeaseNotYours {
                 lease: id.to_owned(),
-            })
+            }),
+            _ => Ok(()),
+        })
     }
 
     /// Starts the task that ends expired leases, checking every `period`. It stops by itself
