@@ -169,7 +169,9 @@ fn store_code(error: &StoreError) -> Code {
         }
         StoreError::UnknownDevice { .. } => Code::InvalidArgument,
         StoreError::ChangedDuringMove { .. } => Code::Aborted,
-        StoreError::SharedMemoryLimit { .. } => Code::ResourceExhausted,
+        StoreError::SharedMemoryLimit { .. } | StoreError::TooManyLeases { .. } => {
+            Code::ResourceExhausted
+        }
         StoreError::SharedMemory(_) => Code::Internal,
         StoreError::SharedMemoryExhausted(_) => Code::ResourceExhausted,
         StoreError::TokenRejected(_) | StoreError::LeaseNotYours { .. } => Code::PermissionDenied,

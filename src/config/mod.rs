@@ -287,6 +287,13 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_FLIGHT_SHM_MAX_BYTES", value_parser = size)]
     pub shm_max_bytes: Option<ByteSize>,
 
+    /// `ipc-export` leases one principal may hold at once; a new export past them is refused
+    /// (RESOURCE_EXHAUSTED) until some are released or expire.
+    #[arg(long, env = "GPU_FLIGHT_IPC_MAX_LEASES",
+          default_value_t = crate::store::DEFAULT_MAX_EXPORT_LEASES,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub ipc_max_leases: u32,
+
     /// Files a shared-memory read is written as at most, each by its own thread (1 to 8).
     /// Hidden: the default (half the CPUs, at most 8) is for measuring against.
     #[arg(long, hide = true, env = "GPU_FLIGHT_SHM_WRITERS",
@@ -429,6 +436,7 @@ impl ServeArgs {
                 },
                 writers: self.shm_writers.map(|n| n as usize),
             },
+            max_export_leases: self.ipc_max_leases,
         }
     }
 

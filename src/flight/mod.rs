@@ -146,6 +146,8 @@ pub struct FlightOptions {
     pub filter_on_device: bool,
     /// `shm-read`: its side channel and limits.
     pub shared_memory: SharedMemoryOptions,
+    /// `ipc-export` leases one principal may hold at once (`--ipc-max-leases`).
+    pub max_export_leases: u32,
 }
 
 /// Shared-memory reads (`shm-read`).
@@ -175,6 +177,7 @@ impl Default for FlightOptions {
             progress_interval: std::time::Duration::from_secs(5),
             filter_on_device: true,
             shared_memory: SharedMemoryOptions::default(),
+            max_export_leases: crate::store::DEFAULT_MAX_EXPORT_LEASES,
         }
     }
 }
@@ -558,6 +561,7 @@ impl Service {
                 request.consumer = consumer;
                 request.copy = copy;
                 request.one_partition = version == ipc_export::VERSION_1;
+                request.max_leases = self.options.max_export_leases;
                 let export = self.store.export(request).await?;
                 let consumer_identity = export.lease.terms.consumer.and_then(|index| {
                     let devices = self.store.backend().devices();

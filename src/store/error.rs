@@ -134,8 +134,15 @@ pub enum StoreError {
     RenewalChangesTerms { lease: String },
     #[error("lease '{lease}' does not exist: it expired, was released, or was never granted")]
     LeaseNotFound { lease: String },
-    #[error("lease '{lease}' was granted to another principal: only its owner renews it")]
+    #[error(
+        "lease '{lease}' was granted to another principal: only its owner renews or releases it"
+    )]
     LeaseNotYours { lease: String },
+    #[error(
+        "principal '{owner}' holds {max} ipc-export leases already, the most one may hold \
+         (--ipc-max-leases): release some (ipc-release) or let them expire"
+    )]
+    TooManyLeases { owner: String, max: u32 },
     #[error("lease '{lease}' is for dataset '{leased}', not '{requested}'")]
     LeaseMismatch {
         lease: String,

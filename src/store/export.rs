@@ -41,7 +41,12 @@ pub struct ExportRequest {
     /// The caller can describe only one partition (document version 1): refuse datasets of
     /// several rather than grant a lease on them.
     pub one_partition: bool,
+    /// Leases `owner` may hold at once (`--ipc-max-leases`); a new one past them is refused.
+    pub max_leases: u32,
 }
+
+/// Leases one principal may hold at once without `--ipc-max-leases`.
+pub const DEFAULT_MAX_EXPORT_LEASES: u32 = 1024;
 
 impl ExportRequest {
     /// A new lease on all columns of `name`, for a consumer that does not say where it runs.
@@ -55,6 +60,7 @@ impl ExportRequest {
             consumer: None,
             copy: false,
             one_partition: false,
+            max_leases: DEFAULT_MAX_EXPORT_LEASES,
         }
     }
 }
@@ -161,6 +167,9 @@ impl Exporter {
                 })?;
             return self.describe(lease);
         }
+        // Refused before anything is restored or copied; checked again as it is granted.
+        self.leases
+            .check_exports(&request.owner, request.max_leases)?;
         let mut dataset = self.catalog.get(&request.name)?;
         if request.one_partition && dataset.num_partitions() > 1 {
             // Appends leave their partitions to a background compaction, which may make the
@@ -236,7 +245,8 @@ impl Exporter {
         };
         let lease = Lease::new(dataset, terms, request.duration, request.owner);
         let export = self.describe(lease)?;
-        self.leases.insert(export.lease.clone());
+        self.leases
+            .insert_export(export.lease.clone(), request.max_leases)?;
         Ok(export)
     }
 
@@ -384,6 +394,72 @@ mod tests {
     use crate::store::testing::{batch, put};
     use crate::store::{PutMode, Store, StoreOptions};
 
+    fn terms() -> LeaseTerms {
+        LeaseTerms {
+            columns: vec!["x".to_owned()],
+            consumer: None,
+            copy: false,
+            held: Arc::new(vec![]),
+            replicas: Arc::new(vec![]),
+            staged: None,
+        }
+    }
+
+    /// Each lease holds memory (a dropped dataset's, a replica's) for up to a day: one
+    /// principal may hold only so many, and the next is refused before anything is done.
+    #[tokio::test]
+    async fn a_principal_holds_at_most_its_lease_limit() {
+        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
+        put(&store, PutMode::Create, vec![batch(0..10)])
+            .await
+            .commit()
+            .await
+            .expect("commit");
+        let dataset = store.get("t").expect("t");
+        for _ in 0..2 {
+            let lease = Lease::new(
+                Arc::clone(&dataset),
+                terms(),
+                Duration::from_secs(60),
+                "owner".to_owned(),
+            );
+            store
+                .leases
+                .insert_export(lease, 2)
+                .expect("within the limit");
+        }
+        let export = |owner: &str| {
+            let mut request = ExportRequest::new("t", Duration::from_secs(60), owner);
+            request.max_leases = 2;
+            store.export(request)
+        };
+        let refused = export("owner").await.map(|_| ());
+        assert!(
+            matches!(refused, Err(StoreError::TooManyLeases { max: 2, .. })),
+            "{refused:?}"
+        );
+        let lease = Lease::new(
+            dataset,
+            terms(),
+            Duration::from_secs(60),
+            "owner".to_owned(),
+        );
+        assert!(matches!(
+            store.leases.insert_export(lease, 2),
+            Err(StoreError::TooManyLeases { .. })
+        ));
+        assert_eq!(store.status().leases.len(), 2);
+        // Another principal's are its own (here refused only as host memory).
+        let other = export("other").await.map(|_| ());
+        assert!(
+            matches!(
+                other,
+                Err(StoreError::Backend(BackendError::NotExportable { .. }))
+            ),
+            "{other:?}"
+        );
+    }
+
     /// A lease id is shown to its owner (and admins): renewing it through `ipc-export`, like
     /// `lease-renew`, is for its owner alone.
     #[tokio::test]
@@ -394,16 +470,8 @@ mod tests {
             .commit()
             .await
             .expect("commit");
-        let terms = LeaseTerms {
-            columns: vec!["x".to_owned()],
-            consumer: None,
-            copy: false,
-            held: Arc::new(vec![]),
-            replicas: Arc::new(vec![]),
-            staged: None,
-        };
         let dataset = store.get("t").expect("t");
-        let lease = Lease::new(dataset, terms, Duration::from_secs(5), "owner".to_owned());
+        let lease = Lease::new(dataset, terms(), Duration::from_secs(5), "owner".to_owned());
         store.leases.insert(lease.clone());
         let renewal = |owner: &str| {
             let mut request = ExportRequest::new("t", Duration::from_secs(60), owner);

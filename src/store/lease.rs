@@ -141,6 +141,38 @@ impl Leases {
         self.lock().insert(lease.id.clone(), lease);
     }
 
+    /// Fails where `owner` holds `max` `ipc-export` leases already (those of `shm-read`
+    /// count against their own quota).
+    pub(crate) fn check_exports(&self, owner: &str, max: u32) -> Result<(), StoreError> {
+        Self::exports_within(&self.lock(), owner, max)
+    }
+
+    /// Starts `lease`, an `ipc-export`'s, where its owner holds fewer than `max` such.
+    pub(crate) fn insert_export(&self, lease: Lease, max: u32) -> Result<(), StoreError> {
+        let mut leases = self.lock();
+        Self::exports_within(&leases, &lease.owner, max)?;
+        leases.insert(lease.id.clone(), lease);
+        Ok(())
+    }
+
+    fn exports_within(
+        leases: &HashMap<String, Lease>,
+        owner: &str,
+        max: u32,
+    ) -> Result<(), StoreError> {
+        let held = leases
+            .values()
+            .filter(|lease| lease.owner == owner && lease.terms.staged.is_none())
+            .count();
+        if held >= max as usize {
+            return Err(StoreError::TooManyLeases {
+                owner: owner.to_owned(),
+                max,
+            });
+        }
+        Ok(())
+    }
+
     /// Extends lease `id`, which must be on dataset `name` and pass `check`, to end
     /// `duration` from now. A lease that fails either is left as it was.
     pub(crate) fn renew(

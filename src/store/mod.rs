@@ -67,7 +67,8 @@ pub use catalog::{Damaged, Dropped};
 pub use dataset::{Dataset, FilteredChunk, TierBytes, Version};
 pub use error::StoreError;
 pub use export::{
-    Access, Export, ExportRequest, ExportedPartition, MAX_EXPORT_PARTITIONS, column_indices,
+    Access, DEFAULT_MAX_EXPORT_LEASES, Export, ExportRequest, ExportedPartition,
+    MAX_EXPORT_PARTITIONS, column_indices,
 };
 pub use import::CheckedImport;
 pub use lease::{Lease, LeaseTerms};
