@@ -182,10 +182,9 @@ impl Reservation {
 
     /// Adds `bytes` to the reservation, or fails leaving it as it was.
     pub fn try_grow(&mut self, bytes: u64) -> Result<(), StoreError> {
-        let more = self.budget.try_reserve(self.device, bytes)?;
+        let mut more = self.budget.try_reserve(self.device, bytes)?;
         // The two now count as one: `more` must not give its bytes back when it goes.
-        self.bytes += more.bytes;
-        std::mem::forget(more);
+        self.bytes += std::mem::take(&mut more.bytes);
         Ok(())
     }
 
@@ -209,13 +208,12 @@ impl Reservation {
 
     /// Makes `other` part of this reservation, where both are of one budget and device;
     /// gives it back otherwise.
-    pub fn absorb(&mut self, other: Reservation) -> Result<(), Reservation> {
+    pub fn absorb(&mut self, mut other: Reservation) -> Result<(), Reservation> {
         if !Arc::ptr_eq(&self.budget, &other.budget) || self.device != other.device {
             return Err(other);
         }
-        self.bytes = self.bytes.saturating_add(other.bytes);
         // Its bytes are now this one's to give back.
-        std::mem::forget(other);
+        self.bytes = self.bytes.saturating_add(std::mem::take(&mut other.bytes));
         Ok(())
     }
 }
@@ -293,6 +291,23 @@ mod tests {
         assert_eq!((room.bytes(), budget.used(0)), (0, 100));
         drop((piece, beyond));
         assert_eq!(budget.used(0), 30);
+    }
+
+    #[test]
+    fn reservations_grown_absorbed_or_taken_leave_their_budget_free_to_go() {
+        let budget = MemoryBudget::new(vec![Some(100)]);
+        let mut a = budget.try_reserve(0, 10).expect("fits");
+        a.try_grow(10).expect("fits");
+        a.absorb(budget.try_reserve(0, 10).expect("fits"))
+            .expect("same device");
+        let b = a.take(40).expect("fits");
+        drop((a, b));
+        assert_eq!(budget.used(0), 0);
+        assert_eq!(
+            Arc::strong_count(&budget),
+            1,
+            "a reservation leaked its budget"
+        );
     }
 
     #[test]
