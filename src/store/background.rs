@@ -222,9 +222,11 @@ impl Background {
             Arc::clone(current.schema_charge()),
         );
         let dataset = Arc::new(dataset);
-        entry.insert(Arc::clone(&dataset));
         // Queued while the entry is held, so that it follows the write of this version.
-        let _ = self.catalog.persist(|_| Job::Compacted { dataset });
+        let _ = self.catalog.persist(|_| Job::Compacted {
+            dataset: Arc::downgrade(&dataset),
+        });
+        entry.insert(dataset);
         Some(version.number)
     }
 }

@@ -12,7 +12,7 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 
 use super::error::StoreError;
-use super::memory::{charge, stored_charge};
+use super::memory::{Reservation, charge, stored_charge};
 use super::slot::{Resident, StoredPartition, Tier};
 use super::stats::Stats;
 use super::tier::Tiers;
@@ -22,14 +22,17 @@ use crate::backend::{Backend, BackendError};
 const UPLOADS_AHEAD: usize = 3;
 
 /// Where a compaction finds the memory for its copy when the device is full.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) enum Room {
     /// Spills other partitions to the host tier: the copy is part of a request (a put, a
-    /// move, a restore) that asked for it.
+    /// move) that asked for it.
     Spill,
     /// Only memory free now: a background compaction is an optimisation, and must not evict
     /// other datasets' partitions for itself.
     Free,
+    /// Out of what the caller reserved for it (and, past that, as [`Room::Spill`]): a
+    /// restore's room, made before its pieces were uploaded.
+    Reserved(Reservation),
 }
 
 /// Compacts partitions on their devices, for every component that makes them.
@@ -133,9 +136,17 @@ impl Compactor {
             Err(error) => return Err(error.into()),
         };
         let rows = partitions.iter().map(|p| p.num_rows() as u64).sum();
+        let cost = charge(size, rows);
         let reserved = match room {
-            Room::Spill => self.tiers.reserve_on(device, charge(size, rows)).await,
-            Room::Free => self.tiers.budget().try_reserve(device, charge(size, rows)),
+            Room::Spill => self.tiers.reserve_on(device, cost).await,
+            Room::Free => self.tiers.budget().try_reserve(device, cost),
+            Room::Reserved(mut room) => match room.take(cost) {
+                Ok(taken) => Ok(taken),
+                Err(_) => {
+                    drop(room);
+                    self.tiers.reserve_on(device, cost).await
+                }
+            },
         };
         let reservation = match reserved {
             Ok(reservation) => reservation,
@@ -202,18 +213,17 @@ impl Compactor {
             },
         };
         let room_made = started.elapsed();
-        let (backend, tiers) = (Arc::clone(&self.backend), Arc::clone(tiers));
+        let tiers = Arc::clone(tiers);
+        let backend = &self.backend;
         let uploaded: Vec<(StoredPartition, Arc<Resident>)> = pieces
             // Each paid for in order, before its upload starts.
-            .map(move |piece| {
+            .map(|piece| {
                 let piece = piece?;
                 let charge = stored_charge(backend.as_ref(), &piece)?;
                 let reservation = room.take(charge).map_err(|error| tiers.tiers_full(error))?;
-                let piece_bytes = crate::arrays::batch_bytes(&piece);
-                let upload = backend.upload(device, piece);
-                let tiers = Arc::clone(&tiers);
+                let upload = tiers.upload(piece, reservation, None);
                 Ok(async move {
-                    let stored = tiers.hold(upload.await?, reservation, piece_bytes);
+                    let stored = upload.await?;
                     let held = stored.slot.resident();
                     Ok::<_, StoreError>((stored, held))
                 })
@@ -221,7 +231,6 @@ impl Compactor {
             .try_buffered(UPLOADS_AHEAD)
             .try_collect()
             .await?;
-        // What is left of the room goes back here, for the compaction to reserve.
         let (uploaded, held): (Vec<_>, Vec<_>) = uploaded.into_iter().unzip();
         let total: u64 = uploaded.iter().map(StoredPartition::memory_bytes).sum();
         let pieces = uploaded.len();
@@ -231,8 +240,11 @@ impl Compactor {
                 BackendError::Device("a partition without rows to upload".to_owned()).into(),
             );
         }
-        // Compacted whether or not the backend compacts puts: a slot holds one partition.
-        let mut compacted = self.compact_always(uploaded, device, Room::Spill).await?;
+        // Compacted whether or not the backend compacts puts (a slot holds one partition),
+        // out of what is left of the room.
+        let mut compacted = self
+            .compact_always(uploaded, device, Room::Reserved(room))
+            .await?;
         drop(held);
         tracing::debug!(
             pieces,
@@ -310,5 +322,49 @@ mod tests {
             taken.lock().expect("lock").is_some(),
             "the other request ran"
         );
+    }
+
+    /// A restore's compaction takes its memory out of the room reserved before the pieces
+    /// were uploaded: what is left of that room is never free for another request to take
+    /// between the uploads and the compaction.
+    #[tokio::test]
+    async fn a_compaction_out_of_reserved_room_needs_nothing_free() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(64 << 10)]);
+        let stats = Arc::new(Stats::default());
+        let tiers = Arc::new(Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            1 << 30,
+            Arc::clone(&stats),
+        ));
+        let compactor = Compactor::new(Arc::clone(&backend), Arc::clone(&tiers), stats);
+        let mut pieces = Vec::new();
+        for rows in [0..1000, 1000..2000] {
+            let piece = batch(rows);
+            let charge = stored_charge(backend.as_ref(), &piece).expect("charge");
+            let reservation = budget.try_reserve(0, charge).expect("fits");
+            pieces.push(
+                tiers
+                    .upload(piece, reservation, None)
+                    .await
+                    .expect("upload"),
+            );
+        }
+        let held: Vec<_> = pieces.iter().map(|p| p.slot.resident()).collect();
+        let room = budget.try_reserve(0, 20_000).expect("fits");
+        let _everything_else = budget.try_reserve(0, budget.free(0)).expect("the rest");
+        let compacted = compactor
+            .compact_always(pieces.clone(), 0, Room::Spill)
+            .await
+            .expect("kept as they are");
+        assert_eq!(compacted.len(), 2, "no room beside the room reserved");
+        let compacted = compactor
+            .compact_always(pieces, 0, Room::Reserved(room))
+            .await
+            .expect("compacted");
+        assert_eq!(compacted.len(), 1, "out of the room reserved");
+        assert_eq!(compacted[0].num_rows(), 2000);
+        drop(held);
     }
 }

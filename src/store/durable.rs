@@ -69,8 +69,9 @@ pub(crate) enum Job {
     /// `name` was dropped.
     Remove { name: String, done: Done },
     /// A background compaction changed how `dataset` holds its rows, keeping its version:
-    /// partitions whose rows the data directory holds whole are marked as held there.
-    Compacted { dataset: Arc<Dataset> },
+    /// partitions whose rows the data directory holds whole are marked as held there. Weak:
+    /// a queued job must not keep a replaced or dropped dataset's memory.
+    Compacted { dataset: Weak<Dataset> },
 }
 
 /// The handle commits queue their jobs on.
@@ -253,7 +254,9 @@ impl Writer {
             }
             Job::Remove { name, done } => (self.remove(&name).await, done),
             Job::Compacted { dataset } => {
-                self.mark_held(&dataset);
+                if let Some(dataset) = dataset.upgrade() {
+                    self.mark_held(&dataset);
+                }
                 (Ok(()), None)
             }
         };

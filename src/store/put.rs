@@ -6,7 +6,6 @@ use std::sync::Arc;
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use dashmap::mapref::entry::Entry;
-use futures::FutureExt;
 use futures::future::BoxFuture;
 
 use super::background::Background;
@@ -22,7 +21,7 @@ use super::progress::{InFlight, Registered};
 use super::slot::StoredPartition;
 use super::tier::{MessageYields, Tiers};
 use crate::arrays::{batch_bytes, schema_bytes};
-use crate::backend::{Backend, BackendError};
+use crate::backend::Backend;
 
 /// What a committed put reports back to the client.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -193,8 +192,7 @@ impl PendingPut {
         if batch.num_rows() == 0 {
             return Ok(None);
         }
-        let backend = Arc::clone(&self.puts.backend);
-        let bytes = stored_charge(backend.as_ref(), &batch)?;
+        let bytes = stored_charge(self.puts.backend.as_ref(), &batch)?;
         let mut message = message;
         let reservation = self.reserve(bytes, &mut message).await?;
         let data_bytes = batch_bytes(&batch);
@@ -203,24 +201,7 @@ impl PendingPut {
         self.progress
             .progress
             .add(batch.num_rows() as u64, data_bytes);
-        let tiers = Arc::clone(&self.puts.tiers);
-        let uploading = backend.upload(self.device, batch);
-        // The backend may upload on a task of its own (the cuda backend does), which goes on
-        // when a failed put drops this future. So what pays for the upload goes on a task
-        // with it, and is given back with the uploaded partition once the upload is done.
-        let task = tokio::spawn(async move {
-            let data = uploading.await;
-            drop(message);
-            (data, reservation)
-        });
-        let upload = async move {
-            let (data, reservation) = task
-                .await
-                .map_err(|e| BackendError::Device(format!("an upload task failed: {e}")))?;
-            Ok(tiers.hold(data?, reservation, data_bytes))
-        }
-        .boxed();
-        Ok(Some(upload))
+        Ok(Some(self.puts.tiers.upload(batch, reservation, message)))
     }
 
     /// Adds the rows another process holds on the put's device (`ipc-import`), as `import`
@@ -259,10 +240,11 @@ impl PendingPut {
 
     /// Reserves `bytes` on the put's device or, for a put the store places, on the freest
     /// device that has room, which the put then stays on. Where none has room, the charge of
-    /// the batch's own `message` on a device gives way first (see [`Tiers::message_yields`]),
-    /// so that a put fits whenever its bytes are free; then partitions on the put's device
-    /// are spilled to the host tier to make room. Fails saying what every tier holds when
-    /// that does not make room either.
+    /// the batch's own `message` on a device yields first (see [`Tiers::message_yields`]):
+    /// it moves to the host tier, or becomes part of the batch's charge where the batch is
+    /// the message's memory, so that a put fits whenever its bytes are free; then partitions
+    /// on the put's device are spilled to the host tier to make room. Fails saying what every
+    /// tier holds when that does not make room either.
     async fn reserve(
         &mut self,
         bytes: u64,
@@ -285,7 +267,6 @@ impl PendingPut {
                     return Ok(reservation);
                 }
                 MessageYields::Beside(charged) => *message = Some(charged),
-                MessageYields::Gone => {}
             }
             if let Some(reservation) = self.reserve_without_spilling(bytes)? {
                 return Ok(reservation);
@@ -731,5 +712,63 @@ mod tests {
             .expect("task")
             .expect("room made by a spill");
         assert!(used(&store) < 1 << 20);
+    }
+
+    /// The same where the message was charged to another device than its batch's: its
+    /// charge stays there until the batch is paid for, so the memory is never counted on
+    /// neither device.
+    #[tokio::test]
+    async fn a_message_on_another_device_stays_paid_for_while_its_batch_waits_for_room() {
+        let store = Store::new(
+            Arc::new(HostBackend::new().with_devices(2)),
+            StoreOptions {
+                memory_limit: Some(1 << 20),
+                host_memory_limit: Some(64 << 20),
+                ..StoreOptions::default()
+            },
+        );
+        let used = |device: u32| store.tiers.budget().used(device);
+        let mut filler = store
+            .begin_put_on("a".to_owned(), PutMode::Create, "test", Some(0))
+            .expect("begin");
+        filler.declare_schema(batch(0..1).schema()).expect("schema");
+        let upload = filler.upload(batch(0..100_000), None).await.expect("room");
+        filler.add(upload.expect("rows").await.expect("upload"));
+        filler.commit().await.expect("most of device 0");
+        let mut pending = store
+            .begin_put_on("u".to_owned(), PutMode::Create, "test", Some(0))
+            .expect("begin");
+        pending
+            .declare_schema(batch(0..1).schema())
+            .expect("schema");
+        let message = store
+            .reserve_message(100_000)
+            .expect("room for the message");
+        assert_eq!(message.device(), 1, "the freest device");
+        let turn = store.tiers.room_turn(0).await;
+        let uploading = tokio::spawn(async move {
+            let upload = pending
+                .upload(batch(0..40_000), Some(message))
+                .await?
+                .expect("rows");
+            pending.add(upload.await?);
+            pending.commit().await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(
+            !uploading.is_finished(),
+            "waiting for the turn to make room"
+        );
+        assert!(
+            used(1) >= 100_000,
+            "the message is still paid for: {}",
+            used(1)
+        );
+        drop(turn);
+        uploading
+            .await
+            .expect("task")
+            .expect("room made by a spill");
+        assert_eq!(used(1), 0, "given back once the batch was uploaded");
     }
 }

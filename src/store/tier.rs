@@ -22,7 +22,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use arrow::record_batch::RecordBatch;
-use futures::{StreamExt, TryStreamExt};
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt, TryStreamExt};
 
 use super::error::StoreError;
 use super::memory::{MemoryBudget, Reservation, charge};
@@ -46,8 +47,6 @@ pub(crate) enum MessageYields {
     Beside(Reservation),
     /// The batch's own memory: to count as part of the batch's charge.
     Within(Reservation),
-    /// Given back: the batch's charge on another device pays for the memory.
-    Gone,
 }
 
 /// The memory tiers: the devices' budget, the host tier's, what the disk tier holds, and
@@ -145,6 +144,34 @@ impl Tiers {
     ) -> StoredPartition {
         let home = reservation.device();
         self.hold_in(Tier::Device(home), home, data, reservation, data_bytes)
+    }
+
+    /// `batch` uploaded onto the device `reservation` is for, and held there (see
+    /// [`Tiers::hold`]). The backend may upload on a task of its own (the cuda backend does),
+    /// which goes on when the caller drops this future (a failed put or restore): so what
+    /// pays for the upload (`reservation`, and `beside`, a charge to give back once the
+    /// upload is done) goes on a task with it, and the memory stays paid for until then.
+    pub(crate) fn upload(
+        self: &Arc<Self>,
+        batch: RecordBatch,
+        reservation: Reservation,
+        beside: Option<Reservation>,
+    ) -> BoxFuture<'static, Result<StoredPartition, StoreError>> {
+        let data_bytes = crate::arrays::batch_bytes(&batch);
+        let uploading = self.backend.upload(reservation.device(), batch);
+        let task = tokio::spawn(async move {
+            let data = uploading.await;
+            drop(beside);
+            (data, reservation)
+        });
+        let tiers = Arc::clone(self);
+        async move {
+            let (data, reservation) = task
+                .await
+                .map_err(|e| BackendError::Device(format!("an upload task failed: {e}")))?;
+            Ok(tiers.hold(data?, reservation, data_bytes))
+        }
+        .boxed()
     }
 
     /// A partition only on disk, loaded onto (or by way of the host tier for) `home`.
@@ -313,10 +340,11 @@ impl Tiers {
     /// What becomes of a received message's charge when its batch finds no room on
     /// `device`. A backend that keeps the decoded arrays keeps the message's memory as the
     /// batch: a charge on `device` becomes part of the batch's (the two would otherwise count
-    /// it twice), and one on another device gives way to it. Any other's message is host
-    /// memory that a device's budget stood in for: it moves to the host tier where that has
-    /// room, and otherwise stays where it is, beside the batch. A charge to the host tier
-    /// stays as it is.
+    /// it twice there); one on another device stays beside the batch's until the upload is
+    /// done (the memory is counted on both devices meanwhile, never on neither). Any other's
+    /// message is host memory that a device's budget stood in for: it moves to the host tier
+    /// where that has room, and otherwise stays where it is, beside the batch. A charge to the
+    /// host tier stays as it is.
     pub(crate) fn message_yields(&self, message: Reservation, device: u32) -> MessageYields {
         if !message.is_of(&self.budget) {
             return MessageYields::Beside(message);
@@ -325,7 +353,7 @@ impl Tiers {
             if message.device() == device {
                 return MessageYields::Within(message);
             }
-            return MessageYields::Gone;
+            return MessageYields::Beside(message);
         }
         match self.try_reserve_host(message.bytes()) {
             Ok(host) => MessageYields::Beside(host),
@@ -526,10 +554,19 @@ impl Tiers {
     }
 
     /// Puts least recently used host-tier partitions that the data directory holds back in
-    /// the disk tier until `bytes` are free in the host tier, or none is left.
+    /// the disk tier until `bytes` are free in the host tier, or none is left; none where
+    /// all of them together would not free enough.
     fn evict_from_host(&self, bytes: u64) {
         let tiers = self;
-        for slot in tiers.spill_candidates(Tier::Host, true) {
+        let candidates = tiers.spill_candidates(Tier::Host, true);
+        let evictable = candidates.iter().fold(0u64, |sum, slot| {
+            sum.saturating_add(slot.look(|resident| resident.reservation.bytes()))
+        });
+        let free = tiers.host_limit().saturating_sub(tiers.host_used());
+        if free.saturating_add(evictable) < bytes {
+            return;
+        }
+        for slot in candidates {
             if tiers.host_limit().saturating_sub(tiers.host_used()) >= bytes {
                 return;
             }
@@ -756,5 +793,41 @@ mod tests {
             "the larger cannot go"
         );
         assert_eq!(held[0].tier(), Tier::Device(0));
+    }
+
+    /// A partition too large for the host tier is passed over for a smaller one; the host
+    /// tier's partitions that the data directory holds must not be evicted for it first,
+    /// when evicting them all would not make it fit either.
+    #[tokio::test]
+    async fn nothing_is_evicted_from_the_host_tier_for_a_partition_that_cannot_fit_it() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            700,
+            Arc::default(),
+        );
+        let mut held = Vec::new();
+        for (rows, charge) in [(25, 200), (100, 800), (20, 150)] {
+            let data = backend
+                .upload(0, crate::store::testing::batch(0..rows))
+                .await
+                .expect("upload");
+            let reservation = budget.try_reserve(0, charge).expect("fits");
+            let stored = tiers.hold(Arc::clone(&data), reservation, charge);
+            if held.is_empty() {
+                // In the host tier, and held by the data directory too.
+                assert!(tiers.spill(&stored.slot).await.expect("spill"));
+                stored.slot.held_on_disk(data);
+            }
+            held.push(stored);
+        }
+        tiers
+            .reserve_on(0, 200)
+            .await
+            .expect("room from the smallest");
+        let placed: Vec<Tier> = held.iter().map(StoredPartition::tier).collect();
+        assert_eq!(placed, [Tier::Host, Tier::Device(0), Tier::Host]);
     }
 }
