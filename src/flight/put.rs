@@ -242,66 +242,76 @@ pub(crate) async fn receive(
     let mut next = Some(first);
     let stages = &service.stages;
     let mut started = Instant::now();
-    loop {
-        let mut message = match next.take() {
-            Some(message) => message,
-            None => match receiver.recv().await {
-                Some(Received::Message(message)) => message,
-                Some(Received::End) => break,
-                Some(Received::Failed(error)) => return Err(error),
-                None => {
-                    return Err(Error::Internal(
-                        "the DoPut receiving task stopped before the stream ended".to_owned(),
-                    ));
+    let received: Result<(), Error> = async {
+        loop {
+            let mut message = match next.take() {
+                Some(message) => message,
+                None => match receiver.recv().await {
+                    Some(Received::Message(message)) => message,
+                    Some(Received::End) => break,
+                    Some(Received::Failed(error)) => return Err(error),
+                    None => {
+                        return Err(Error::Internal(
+                            "the DoPut receiving task stopped before the stream ended".to_owned(),
+                        ));
+                    }
+                },
+            };
+            started = Stages::lap(&stages.put_receive_wait_nanos, started);
+            let mut charge = message.charge.take();
+            Stages::add(&stages.put_messages, 1);
+            Stages::add(
+                &stages.put_bytes,
+                (message.data.data_header.len() + message.data.data_body.len()) as u64,
+            );
+            // A compressed message also pays, before it is decompressed, for what it decompresses
+            // to; that charge follows its batch until uploaded, like the message's own.
+            let decoded = decoder.decode_message(&message, |bytes| {
+                match &mut charge {
+                    Some(charge) => store.grow_message(charge, bytes)?,
+                    None => charge = Some(store.reserve_message(bytes)?),
                 }
-            },
-        };
-        started = Stages::lap(&stages.put_receive_wait_nanos, started);
-        let mut charge = message.charge.take();
-        Stages::add(&stages.put_messages, 1);
-        Stages::add(
-            &stages.put_bytes,
-            (message.data.data_header.len() + message.data.data_body.len()) as u64,
-        );
-        // A compressed message also pays, before it is decompressed, for what it decompresses
-        // to; that charge follows its batch until uploaded, like the message's own.
-        let decoded = decoder.decode_message(&message, |bytes| {
-            match &mut charge {
-                Some(charge) => store.grow_message(charge, bytes)?,
-                None => charge = Some(store.reserve_message(bytes)?),
-            }
-            Ok(())
-        })?;
-        started = Stages::lap(&stages.put_decode_nanos, started);
-        match decoded {
-            Decoded::Schema(schema) => pending.declare_schema(schema)?,
-            Decoded::Batch(batch) => {
-                if let Some(call) = &call {
-                    call.add_rows_in(batch.num_rows() as u64);
-                }
-                if let Some(upload) = pending.upload(batch, charge).await? {
-                    uploads.push_back(upload);
-                }
-                // Finished uploads return their message's charge now, not when the pipeline
-                // next fills up.
-                while let Some(Some(uploaded)) = uploads.next().now_or_never() {
-                    pending.add(uploaded?);
-                }
-                while uploads.len() >= depth {
-                    if let Some(uploaded) = uploads.next().await {
+                Ok(())
+            })?;
+            started = Stages::lap(&stages.put_decode_nanos, started);
+            match decoded {
+                Decoded::Schema(schema) => pending.declare_schema(schema)?,
+                Decoded::Batch(batch) => {
+                    if let Some(call) = &call {
+                        call.add_rows_in(batch.num_rows() as u64);
+                    }
+                    if let Some(upload) = pending.upload(batch, charge).await? {
+                        uploads.push_back(upload);
+                    }
+                    // Finished uploads return their message's charge now, not when the pipeline
+                    // next fills up.
+                    while let Some(Some(uploaded)) = uploads.next().now_or_never() {
                         pending.add(uploaded?);
                     }
+                    while uploads.len() >= depth {
+                        if let Some(uploaded) = uploads.next().await {
+                            pending.add(uploaded?);
+                        }
+                    }
+                    started = Stages::lap(&stages.put_upload_nanos, started);
                 }
-                started = Stages::lap(&stages.put_upload_nanos, started);
+                Decoded::Dictionary => dictionary_charges.extend(charge),
+                Decoded::Nothing => {}
+                // Returning drops the pending put and every charge: nothing commits.
+                Decoded::Abandoned(reason) => return Err(Error::PutAbandoned(reason)),
             }
-            Decoded::Dictionary => dictionary_charges.extend(charge),
-            Decoded::Nothing => {}
-            // Returning drops the pending put, its uploads and every charge: nothing commits.
-            Decoded::Abandoned(reason) => return Err(Error::PutAbandoned(reason)),
         }
+        while let Some(uploaded) = uploads.next().await {
+            pending.add(uploaded?);
+        }
+        Ok(())
     }
-    while let Some(uploaded) = uploads.next().await {
-        pending.add(uploaded?);
+    .await;
+    if let Err(error) = received {
+        // The backend's uploads in flight go on either way (each still paid for): the failure
+        // is answered once they are done, and their memory is free again.
+        while uploads.next().await.is_some() {}
+        return Err(error);
     }
     Stages::lap(&stages.put_upload_nanos, started);
     drop(decoder);
