@@ -192,7 +192,8 @@ impl Compactor {
 
     /// `pieces` (consecutive rows of one schema) uploaded onto `device` and compacted
     /// there into one partition. Room for `peak` bytes is reserved first, where moving others
-    /// can give it, else for `data_bytes` where that can; each piece is paid for out of that
+    /// can give it; else for `data_bytes` where that can, and the pieces are joined on the
+    /// host first, so that the device holds their rows only once. Each piece is paid for out of that
     /// room (and beyond it, where it holds too little) before it is uploaded, and is held
     /// until compacted, so that no request for room spills it meanwhile.
     pub(crate) async fn upload_pieces(
@@ -205,12 +206,17 @@ impl Compactor {
         let tiers = &self.tiers;
         let started = std::time::Instant::now();
         // Reserved, not only made: another request could take room only made.
-        let mut room = match tiers.reserve_on(device, peak).await {
-            Ok(room) => room,
-            Err(_) => match tiers.reserve_on(device, data_bytes.min(peak)).await {
-                Ok(room) => room,
-                Err(_) => tiers.budget().try_reserve(device, 0)?,
-            },
+        let (mut room, pieces) = match tiers.reserve_on(device, peak).await {
+            Ok(room) => (room, pieces),
+            Err(_) => {
+                // No room for the pieces and their compacted copy beside them: joined on the
+                // host first, they need room for their rows once.
+                let room = match tiers.reserve_on(device, data_bytes.min(peak)).await {
+                    Ok(room) => room,
+                    Err(_) => tiers.budget().try_reserve(device, 0)?,
+                };
+                (room, joined_on_the_host(pieces).await?)
+            }
         };
         let room_made = started.elapsed();
         let tiers = Arc::clone(tiers);
@@ -267,6 +273,24 @@ impl Compactor {
             })),
         }
     }
+}
+
+/// `pieces` as one batch, joined on the host (a stream of that one batch, or of none).
+async fn joined_on_the_host(
+    pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
+) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+    let pieces: Vec<RecordBatch> = pieces.try_collect().await?;
+    let Some(first) = pieces.first() else {
+        return Ok(futures::stream::empty().boxed());
+    };
+    let schema = first.schema();
+    let joined = tokio::task::spawn_blocking(move || {
+        arrow::compute::concat_batches(&schema, &pieces)
+            .map_err(|e| BackendError::Device(format!("joining pieces on the host: {e}")))
+    })
+    .await
+    .map_err(|e| BackendError::Device(format!("a join task failed: {e}")))??;
+    Ok(futures::stream::iter([Ok(joined)]).boxed())
 }
 
 #[cfg(test)]

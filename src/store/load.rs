@@ -676,4 +676,45 @@ mod tests {
         store.close().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// Without a host tier (the host backend's default), a dataset loaded after a restart
+    /// goes onto its device: one larger than half the device's budget must load all the same.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dataset_over_half_the_budget_loads_after_a_restart() {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-big-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = StoreOptions {
+            data_dir: Some(dir.clone()),
+            memory_limit: Some(64 << 20),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        };
+        let store = Store::open(Arc::new(HostBackend::new()), options.clone())
+            .await
+            .expect("open");
+        put(&store, PutMode::Create, vec![batch(0..5_000_000)])
+            .await
+            .commit()
+            .await
+            .expect("40 MB of 64");
+        store.close().await;
+        drop(store);
+        let store = Store::open(Arc::new(HostBackend::new()), options)
+            .await
+            .expect("reopen");
+        let dataset = store.get("t").expect("t");
+        let rows: Vec<RecordBatch> = dataset
+            .read(0..5_000_000, 8 << 20, 2)
+            .expect("a stream")
+            .try_collect()
+            .await
+            .expect("loaded and read");
+        assert_eq!(
+            rows.iter().map(RecordBatch::num_rows).sum::<usize>(),
+            5_000_000
+        );
+        drop((rows, dataset));
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
