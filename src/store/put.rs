@@ -771,4 +771,44 @@ mod tests {
             .expect("room made by a spill");
         assert_eq!(used(1), 0, "given back once the batch was uploaded");
     }
+
+    /// With no host tier (the host backend's default), a message that finds no room makes
+    /// it by putting a dataset the data directory holds back there: data on disk never
+    /// stands in the way of a put, whether the room is wanted for a message or its batch.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_makes_room_by_evicting_a_dataset_held_on_disk() {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-msg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = Store::open(
+            Arc::new(HostBackend::new()),
+            StoreOptions {
+                data_dir: Some(dir.clone()),
+                memory_limit: Some(64 << 20),
+                host_memory_limit: Some(0),
+                ..StoreOptions::default()
+            },
+        )
+        .await
+        .expect("open");
+        put(&store, PutMode::Create, vec![batch(0..5_000_000)])
+            .await
+            .commit()
+            .await
+            .expect("40 MB of 64, written to disk");
+        let held = store.get("t").expect("t").partitions()[0].clone();
+        let mut message = store
+            .reserve_message(20 << 20)
+            .expect("20 MB beside the 40");
+        assert_eq!(held.tier(), Tier::Device(0));
+        store
+            .grow_message(&mut message, 10 << 20)
+            .expect("10 MB more: room made by evicting t");
+        assert_eq!(held.tier(), Tier::Disk);
+        let other = store
+            .reserve_message(20 << 20)
+            .expect("a new message, in the room made");
+        drop((message, other, held));
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

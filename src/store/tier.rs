@@ -294,17 +294,30 @@ impl Tiers {
     ///
     /// The message itself is in host memory: where no device has room for it, the host tier
     /// may pay for it instead, and the batch makes room on its device when it is uploaded.
+    /// Where the host tier has no room either, partitions the data directory holds make way
+    /// on a device ([`Tiers::evict_on`]).
     pub(crate) fn reserve_message(&self, bytes: u64) -> Result<Reservation, StoreError> {
         match self.budget.try_reserve(self.budget.freest_device(), bytes) {
-            Err(error @ StoreError::MemoryExhausted { .. }) => self
-                .try_reserve_host(bytes)
-                .map_err(|_| self.tiers_full(error)),
+            Err(error @ StoreError::MemoryExhausted { .. }) => {
+                if let Ok(host) = self.try_reserve_host(bytes) {
+                    return Ok(host);
+                }
+                for device in self.budget.freest_devices() {
+                    if self.evict_on(device, bytes)
+                        && let Ok(reserved) = self.budget.try_reserve(device, bytes)
+                    {
+                        return Ok(reserved);
+                    }
+                }
+                Err(self.tiers_full(error))
+            }
             reserved => reserved,
         }
     }
 
     /// Grows `message` (from [`Tiers::reserve_message`]) by `bytes` as more of it arrives;
-    /// where its device has no room, the whole message moves to the host tier.
+    /// where its device has no room, the whole message moves to the host tier, or else
+    /// partitions the data directory holds make way on its device.
     pub(crate) fn grow_message(
         &self,
         message: &mut Reservation,
@@ -328,10 +341,17 @@ impl Tiers {
                     limit,
                     host_backend,
                 };
-                *message = self
-                    .try_reserve_host(total)
-                    .map_err(|_| self.tiers_full(error))?;
-                Ok(())
+                if let Ok(host) = self.try_reserve_host(total) {
+                    *message = host;
+                    return Ok(());
+                }
+                if message.is_of(&self.budget)
+                    && self.evict_on(message.device(), bytes)
+                    && message.try_grow(bytes).is_ok()
+                {
+                    return Ok(());
+                }
+                Err(self.tiers_full(error))
             }
             grown => grown,
         }
@@ -551,6 +571,35 @@ impl Tiers {
             "partition dropped back to the data directory's files"
         );
         true
+    }
+
+    /// Puts least recently used partitions on `device` that the data directory holds back in
+    /// the disk tier until `bytes` are free there; none where all of them together would not
+    /// free enough. Returns whether `bytes` are free. Nothing is copied, so this suits a
+    /// caller that cannot wait (a message being charged as its bytes arrive).
+    fn evict_on(&self, device: u32, bytes: u64) -> bool {
+        let budget = &self.budget;
+        let candidates = self.spill_candidates(Tier::Device(device), true);
+        let evictable = candidates.iter().fold(0u64, |sum, slot| {
+            sum.saturating_add(slot.look(|resident| resident.reservation.bytes()))
+        });
+        if budget.free(device).saturating_add(evictable) < bytes {
+            return false;
+        }
+        for slot in candidates {
+            if budget.free(device) >= bytes {
+                break;
+            }
+            let Ok(_moving) = slot.moving().try_lock() else {
+                continue;
+            };
+            let resident = slot.resident();
+            // As a spill: not one someone took since it was chosen.
+            if resident.tier == Tier::Device(device) && Arc::strong_count(&resident) <= 2 {
+                self.evict(&slot, &resident);
+            }
+        }
+        budget.free(device) >= bytes
     }
 
     /// Puts least recently used host-tier partitions that the data directory holds back in
