@@ -570,4 +570,61 @@ mod tests {
         store.close().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// Many small appends: the merger joins their files in runs of its own, and background
+    /// compactions join their partitions in others, so partitions begin and end inside
+    /// files. Each must still be held by the files its rows are in, and able to go back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn partitions_that_end_inside_files_can_go_back_to_the_data_directory() {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-window-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = StoreOptions {
+            data_dir: Some(dir.clone()),
+            memory_limit: Some(16 << 20),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        };
+        let store = Store::open(Arc::new(HostBackend::new()), options)
+            .await
+            .expect("open");
+        const ROWS: i64 = 50_000;
+        commit(&store, PutMode::Create, vec![batch(0..ROWS)]).await;
+        for i in 1..12 {
+            commit(
+                &store,
+                PutMode::Append,
+                vec![batch(i * ROWS..(i + 1) * ROWS)],
+            )
+            .await;
+        }
+        store.compactions_settled().await;
+        let all_held = |store: &Store| {
+            let dataset = store.get("t").expect("t");
+            dataset
+                .partitions()
+                .iter()
+                .all(|p| p.slot.on_disk().is_some())
+        };
+        for _ in 0..500 {
+            if all_held(&store) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let dataset = store.get("t").expect("t");
+        let held: Vec<bool> = dataset
+            .partitions()
+            .iter()
+            .map(|p| p.slot.on_disk().is_some())
+            .collect();
+        assert!(held.iter().all(|&h| h), "held on disk: {held:?}");
+        let budget = store.tiers.budget();
+        let wanted = budget.free(0) + dataset.tier_bytes().device;
+        assert!(store.tiers.reserve_on(0, wanted).await.is_ok(), "room made");
+        assert_eq!(dataset.tier_bytes().device, 0, "every partition went back");
+        assert_eq!(read(&dataset).await, (0..12 * ROWS).collect::<Vec<_>>());
+        drop(dataset);
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

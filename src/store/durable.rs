@@ -402,37 +402,45 @@ impl Writer {
         Ok(())
     }
 
-    /// Marks each partition of `dataset` whose rows `written` (rows `rows` of it, in
-    /// segments that end where partitions do) holds whole, in files of at least
-    /// [`MERGE_BELOW`] bytes, as held by the data directory: a put made durable can leave
-    /// memory like a dataset loaded from disk.
+    /// Marks each partition of `dataset` whose rows `written` (rows `rows` of it, in order)
+    /// hold, in files of at least [`MERGE_BELOW`] bytes, as held by the data directory: a put
+    /// made durable can leave memory like a dataset loaded from disk. A partition whose rows
+    /// begin or end inside a file is held by the files its rows are in, and reads only its
+    /// own rows of them.
     fn held_on_disk(&self, dataset: &Dataset, rows: Range<u64>, written: &[Segment]) {
         let Some(loader) = self.loader.upgrade() else {
             return;
         };
-        let mut segments = written.iter().filter(|s| s.rows > 0);
+        let segments: Vec<&Segment> = written.iter().filter(|s| s.rows > 0).collect();
+        let mut starts = Vec::with_capacity(segments.len() + 1);
+        starts.push(rows.start);
+        for segment in &segments {
+            let last = starts.last().copied().unwrap_or(rows.start);
+            starts.push(last.saturating_add(segment.rows));
+        }
+        if starts.last() != Some(&rows.end) {
+            return; // not the rows said: nothing is guessed
+        }
         let mut first = 0u64;
         for partition in dataset.partitions() {
             let end = first.saturating_add(partition.num_rows() as u64);
-            if first >= rows.start && end <= rows.end && end > first {
-                let mut whole = Vec::new();
-                let mut covered = first;
-                while covered < end {
-                    let Some(segment) = segments.next() else {
-                        return;
-                    };
-                    covered = covered.saturating_add(segment.rows);
-                    whole.push(segment);
-                }
-                if covered != end {
-                    return; // not cut where the partitions end: nothing is guessed
-                }
+            if first >= rows.start
+                && end <= rows.end
+                && end > first
+                && partition.slot.on_disk().is_none()
+            {
+                // The files holding its first row and its last.
+                let from = starts.partition_point(|&start| start <= first) - 1;
+                let to = starts.partition_point(|&start| start < end) - 1;
+                let covering = &segments[from..=to];
                 // Small files are the merger's to join, and a pin would keep them: such a
-                // partition frees little memory anyway, and spills like any other.
-                let small = whole.iter().any(|segment| segment.bytes < MERGE_BELOW);
-                if !small && partition.slot.on_disk().is_none() {
-                    let pins = whole.into_iter().map(|s| self.files.pin(s)).collect();
-                    if let Ok(disk) = DiskPartition::new(dataset.schema(), pins, &loader) {
+                // partition is marked once they are merged (see `Writer::mark_held`).
+                if covering.iter().all(|segment| segment.bytes >= MERGE_BELOW) {
+                    let pins = covering.iter().map(|s| self.files.pin(s)).collect();
+                    let window = first - starts[from]..end - starts[from];
+                    let disk = DiskPartition::new(dataset.schema(), pins, &loader)
+                        .and_then(|disk| disk.within(window));
+                    if let Ok(disk) = disk {
                         partition.slot.held_on_disk(Arc::new(disk));
                     }
                 }

@@ -41,8 +41,11 @@ use crate::backend::{
 pub(crate) struct DiskPartition {
     schema: SchemaRef,
     segments: Arc<[PinnedSegment]>,
-    /// `starts[i]` is the first row of segment i; the last entry is the row count.
+    /// `starts[i]` is the first row of segment i; the last entry is the segments' row count.
     starts: Arc<[u64]>,
+    /// The partition's rows among the segments': all of them, but for a partition whose
+    /// first and last segments hold rows of its neighbours too.
+    window: Range<u64>,
     /// Bytes of the files.
     file_bytes: u64,
     /// Arrow bytes of the rows, as they were written.
@@ -93,10 +96,49 @@ impl DiskPartition {
             schema,
             segments: segments.into(),
             starts: starts.into(),
+            window: 0..rows,
             file_bytes,
             data_bytes,
             loader: Arc::downgrade(loader),
         })
+    }
+
+    /// Only `window` of the segments' rows (numbered from the first segment's first row):
+    /// a partition whose first and last segments begin and end inside its neighbours. Its
+    /// Arrow bytes are counted as its share of the segments'.
+    pub(crate) fn within(mut self, window: Range<u64>) -> Result<Self, StoreError> {
+        let total = self.starts.last().copied().unwrap_or(0);
+        if window.start > window.end || window.end > total {
+            return Err(StoreError::Corrupt(format!(
+                "rows {window:?} of segments holding {total}"
+            )));
+        }
+        let rows = window.end - window.start;
+        self.data_bytes = u64::try_from(
+            u128::from(self.data_bytes) * u128::from(rows) / u128::from(total.max(1)),
+        )
+        .unwrap_or(u64::MAX);
+        self.window = window;
+        Ok(self)
+    }
+
+    /// The rows of segment `index`'s `batches` that are this partition's.
+    fn clip(&self, index: usize, batches: Vec<RecordBatch>) -> Vec<RecordBatch> {
+        let mut row = self.starts[index];
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            let end = row + batch.num_rows() as u64;
+            let (from, to) = (self.window.start.max(row), self.window.end.min(end));
+            if from < to {
+                kept.push(if from == row && to == end {
+                    batch
+                } else {
+                    batch.slice((from - row) as usize, (to - from) as usize)
+                });
+            }
+            row = end;
+        }
+        kept
     }
 
     /// `resident`'s data, if it is on disk.
@@ -109,8 +151,8 @@ impl DiskPartition {
     }
 
     fn rows(&self) -> usize {
-        // Checked to fit in `new`.
-        self.starts.last().map_or(0, |&rows| rows as usize)
+        // Within the segments' rows, which `new` checked to fit.
+        (self.window.end - self.window.start) as usize
     }
 
     fn loader(&self) -> Option<Arc<Loader>> {
@@ -127,14 +169,17 @@ impl DiskPartition {
             .boxed()
     }
 
-    /// Each segment's batches, with the size of its file (which they point into), in order.
+    /// Each segment's batches (those of the partition's rows), with the size of its file
+    /// (which they point into), in order.
     fn segments_read(&self) -> BoxStream<'static, Result<(Vec<RecordBatch>, u64), StoreError>> {
         let (segments, schema) = (Arc::clone(&self.segments), Arc::clone(&self.schema));
+        let partition = self.clone();
         futures::stream::iter(0..segments.len())
             .map(move |index| {
                 let bytes = segments[index].segment().bytes;
+                let partition = partition.clone();
                 read_segment(Arc::clone(&segments), index, Arc::clone(&schema))
-                    .map_ok(move |batches| (batches, bytes))
+                    .map_ok(move |batches| (partition.clip(index, batches), bytes))
             })
             .buffered(2)
             .boxed()
@@ -143,6 +188,7 @@ impl DiskPartition {
     /// Rows `rows`, read from the files that hold them: for a read without a store to load
     /// the partition into.
     async fn read_rows(&self, rows: Range<u64>) -> Result<RecordBatch, StoreError> {
+        let rows = rows.start + self.window.start..rows.end + self.window.start;
         let first = self.starts.partition_point(|&start| start <= rows.start);
         let mut parts = Vec::new();
         for index in first.saturating_sub(1)..self.segments.len() {
