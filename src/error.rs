@@ -159,6 +159,7 @@ fn store_code(error: &StoreError) -> Code {
         | StoreError::RowsOutOfRange { .. }
         | StoreError::UnknownColumn { .. }
         | StoreError::LeaseMismatch { .. }
+        | StoreError::NotAnExportLease { .. }
         | StoreError::RenewalChangesTerms { .. } => Code::InvalidArgument,
         StoreError::NotCompact { .. }
         | StoreError::TooManyPartitions { .. }

@@ -143,6 +143,11 @@ pub enum StoreError {
          (--ipc-max-leases): release some (ipc-release) or let them expire"
     )]
     TooManyLeases { owner: String, max: u32 },
+    #[error(
+        "lease '{lease}' is a shared-memory read's (shm-read): renew it with lease-renew, not \
+         ipc-export"
+    )]
+    NotAnExportLease { lease: String },
     #[error("lease '{lease}' is for dataset '{leased}', not '{requested}'")]
     LeaseMismatch {
         lease: String,

@@ -142,20 +142,22 @@ impl Exporter {
             self.tiers.budget().check_device(device)?;
         }
         if let Some(id) = &request.renew {
-            let lease = self
-                .leases
-                .renew(id, &request.name, request.duration, |lease| {
-                    if lease.owner != request.owner {
-                        return Err(StoreError::LeaseNotYours {
+            let lease = self.leases.renew(
+                id,
+                &request.name,
+                &request.owner,
+                request.duration,
+                |lease| {
+                    let terms = &lease.terms;
+                    if terms.staged.is_some() {
+                        return Err(StoreError::NotAnExportLease {
                             lease: id.to_owned(),
                         });
                     }
-                    let terms = &lease.terms;
-                    if lease.terms.staged.is_some()
-                        || request
-                            .columns
-                            .as_ref()
-                            .is_some_and(|c| c != &terms.columns)
+                    if request
+                        .columns
+                        .as_ref()
+                        .is_some_and(|c| c != &terms.columns)
                         || request.consumer.is_some_and(|d| Some(d) != terms.consumer)
                         || (request.copy && !terms.copy)
                     {
@@ -164,7 +166,8 @@ impl Exporter {
                         });
                     }
                     check_partitions(&lease.dataset, request.one_partition)
-                })?;
+                },
+            )?;
             return self.describe(lease);
         }
         // Refused before anything is restored or copied; checked again as it is granted.
@@ -490,5 +493,19 @@ mod tests {
             "{owned:?}"
         );
         assert!(store.status().leases[0].expires_at > lease.expires_at);
+
+        // A shared-memory read's lease is renewed with lease-renew, and the refusal says so.
+        let mut staged = terms();
+        staged.staged = Some(Arc::new(Vec::new()));
+        let dataset = store.get("t").expect("t");
+        let shared = Lease::new(dataset, staged, Duration::from_secs(5), "owner".to_owned());
+        store.leases.insert(shared.clone());
+        let mut request = ExportRequest::new("t", Duration::from_secs(60), "owner");
+        request.renew = Some(shared.id.clone());
+        let refused = store.export(request).await.map(|_| ());
+        assert!(
+            matches!(refused, Err(StoreError::NotAnExportLease { .. })),
+            "{refused:?}"
+        );
     }
 }

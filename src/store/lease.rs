@@ -173,16 +173,23 @@ impl Leases {
         Ok(())
     }
 
-    /// Extends lease `id`, which must be on dataset `name` and pass `check`, to end
-    /// `duration` from now. A lease that fails either is left as it was.
+    /// Extends lease `id`, which must be `owner`'s (checked first: another principal learns
+    /// nothing of it), on dataset `name` and pass `check`, to end `duration` from now. A
+    /// lease that fails any is left as it was.
     pub(crate) fn renew(
         &self,
         id: &str,
         name: &str,
+        owner: &str,
         duration: Duration,
         check: impl FnOnce(&Lease) -> Result<(), StoreError>,
     ) -> Result<Lease, StoreError> {
         self.extend(id, Some(duration), |lease| {
+            if lease.owner != owner {
+                return Err(StoreError::LeaseNotYours {
+                    lease: id.to_owned(),
+                });
+            }
             if lease.dataset.name() != name {
                 return Err(StoreError::LeaseMismatch {
                     lease: id.to_owned(),
@@ -319,11 +326,16 @@ mod tests {
         let lease = grant(&leases, "a");
         assert_eq!(lease.id.len(), 32);
         assert!(matches!(
-            leases.renew(&lease.id, "b", Duration::from_secs(60), |_| Ok(())),
+            leases.renew(&lease.id, "b", "o", Duration::from_secs(60), |_| Ok(())),
             Err(StoreError::LeaseMismatch { .. })
         ));
+        // Another principal learns nothing of it, not even its dataset.
+        assert!(matches!(
+            leases.renew(&lease.id, "b", "x", Duration::from_secs(60), |_| Ok(())),
+            Err(StoreError::LeaseNotYours { .. })
+        ));
         let renewed = leases
-            .renew(&lease.id, "a", Duration::from_secs(60), |_| Ok(()))
+            .renew(&lease.id, "a", "o", Duration::from_secs(60), |_| Ok(()))
             .expect("renew");
         assert!(renewed.expires_at > lease.expires_at);
         assert!(
@@ -334,7 +346,7 @@ mod tests {
         let expired = leases.expire(Instant::now() + Duration::from_secs(61));
         assert_eq!(expired.len(), 1);
         assert!(matches!(
-            leases.renew(&lease.id, "a", Duration::from_secs(1), |_| Ok(())),
+            leases.renew(&lease.id, "a", "o", Duration::from_secs(1), |_| Ok(())),
             Err(StoreError::LeaseNotFound { .. })
         ));
         assert!(leases.release(&lease.id).is_none());

@@ -227,10 +227,15 @@ impl SharedFiles {
                 uid.map_or_else(|| "an unknown user".to_owned(), |uid| format!("user {uid}"))
             )));
         }
+        // The token stands for the lease's owner: its claim renews the lease as issued.
         let lease = self
             .leases
-            .renew(&claim.lease, &claim.dataset, claim.lease_duration, |_| {
-                Ok(())
+            .extend(&claim.lease, Some(claim.lease_duration), |lease| {
+                if lease.dataset.name() == claim.dataset {
+                    Ok(())
+                } else {
+                    Err(unknown())
+                }
             })
             .map_err(|_| unknown())?;
         let staged = lease.terms.staged.as_ref().ok_or_else(unknown)?;
