@@ -154,6 +154,24 @@ impl ActionRequest {
         })
     }
 
+    /// The name of an action only a caller on this node can use (`None` for the others):
+    /// the same-node paths hand over CUDA IPC handles or shared memory, which mean nothing
+    /// elsewhere, and what they hold for the caller (a lease, an import's copy) a remote
+    /// caller would only tie up.
+    pub fn same_node_only(&self) -> Option<&'static str> {
+        match self {
+            Self::IpcExport { .. } => Some("ipc-export"),
+            Self::ShmRead { .. } => Some("shm-read"),
+            Self::IpcImport { .. } => Some("ipc-import"),
+            Self::Drop { .. }
+            | Self::Status
+            | Self::IpcRelease { .. }
+            | Self::LeaseRenew { .. }
+            | Self::Move { .. }
+            | Self::Copy { .. } => None,
+        }
+    }
+
     /// What the action is about, for its call's log line.
     pub fn subject(&self) -> String {
         match self {
@@ -602,6 +620,26 @@ pub fn status_document(
 mod tests {
     use super::*;
     use crate::auth::Role;
+
+    /// What hands over CUDA IPC handles or shared memory, or takes them, is for callers on
+    /// this node alone; releasing, renewing and the rest are not.
+    #[test]
+    fn the_same_node_paths_are_the_only_actions_for_this_node_alone() {
+        let local_only = |kind: &str, body: &str| {
+            parse(&Action::new(kind.to_owned(), body.to_owned()))
+                .expect("valid")
+                .same_node_only()
+        };
+        assert_eq!(
+            local_only("ipc-export", r#"{"name": "t"}"#),
+            Some("ipc-export")
+        );
+        assert_eq!(local_only("shm-read", r#"{"name": "t"}"#), Some("shm-read"));
+        assert_eq!(local_only("ipc-release", r#"{"lease": "ab"}"#), None);
+        assert_eq!(local_only("lease-renew", r#"{"lease": "ab"}"#), None);
+        assert_eq!(local_only("drop", r#"{"name": "t"}"#), None);
+        assert_eq!(local_only("status", ""), None);
+    }
 
     #[test]
     fn actions_parse() {

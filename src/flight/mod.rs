@@ -510,6 +510,9 @@ impl Service {
             call.set_subject(request.subject());
         }
         caller.authorize(request.operation())?;
+        if let Some(what) = request.same_node_only() {
+            from_this_node(origin, what)?;
+        }
         match request {
             ActionRequest::Drop { name } => {
                 let dropped = self.store.drop_dataset(&name).await?;
@@ -603,14 +606,11 @@ impl Service {
             ActionRequest::ShmRead {
                 read,
                 lease_seconds,
-            } => {
-                from_this_node(origin, "shm-read")?;
-                shared::shm_read(self, read, lease_seconds, caller, origin, call).await
-            }
+            } => shared::shm_read(self, read, lease_seconds, caller, origin, call).await,
             ActionRequest::IpcImport { document } => {
                 // CUDA IPC handles carry no access control: only a process on this node can
-                // hold a real one, and a remote caller would make the server its deputy.
-                from_this_node(origin, "ipc-import")?;
+                // hold a real one, and a remote caller would make the server its deputy
+                // (refused above, with the other same-node paths).
                 let summary = ipc_import::import(self, *document, &caller.name).await?;
                 tracing::info!(
                     dataset = ?summary.name,
