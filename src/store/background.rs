@@ -627,4 +627,49 @@ mod tests {
         store.close().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A background compaction of partitions whose files the merger leaves as they are
+    /// (each of 1 MiB or more; the host backend compacts dictionary columns whatever their
+    /// size): the compacted partition is marked as held by those files when it is published,
+    /// not only after a merge.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_compaction_of_large_files_marks_its_partition_held_on_disk() {
+        use arrow::array::{DictionaryArray, StringArray};
+        use arrow::datatypes::Int32Type;
+        let dir = std::env::temp_dir().join(format!("gpu-flight-dict-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = StoreOptions {
+            data_dir: Some(dir.clone()),
+            host_memory_limit: Some(0),
+            ..StoreOptions::default()
+        };
+        let store = Store::open(Arc::new(HostBackend::new()), options)
+            .await
+            .expect("open");
+        let dictionary = |from: i32| {
+            let keys =
+                arrow::array::Int32Array::from_iter_values((from..from + 300_000).map(|k| k % 4));
+            let values = Arc::new(StringArray::from(vec!["a", "b", "c", "d"]));
+            let column: arrow::array::ArrayRef =
+                Arc::new(DictionaryArray::<Int32Type>::try_new(keys, values).expect("dictionary"));
+            RecordBatch::try_from_iter([("d", column)]).expect("batch")
+        };
+        commit(&store, PutMode::Create, vec![dictionary(0)]).await;
+        commit(&store, PutMode::Append, vec![dictionary(1)]).await;
+        store.compactions_settled().await;
+        let dataset = store.get("t").expect("t");
+        assert_eq!(dataset.num_partitions(), 1, "compacted");
+        let slot = Arc::clone(&dataset.partitions()[0].slot);
+        drop(dataset);
+        for _ in 0..500 {
+            if slot.on_disk().is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(slot.on_disk().is_some(), "not marked as held on disk");
+        assert_eq!(store.status().merges, 1, "one background compaction");
+        store.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

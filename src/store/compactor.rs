@@ -192,8 +192,9 @@ impl Compactor {
 
     /// `pieces` (consecutive rows of one schema) uploaded onto `device` and compacted
     /// there into one partition. Room for `peak` bytes is reserved first, where moving others
-    /// can give it; else for `data_bytes` where that can, and the pieces are joined on the
-    /// host first, so that the device holds their rows only once. Each piece is paid for out of that
+    /// can give it; else the pieces are joined on the host first where it has the memory for
+    /// that ([`host_can_join`]), so that the device holds their rows only once (and room for
+    /// that is reserved), or else room for `data_bytes`. Each piece is paid for out of that
     /// room (and beyond it, where it holds too little) before it is uploaded, and is held
     /// until compacted, so that no request for room spills it meanwhile.
     pub(crate) async fn upload_pieces(
@@ -208,14 +209,27 @@ impl Compactor {
         // Reserved, not only made: another request could take room only made.
         let (mut room, pieces) = match tiers.reserve_on(device, peak).await {
             Ok(room) => (room, pieces),
-            Err(_) => {
+            Err(_) if host_can_join(peak) => {
                 // No room for the pieces and their compacted copy beside them: joined on the
                 // host first, they need room for their rows once.
+                let pieces = joined_on_the_host(pieces).await?;
+                let charge = match &pieces {
+                    Joined::One(joined) => stored_charge(self.backend.as_ref(), joined)?,
+                    Joined::Apart(_) => data_bytes.min(peak),
+                };
+                let room = match tiers.reserve_on(device, charge).await {
+                    Ok(room) => room,
+                    Err(_) => tiers.budget().try_reserve(device, 0)?,
+                };
+                (room, pieces.stream())
+            }
+            Err(_) => {
+                // Nor on the host: uploaded as they come, and compacted where that fits.
                 let room = match tiers.reserve_on(device, data_bytes.min(peak)).await {
                     Ok(room) => room,
                     Err(_) => tiers.budget().try_reserve(device, 0)?,
                 };
-                (room, joined_on_the_host(pieces).await?)
+                (room, pieces)
             }
         };
         let room_made = started.elapsed();
@@ -275,22 +289,51 @@ impl Compactor {
     }
 }
 
-/// `pieces` as one batch, joined on the host (a stream of that one batch, or of none).
+/// Pieces read onto the host to be uploaded: joined into one batch, or left apart where they
+/// cannot be joined (a string column past Arrow's 2 GiB of 32-bit offsets).
+enum Joined {
+    One(RecordBatch),
+    Apart(Vec<RecordBatch>),
+}
+
+impl Joined {
+    fn stream(self) -> BoxStream<'static, Result<RecordBatch, StoreError>> {
+        let batches = match self {
+            Joined::One(joined) => vec![joined],
+            Joined::Apart(pieces) => pieces,
+        };
+        futures::stream::iter(batches.into_iter().map(Ok)).boxed()
+    }
+}
+
+/// Whether the host may join pieces that a device needs `peak` bytes to compact: the join
+/// holds them all and their joined copy (about `peak`) in host memory that no budget pays
+/// for, so only where the host has twice that available, and never its last memory.
+fn host_can_join(peak: u64) -> bool {
+    crate::backend::host_memory_available().is_some_and(|available| available / 2 >= peak)
+}
+
+/// `pieces`, read, and joined on the host where they can be.
 async fn joined_on_the_host(
     pieces: BoxStream<'static, Result<RecordBatch, StoreError>>,
-) -> Result<BoxStream<'static, Result<RecordBatch, StoreError>>, StoreError> {
+) -> Result<Joined, StoreError> {
     let pieces: Vec<RecordBatch> = pieces.try_collect().await?;
-    let Some(first) = pieces.first() else {
-        return Ok(futures::stream::empty().boxed());
-    };
-    let schema = first.schema();
+    if pieces.len() <= 1 {
+        return Ok(Joined::Apart(pieces));
+    }
     let joined = tokio::task::spawn_blocking(move || {
-        arrow::compute::concat_batches(&schema, &pieces)
-            .map_err(|e| BackendError::Device(format!("joining pieces on the host: {e}")))
+        let schema = pieces[0].schema();
+        match arrow::compute::concat_batches(&schema, &pieces) {
+            Ok(joined) => Joined::One(joined),
+            Err(error) => {
+                tracing::info!(%error, "pieces kept apart: they do not join");
+                Joined::Apart(pieces)
+            }
+        }
     })
     .await
-    .map_err(|e| BackendError::Device(format!("a join task failed: {e}")))??;
-    Ok(futures::stream::iter([Ok(joined)]).boxed())
+    .map_err(|e| BackendError::Device(format!("a join task failed: {e}")))?;
+    Ok(joined)
 }
 
 #[cfg(test)]

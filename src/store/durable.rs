@@ -335,9 +335,12 @@ impl Writer {
                 };
                 match self.blocking(move |dir| dir.commit(change)).await {
                     Ok(()) => {
-                        self.held_on_disk(dataset, rows, &written);
-                        self.live.insert(name.clone(), Arc::downgrade(dataset));
                         self.persisted.insert(name.clone(), dataset.version());
+                        // All its rows, not only the written ones: an append shares the
+                        // partitions before it, which a compaction may have made since they
+                        // were last marked (a queued `Job::Compacted` does not outlive its
+                        // version).
+                        self.mark_held(dataset);
                         self.to_merge.insert(name);
                         return Ok(());
                     }

@@ -160,9 +160,13 @@ impl Leases {
         owner: &str,
         max: u32,
     ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        // One whose time is up counts no more, whether or not the reaper has ended it.
         let held = leases
             .values()
-            .filter(|lease| lease.owner == owner && lease.terms.staged.is_none())
+            .filter(|lease| {
+                lease.owner == owner && lease.terms.staged.is_none() && lease.deadline > now
+            })
             .count();
         if held >= max as usize {
             return Err(StoreError::TooManyLeases {
@@ -373,5 +377,36 @@ mod tests {
         });
         assert!(matches!(refused, Err(StoreError::LeaseNotYours { .. })));
         assert_eq!(leases.list()[0].term, Duration::from_secs(60), "unchanged");
+    }
+
+    /// A lease whose time is up no longer counts against its owner's limit, whether or not
+    /// the reaper has ended it yet.
+    #[test]
+    fn expired_leases_do_not_count_against_the_limit() {
+        let leases = Leases::default();
+        let terms = LeaseTerms {
+            columns: vec![],
+            consumer: None,
+            copy: false,
+            held: Arc::new(vec![]),
+            replicas: Arc::new(vec![]),
+            staged: None,
+        };
+        let expired = Lease::new(dataset("a"), terms.clone(), Duration::ZERO, "o".into());
+        leases.insert_export(expired, 1).expect("the first");
+        let live = Lease::new(
+            dataset("a"),
+            terms.clone(),
+            Duration::from_secs(60),
+            "o".into(),
+        );
+        leases
+            .insert_export(live, 1)
+            .expect("the first has expired");
+        let more = Lease::new(dataset("a"), terms, Duration::from_secs(60), "o".into());
+        assert!(matches!(
+            leases.insert_export(more, 1),
+            Err(StoreError::TooManyLeases { max: 1, .. })
+        ));
     }
 }

@@ -242,9 +242,10 @@ impl PendingPut {
     /// device that has room, which the put then stays on. Where none has room, the charge of
     /// the batch's own `message` on a device yields first (see [`Tiers::message_yields`]):
     /// it moves to the host tier, or becomes part of the batch's charge where the batch is
-    /// the message's memory, so that a put fits whenever its bytes are free; then partitions
-    /// on the put's device are spilled to the host tier to make room. Fails saying what every
-    /// tier holds when that does not make room either.
+    /// the message's memory, so that a put fits whenever its bytes are free (a charge on
+    /// another device stays beside until the upload is done); then partitions on the put's
+    /// device are spilled to the host tier to make room. Fails saying what every tier holds
+    /// when that does not make room either.
     async fn reserve(
         &mut self,
         bytes: u64,

@@ -345,10 +345,14 @@ impl Tiers {
                     *message = host;
                     return Ok(());
                 }
-                if message.is_of(&self.budget)
-                    && self.evict_on(message.device(), bytes)
-                    && message.try_grow(bytes).is_ok()
-                {
+                // Where it is paid for now (a device, or the host tier since an earlier
+                // part of it found no device with room).
+                let evicted = if message.is_of(&self.budget) {
+                    self.evict_on(message.device(), bytes)
+                } else {
+                    self.evict_from_host(bytes)
+                };
+                if evicted && message.try_grow(bytes).is_ok() {
                     return Ok(());
                 }
                 Err(self.tiers_full(error))
@@ -604,20 +608,20 @@ impl Tiers {
 
     /// Puts least recently used host-tier partitions that the data directory holds back in
     /// the disk tier until `bytes` are free in the host tier, or none is left; none where
-    /// all of them together would not free enough.
-    fn evict_from_host(&self, bytes: u64) {
+    /// all of them together would not free enough. Returns whether `bytes` are free.
+    fn evict_from_host(&self, bytes: u64) -> bool {
         let tiers = self;
         let candidates = tiers.spill_candidates(Tier::Host, true);
         let evictable = candidates.iter().fold(0u64, |sum, slot| {
             sum.saturating_add(slot.look(|resident| resident.reservation.bytes()))
         });
-        let free = tiers.host_limit().saturating_sub(tiers.host_used());
-        if free.saturating_add(evictable) < bytes {
-            return;
+        let free = || tiers.host_limit().saturating_sub(tiers.host_used());
+        if free().saturating_add(evictable) < bytes {
+            return false;
         }
         for slot in candidates {
-            if tiers.host_limit().saturating_sub(tiers.host_used()) >= bytes {
-                return;
+            if free() >= bytes {
+                break;
             }
             let Ok(_moving) = slot.moving().try_lock() else {
                 continue;
@@ -627,6 +631,7 @@ impl Tiers {
                 self.evict(&slot, &resident);
             }
         }
+        free() >= bytes
     }
 }
 
@@ -878,5 +883,36 @@ mod tests {
             .expect("room from the smallest");
         let placed: Vec<Tier> = held.iter().map(StoredPartition::tier).collect();
         assert_eq!(placed, [Tier::Host, Tier::Device(0), Tier::Host]);
+    }
+
+    /// A message the host tier pays for (no device had room for it) grows by evicting the
+    /// host tier's partitions that the data directory holds, as one a device pays for
+    /// evicts that device's.
+    #[tokio::test]
+    async fn a_message_in_the_host_tier_grows_by_evicting_what_the_disk_holds() {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
+        let budget = MemoryBudget::new(vec![Some(1000)]);
+        let tiers = Tiers::new(
+            Arc::clone(&backend),
+            Arc::clone(&budget),
+            700,
+            Arc::default(),
+        );
+        let data = backend
+            .upload(0, crate::store::testing::batch(0..25))
+            .await
+            .expect("upload");
+        let reservation = budget.try_reserve(0, 200).expect("fits");
+        let on_disk = tiers.hold(Arc::clone(&data), reservation, 200);
+        assert!(tiers.spill(&on_disk.slot).await.expect("spill"));
+        on_disk.slot.held_on_disk(data);
+        let _full = budget.try_reserve(0, 1000).expect("the whole device");
+        let mut message = tiers.reserve_message(100).expect("in the host tier");
+        assert!(!message.is_of(&budget));
+        tiers
+            .grow_message(&mut message, 450)
+            .expect("room made by evicting");
+        assert_eq!(on_disk.tier(), Tier::Disk);
+        assert_eq!(message.bytes(), 550);
     }
 }
