@@ -1072,3 +1072,75 @@ async fn export_column_lists_are_refused_when_they_repeat_or_are_empty() {
     }
     server.shutdown_and_wait().await;
 }
+
+/// The host backend, but each upload runs on a task of its own for a while, as the cuda
+/// backend's do: a put that fails meanwhile cannot stop them.
+#[derive(Debug)]
+struct SlowUploads(HostBackend);
+
+impl Backend for SlowUploads {
+    fn name(&self) -> &'static str {
+        "slow uploads"
+    }
+    fn devices(&self) -> Vec<DeviceInfo> {
+        self.0.devices()
+    }
+    fn stored_size(&self, batch: &RecordBatch) -> Result<u64, BackendError> {
+        self.0.stored_size(batch)
+    }
+    fn upload(
+        &self,
+        device: u32,
+        batch: RecordBatch,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        use futures::FutureExt;
+        let upload = self.0.upload(device, batch);
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            upload.await
+        });
+        task.map(|joined| joined.unwrap_or_else(|e| Err(BackendError::Device(e.to_string()))))
+            .boxed()
+    }
+    fn compacted_size(&self, partitions: &[Arc<dyn Partition>]) -> Result<u64, BackendError> {
+        self.0.compacted_size(partitions)
+    }
+    fn compact(
+        &self,
+        partitions: Vec<Arc<dyn Partition>>,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        self.0.compact(partitions)
+    }
+    fn copied_size(
+        &self,
+        partition: &Arc<dyn Partition>,
+        columns: &[usize],
+    ) -> Result<u64, BackendError> {
+        self.0.copied_size(partition, columns)
+    }
+    fn copy_to(
+        &self,
+        partition: Arc<dyn Partition>,
+        columns: Vec<usize>,
+        device: u32,
+    ) -> futures::future::BoxFuture<'static, Result<Arc<dyn Partition>, BackendError>> {
+        self.0.copy_to(partition, columns, device)
+    }
+}
+
+/// A put that fails while uploads it started are still running answers once they are done:
+/// the memory they use is paid for until then, and free when the client hears of the failure.
+#[tokio::test]
+async fn a_failed_put_answers_once_its_uploads_are_done_and_their_memory_free() {
+    let server = TestServer::start(Arc::new(SlowUploads(HostBackend::new()))).await;
+    let mut client = server.client().await;
+    let batches: Vec<_> = (0..3).map(|i| int64_batch(20_000, 3, i)).collect();
+    let error = put_then_abort(&mut client, path("t"), batches, "gave up").await;
+    assert_eq!(code_of(&error), Code::Aborted, "{error}");
+    assert_eq!(
+        used_bytes(&mut client).await,
+        0,
+        "still paid for on answering"
+    );
+    server.shutdown_and_wait().await;
+}
