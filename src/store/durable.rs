@@ -593,12 +593,12 @@ async fn merger(
     }
 }
 
-/// The run of `segments` to merge next, if any: the first that merging neighbours of
-/// comparable size would join, as background compactions in memory do (`background`). Going
-/// from the oldest, each segment is stacked on the runs before it, and the newest run joins the one before it
-/// while it is no larger and at least half as large, both are below [`MERGE_BELOW`], or
-/// either holds no rows (a schema-only segment). A byte is thus rewritten O(log n) times over
-/// n appends, and a dataset keeps O(log n) small segments.
+/// The run of `segments` to merge next, if any. Going from the oldest, each segment is
+/// stacked on the runs before it, and the newest run joins the one before it while both are
+/// below [`MERGE_BELOW`] and the older is less than twice as large (appends of any sizes), or
+/// either holds no rows (a schema-only segment). The small runs left are thus each less than
+/// half the one before: a byte is rewritten O(log n) times over n appends, and a dataset
+/// keeps O(log n) small segments, less than twice [`MERGE_BELOW`] in all at its end.
 fn plan_merge(segments: &[Segment]) -> Option<Range<usize>> {
     struct Run {
         start: usize,
@@ -608,9 +608,7 @@ fn plan_merge(segments: &[Segment]) -> Option<Range<usize>> {
     let comparable = |older: &Run, newer: &Run| {
         older.bytes < MERGE_BELOW
             && newer.bytes < MERGE_BELOW
-            && (older.rows == 0
-                || newer.rows == 0
-                || (newer.bytes <= older.bytes && newer.bytes.saturating_mul(2) >= older.bytes))
+            && (older.rows == 0 || newer.rows == 0 || newer.bytes.saturating_mul(2) >= older.bytes)
     };
     let mut stack: Vec<Run> = Vec::new();
     for (index, segment) in segments.iter().enumerate() {
@@ -647,4 +645,50 @@ pub(crate) async fn open(root: PathBuf) -> Result<(DataDir, Manifest), StoreErro
         .await
         .map_err(|e| StoreError::Persist(format!("opening the data directory failed: {e}")))?
         .map_err(StoreError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Appends of `sizes`, each merged as the merger would before the next comes, run by run.
+    fn appended(sizes: &[u64]) -> Vec<Segment> {
+        let segment = |bytes: u64| Segment {
+            file: String::new(),
+            rows: bytes / 8,
+            bytes,
+            checksum: 0,
+            data_bytes: bytes,
+        };
+        let mut segments = Vec::new();
+        for &bytes in sizes {
+            segments.push(segment(bytes));
+            while let Some(run) = plan_merge(&segments) {
+                let merged: Vec<Segment> = segments.drain(run.clone()).collect();
+                let bytes = merged.iter().map(|s| s.bytes).sum();
+                segments.insert(run.start, segment(bytes));
+            }
+        }
+        segments
+    }
+
+    /// Appends of sizes that vary (a larger one after a smaller) are merged as well as
+    /// uniform ones: what stays in small files is less than twice [`MERGE_BELOW`] in all, so the
+    /// rest can go back to the data directory when memory is needed.
+    #[test]
+    fn small_files_are_merged_whatever_the_appends_sizes() {
+        let kib = 1u64 << 10;
+        let varying: Vec<u64> = (0..100u64).map(|i| (96 + (i * 37) % 305) * kib).collect();
+        for sizes in [vec![320 * kib; 100], varying] {
+            let segments = appended(&sizes);
+            let small: u64 = segments
+                .iter()
+                .filter(|s| s.bytes < MERGE_BELOW)
+                .map(|s| s.bytes)
+                .sum();
+            assert!(small < 2 * MERGE_BELOW, "{small} bytes left in small files");
+            let total: u64 = segments.iter().map(|s| s.bytes).sum();
+            assert_eq!(total, sizes.iter().sum::<u64>());
+        }
+    }
 }
