@@ -275,7 +275,7 @@ mod tests {
 
     use super::*;
     use crate::backend::HostBackend;
-    use crate::store::testing::{Gate, GatedBackend, batch, put};
+    use crate::store::testing::{DataDir, Gate, GatedBackend, batch, open_host, put};
     use crate::store::{PutMode, Store, StoreOptions};
 
     /// The values of column `x` of `batches`, in order.
@@ -301,6 +301,18 @@ mod tests {
             .await
             .expect("read");
         values(&batches)
+    }
+
+    /// Whether `slot` is marked as held on disk within five seconds (the persistence writer
+    /// marks it after its own work).
+    async fn held_on_disk_soon(slot: &crate::store::slot::Slot) -> bool {
+        for _ in 0..500 {
+            if slot.on_disk().is_some() {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        false
     }
 
     async fn commit(store: &Store, mode: PutMode, batches: Vec<RecordBatch>) {
@@ -534,17 +546,8 @@ mod tests {
     /// compaction made holds rows the directory holds too: it must be able to go as well.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_partition_compacted_in_the_background_can_go_back_to_the_data_directory() {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-held-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let options = StoreOptions {
-            data_dir: Some(dir.clone()),
-            memory_limit: Some(8 << 20),
-            host_memory_limit: Some(0),
-            ..StoreOptions::default()
-        };
-        let store = Store::open(Arc::new(HostBackend::new()), options)
-            .await
-            .expect("open");
+        let dir = DataDir::new("held");
+        let store = open_host(&dir.options(Some(8 << 20), 0)).await;
         // Small enough for the host backend to compact, and for their files to be merged.
         commit(&store, PutMode::Create, vec![batch(0..100_000)]).await;
         commit(&store, PutMode::Append, vec![batch(100_000..200_000)]).await;
@@ -553,13 +556,7 @@ mod tests {
         assert_eq!(dataset.num_partitions(), 1, "compacted");
         let slot = Arc::clone(&dataset.partitions()[0].slot);
         drop(dataset);
-        for _ in 0..500 {
-            if slot.on_disk().is_some() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        assert!(slot.on_disk().is_some(), "not marked as held on disk");
+        assert!(held_on_disk_soon(&slot).await, "not marked as held on disk");
         let budget = store.tiers.budget();
         let wanted = budget.free(0) + slot.look(|resident| resident.reservation.bytes());
         assert!(store.tiers.reserve_on(0, wanted).await.is_ok(), "room made");
@@ -568,7 +565,6 @@ mod tests {
         assert_eq!(read(&dataset).await, (0..200_000).collect::<Vec<_>>());
         drop(dataset);
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Many small appends: the merger joins their files in runs of its own, and background
@@ -576,17 +572,8 @@ mod tests {
     /// files. Each must still be held by the files its rows are in, and able to go back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn partitions_that_end_inside_files_can_go_back_to_the_data_directory() {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-window-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let options = StoreOptions {
-            data_dir: Some(dir.clone()),
-            memory_limit: Some(16 << 20),
-            host_memory_limit: Some(0),
-            ..StoreOptions::default()
-        };
-        let store = Store::open(Arc::new(HostBackend::new()), options)
-            .await
-            .expect("open");
+        let dir = DataDir::new("window");
+        let store = open_host(&dir.options(Some(16 << 20), 0)).await;
         const ROWS: i64 = 50_000;
         commit(&store, PutMode::Create, vec![batch(0..ROWS)]).await;
         for i in 1..12 {
@@ -625,7 +612,6 @@ mod tests {
         assert_eq!(read(&dataset).await, (0..12 * ROWS).collect::<Vec<_>>());
         drop(dataset);
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A background compaction of partitions whose files the merger leaves as they are
@@ -636,16 +622,8 @@ mod tests {
     async fn a_compaction_of_large_files_marks_its_partition_held_on_disk() {
         use arrow::array::{DictionaryArray, StringArray};
         use arrow::datatypes::Int32Type;
-        let dir = std::env::temp_dir().join(format!("gpu-flight-dict-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let options = StoreOptions {
-            data_dir: Some(dir.clone()),
-            host_memory_limit: Some(0),
-            ..StoreOptions::default()
-        };
-        let store = Store::open(Arc::new(HostBackend::new()), options)
-            .await
-            .expect("open");
+        let dir = DataDir::new("dict");
+        let store = open_host(&dir.options(None, 0)).await;
         let dictionary = |from: i32| {
             let keys =
                 arrow::array::Int32Array::from_iter_values((from..from + 300_000).map(|k| k % 4));
@@ -661,15 +639,8 @@ mod tests {
         assert_eq!(dataset.num_partitions(), 1, "compacted");
         let slot = Arc::clone(&dataset.partitions()[0].slot);
         drop(dataset);
-        for _ in 0..500 {
-            if slot.on_disk().is_some() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        assert!(slot.on_disk().is_some(), "not marked as held on disk");
+        assert!(held_on_disk_soon(&slot).await, "not marked as held on disk");
         assert_eq!(store.status().merges, 1, "one background compaction");
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

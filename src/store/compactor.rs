@@ -345,10 +345,8 @@ mod tests {
     use crate::store::memory::MemoryBudget;
     use crate::store::testing::batch;
 
-    /// A restore makes room for its pieces by spilling others. Another request that takes
-    /// memory while the pieces upload must not take that room: the pieces would find none.
-    #[tokio::test]
-    async fn the_room_made_for_pieces_is_theirs_while_they_upload() {
+    /// A compactor over the host backend with one device of 64 KiB and a host tier of 1 GiB.
+    fn small_device() -> (Arc<dyn Backend>, Arc<MemoryBudget>, Arc<Tiers>, Compactor) {
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
         let budget = MemoryBudget::new(vec![Some(64 << 10)]);
         let stats = Arc::new(Stats::default());
@@ -359,6 +357,14 @@ mod tests {
             Arc::clone(&stats),
         ));
         let compactor = Compactor::new(Arc::clone(&backend), Arc::clone(&tiers), stats);
+        (backend, budget, tiers, compactor)
+    }
+
+    /// A restore makes room for its pieces by spilling others. Another request that takes
+    /// memory while the pieces upload must not take that room: the pieces would find none.
+    #[tokio::test]
+    async fn the_room_made_for_pieces_is_theirs_while_they_upload() {
+        let (backend, budget, tiers, compactor) = small_device();
         let filler = backend.upload(0, batch(0..10)).await.expect("upload");
         let charge = budget.try_reserve(0, budget.free(0)).expect("the rest");
         let filler = tiers.hold(filler, charge, 80);
@@ -396,16 +402,7 @@ mod tests {
     /// between the uploads and the compaction.
     #[tokio::test]
     async fn a_compaction_out_of_reserved_room_needs_nothing_free() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(64 << 10)]);
-        let stats = Arc::new(Stats::default());
-        let tiers = Arc::new(Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            1 << 30,
-            Arc::clone(&stats),
-        ));
-        let compactor = Compactor::new(Arc::clone(&backend), Arc::clone(&tiers), stats);
+        let (backend, budget, tiers, compactor) = small_device();
         let mut pieces = Vec::new();
         for rows in [0..1000, 1000..2000] {
             let piece = batch(rows);

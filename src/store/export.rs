@@ -397,6 +397,17 @@ mod tests {
     use crate::store::testing::{batch, put};
     use crate::store::{PutMode, Store, StoreOptions};
 
+    /// A store over the host backend holding a dataset `t`.
+    async fn store_of_t() -> Store {
+        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
+        put(&store, PutMode::Create, vec![batch(0..10)])
+            .await
+            .commit()
+            .await
+            .expect("commit");
+        store
+    }
+
     fn terms() -> LeaseTerms {
         LeaseTerms {
             columns: vec!["x".to_owned()],
@@ -412,12 +423,7 @@ mod tests {
     /// principal may hold only so many, and the next is refused before anything is done.
     #[tokio::test]
     async fn a_principal_holds_at_most_its_lease_limit() {
-        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
-        put(&store, PutMode::Create, vec![batch(0..10)])
-            .await
-            .commit()
-            .await
-            .expect("commit");
+        let store = store_of_t().await;
         let dataset = store.get("t").expect("t");
         for _ in 0..2 {
             let lease = Lease::new(
@@ -467,12 +473,7 @@ mod tests {
     /// `lease-renew`, is for its owner alone.
     #[tokio::test]
     async fn an_export_renews_only_its_owners_lease() {
-        let store = Store::new(Arc::new(HostBackend::new()), StoreOptions::default());
-        put(&store, PutMode::Create, vec![batch(0..10)])
-            .await
-            .commit()
-            .await
-            .expect("commit");
+        let store = store_of_t().await;
         let dataset = store.get("t").expect("t");
         let lease = Lease::new(dataset, terms(), Duration::from_secs(5), "owner".to_owned());
         store.leases.insert(lease.clone());

@@ -310,16 +310,20 @@ mod tests {
         ))
     }
 
-    fn grant(leases: &Leases, name: &str) -> Lease {
-        let terms = LeaseTerms {
+    /// An export's terms that hold nothing.
+    fn terms() -> LeaseTerms {
+        LeaseTerms {
             columns: vec![],
             consumer: None,
             copy: false,
             held: Arc::new(vec![]),
             replicas: Arc::new(vec![]),
             staged: None,
-        };
-        let lease = Lease::new(dataset(name), terms, Duration::from_secs(10), "o".into());
+        }
+    }
+
+    fn grant(leases: &Leases, name: &str) -> Lease {
+        let lease = Lease::new(dataset(name), terms(), Duration::from_secs(10), "o".into());
         leases.insert(lease.clone());
         lease
     }
@@ -384,14 +388,7 @@ mod tests {
     #[test]
     fn expired_leases_do_not_count_against_the_limit() {
         let leases = Leases::default();
-        let terms = LeaseTerms {
-            columns: vec![],
-            consumer: None,
-            copy: false,
-            held: Arc::new(vec![]),
-            replicas: Arc::new(vec![]),
-            staged: None,
-        };
+        let terms = terms();
         let expired = Lease::new(dataset("a"), terms.clone(), Duration::ZERO, "o".into());
         leases.insert_export(expired, 1).expect("the first");
         let live = Lease::new(

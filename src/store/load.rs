@@ -599,21 +599,14 @@ mod tests {
 
     use super::*;
     use crate::backend::HostBackend;
-    use crate::store::testing::{Gate, GatedBackend, batch, put};
-    use crate::store::{PutMode, Store, StoreOptions};
+    use crate::store::PutMode;
+    use crate::store::testing::{DataDir, Gate, GatedBackend, batch, open_host, put, reopened};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_load_goes_on_when_its_reader_goes_away() {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-load-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let options = StoreOptions {
-            data_dir: Some(dir.clone()),
-            host_memory_limit: Some(0),
-            ..StoreOptions::default()
-        };
-        let store = Store::open(Arc::new(HostBackend::new()), options.clone())
-            .await
-            .expect("open");
+        let dir = DataDir::new("load");
+        let options = dir.options(None, 0);
+        let store = open_host(&options).await;
         // Sizes far apart, which the merges on disk leave as two segments.
         for (mode, rows) in [(PutMode::Create, 0..1000), (PutMode::Append, 1000..1100)] {
             put(&store, mode, vec![batch(rows)])
@@ -622,15 +615,11 @@ mod tests {
                 .await
                 .expect("commit");
         }
-        store.close().await;
-        drop(store);
 
         // Two segments, so loading onto the device ends in a compaction, which waits.
         let backend = GatedBackend::new(HostBackend::new(), Gate::Compactions);
         let (started, release) = (Arc::clone(&backend.started), Arc::clone(&backend.release));
-        let store = Store::open(Arc::new(backend), options)
-            .await
-            .expect("reopen");
+        let store = reopened(store, Arc::new(backend), &options).await;
         let dataset = store.get("t").expect("t");
         let mut reading = dataset.read(0..1100, 1 << 20, 2).expect("a stream");
         tokio::select! {
@@ -660,7 +649,6 @@ mod tests {
             batch(0..1100)
         );
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A restore for an export finds the partition on disk, and waits while a DoGet's load
@@ -668,26 +656,15 @@ mod tests {
     /// host memory (which fails the export with "not exportable").
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_restore_goes_on_to_the_device_from_wherever_another_move_left_it() {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-restore-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let options = StoreOptions {
-            data_dir: Some(dir.clone()),
-            host_memory_limit: Some(64 << 20),
-            ..StoreOptions::default()
-        };
-        let store = Store::open(Arc::new(HostBackend::new()), options.clone())
-            .await
-            .expect("open");
+        let dir = DataDir::new("restore");
+        let options = dir.options(None, 64 << 20);
+        let store = open_host(&options).await;
         put(&store, PutMode::Create, vec![batch(0..1000)])
             .await
             .commit()
             .await
             .expect("commit");
-        store.close().await;
-        drop(store);
-        let store = Store::open(Arc::new(HostBackend::new()), options)
-            .await
-            .expect("reopen");
+        let store = reopened(store, Arc::new(HostBackend::new()), &options).await;
         let dataset = store.get("t").expect("t");
         let partition = dataset.partitions()[0].clone();
         let slot = Arc::clone(&partition.slot);
@@ -720,34 +697,21 @@ mod tests {
         assert_eq!(slot.resident().tier, Tier::Device(0));
         drop(restored);
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Without a host tier (the host backend's default), a dataset loaded after a restart
     /// goes onto its device: one larger than half the device's budget must load all the same.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_dataset_over_half_the_budget_loads_after_a_restart() {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-big-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let options = StoreOptions {
-            data_dir: Some(dir.clone()),
-            memory_limit: Some(64 << 20),
-            host_memory_limit: Some(0),
-            ..StoreOptions::default()
-        };
-        let store = Store::open(Arc::new(HostBackend::new()), options.clone())
-            .await
-            .expect("open");
+        let dir = DataDir::new("big");
+        let options = dir.options(Some(64 << 20), 0);
+        let store = open_host(&options).await;
         put(&store, PutMode::Create, vec![batch(0..5_000_000)])
             .await
             .commit()
             .await
             .expect("40 MB of 64");
-        store.close().await;
-        drop(store);
-        let store = Store::open(Arc::new(HostBackend::new()), options)
-            .await
-            .expect("reopen");
+        let store = reopened(store, Arc::new(HostBackend::new()), &options).await;
         let dataset = store.get("t").expect("t");
         let rows: Vec<RecordBatch> = dataset
             .read(0..5_000_000, 8 << 20, 2)
@@ -761,6 +725,5 @@ mod tests {
         );
         drop((rows, dataset));
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

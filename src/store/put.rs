@@ -424,8 +424,19 @@ mod tests {
     use crate::backend::HostBackend;
     use crate::store::compactor::Room;
     use crate::store::slot::Tier;
-    use crate::store::testing::{Gate, GatedBackend, batch, put};
+    use crate::store::testing::{DataDir, Gate, GatedBackend, batch, open_host, put};
     use crate::store::{Store, StoreOptions};
+
+    /// Waits up to a second for every device of `store` to hold nothing (memory that tasks
+    /// still running give back when they end).
+    async fn nothing_used_soon(store: &Store) {
+        for _ in 0..100 {
+            if store.status().devices.iter().all(|d| d.used_bytes == 0) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
 
     /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts
     /// them they may be in the host tier, which is not the backend's to compact (on the
@@ -525,12 +536,7 @@ mod tests {
             store.get("t").is_err(),
             "the drop stands: nothing committed"
         );
-        for _ in 0..100 {
-            if store.status().devices[0].used_bytes == 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        nothing_used_soon(&store).await;
         assert_eq!(
             store.status().devices[0].used_bytes,
             0,
@@ -609,12 +615,7 @@ mod tests {
             "the copy still under way is still paid for"
         );
         release.notify_one();
-        for _ in 0..100 {
-            if used(&store) == 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        nothing_used_soon(&store).await;
         assert_eq!(used(&store), 0, "returned with the copy's memory");
         assert_eq!(store.get("t").expect("t").device_runs()[0].1, 0);
     }
@@ -647,12 +648,7 @@ mod tests {
             "the upload still under way is still paid for"
         );
         release.notify_one();
-        for _ in 0..100 {
-            if used(&store) == 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        nothing_used_soon(&store).await;
         assert!(schema_only > 0, "the schema was charged");
         assert_eq!(used(&store), 0, "returned with the upload's memory");
     }
@@ -778,19 +774,8 @@ mod tests {
     /// stands in the way of a put, whether the room is wanted for a message or its batch.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_message_makes_room_by_evicting_a_dataset_held_on_disk() {
-        let dir = std::env::temp_dir().join(format!("gpu-flight-msg-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let store = Store::open(
-            Arc::new(HostBackend::new()),
-            StoreOptions {
-                data_dir: Some(dir.clone()),
-                memory_limit: Some(64 << 20),
-                host_memory_limit: Some(0),
-                ..StoreOptions::default()
-            },
-        )
-        .await
-        .expect("open");
+        let dir = DataDir::new("msg");
+        let store = open_host(&dir.options(Some(64 << 20), 0)).await;
         put(&store, PutMode::Create, vec![batch(0..5_000_000)])
             .await
             .commit()
@@ -810,6 +795,5 @@ mod tests {
             .expect("a new message, in the room made");
         drop((message, other, held));
         store.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

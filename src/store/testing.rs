@@ -8,7 +8,7 @@ use arrow::record_batch::RecordBatch;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use super::{PendingPut, PutMode, Store};
+use super::{PendingPut, PutMode, Store, StoreOptions};
 use crate::backend::{Backend, BackendError, DeviceInfo, HostBackend, Partition};
 
 /// One int64 column `x` holding `values`.
@@ -132,4 +132,56 @@ impl Backend for GatedBackend {
             compacted
         }
     }
+}
+
+/// A directory of a test's own for a store's data (`--data-dir`), under the system's
+/// temporary one: emptied first, removed when dropped.
+pub(super) struct DataDir(std::path::PathBuf);
+
+impl DataDir {
+    pub(super) fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("gpu-flight-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+
+    /// Options that persist here, with `memory_limit` for each device and
+    /// `host_memory_limit` for the host tier (0: none, the host backend's default).
+    pub(super) fn options(
+        &self,
+        memory_limit: Option<u64>,
+        host_memory_limit: u64,
+    ) -> StoreOptions {
+        StoreOptions {
+            data_dir: Some(self.0.clone()),
+            memory_limit,
+            host_memory_limit: Some(host_memory_limit),
+            ..StoreOptions::default()
+        }
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A store over the host backend, opened with `options`.
+pub(super) async fn open_host(options: &StoreOptions) -> Store {
+    Store::open(Arc::new(HostBackend::new()), options.clone())
+        .await
+        .expect("open")
+}
+
+/// `store` closed, and its directory opened again over `backend`: a restart, whose store holds
+/// only what the directory does.
+pub(super) async fn reopened(
+    store: Store,
+    backend: Arc<dyn Backend>,
+    options: &StoreOptions,
+) -> Store {
+    store.close().await;
+    drop(store);
+    Store::open(backend, options.clone()).await.expect("reopen")
 }

@@ -696,12 +696,17 @@ mod tests {
 
     impl SmallDevice {
         fn new() -> Self {
+            Self::with_host_tier(1 << 30)
+        }
+
+        /// The same device, and a host tier of `host_limit` bytes.
+        fn with_host_tier(host_limit: u64) -> Self {
             let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
             let budget = MemoryBudget::new(vec![Some(1000)]);
             let tiers = Tiers::new(
                 Arc::clone(&backend),
                 Arc::clone(&budget),
-                1 << 30,
+                host_limit,
                 Arc::default(),
             );
             Self {
@@ -709,6 +714,27 @@ mod tests {
                 budget,
                 tiers,
             }
+        }
+
+        /// A partition of `rows` rows charged `charge` bytes of the device.
+        async fn holding(&self, rows: i64, charge: u64) -> StoredPartition {
+            let data = self
+                .backend
+                .upload(0, crate::store::testing::batch(0..rows))
+                .await
+                .expect("upload");
+            let reservation = self.budget.try_reserve(0, charge).expect("fits");
+            self.tiers.hold(data, reservation, charge)
+        }
+
+        /// A partition like [`SmallDevice::holding`]'s, spilled to the host tier and held by
+        /// the data directory too (its own rows standing in for the files).
+        async fn spilled_and_on_disk(&self, rows: i64, charge: u64) -> StoredPartition {
+            let stored = self.holding(rows, charge).await;
+            let data = Arc::clone(&stored.slot.resident().data);
+            assert!(self.tiers.spill(&stored.slot).await.expect("spill"));
+            stored.slot.held_on_disk(data);
+            stored
         }
 
         /// A partition charged the whole device.
@@ -819,23 +845,9 @@ mod tests {
     /// a request for room spills the newer one rather than giving up at the first.
     #[tokio::test]
     async fn a_partition_too_large_for_the_host_tier_does_not_stop_smaller_ones_going() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(1000)]);
-        let tiers = Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            700,
-            Arc::default(),
-        );
-        let mut held = Vec::new();
-        for (rows, charge) in [(100, 800), (25, 200)] {
-            let data = backend
-                .upload(0, crate::store::testing::batch(0..rows))
-                .await
-                .expect("upload");
-            let reservation = budget.try_reserve(0, charge).expect("fits");
-            held.push(tiers.hold(data, reservation, charge));
-        }
+        let small = SmallDevice::with_host_tier(700);
+        let tiers = &small.tiers;
+        let held = [small.holding(100, 800).await, small.holding(25, 200).await];
         let room = tiers.reserve_on(0, 200).await;
         assert_eq!(
             (held[0].tier(), held[1].tier()),
@@ -854,29 +866,13 @@ mod tests {
     /// when evicting them all would not make it fit either.
     #[tokio::test]
     async fn nothing_is_evicted_from_the_host_tier_for_a_partition_that_cannot_fit_it() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(1000)]);
-        let tiers = Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            700,
-            Arc::default(),
-        );
-        let mut held = Vec::new();
-        for (rows, charge) in [(25, 200), (100, 800), (20, 150)] {
-            let data = backend
-                .upload(0, crate::store::testing::batch(0..rows))
-                .await
-                .expect("upload");
-            let reservation = budget.try_reserve(0, charge).expect("fits");
-            let stored = tiers.hold(Arc::clone(&data), reservation, charge);
-            if held.is_empty() {
-                // In the host tier, and held by the data directory too.
-                assert!(tiers.spill(&stored.slot).await.expect("spill"));
-                stored.slot.held_on_disk(data);
-            }
-            held.push(stored);
-        }
+        let small = SmallDevice::with_host_tier(700);
+        let tiers = &small.tiers;
+        let held = [
+            small.spilled_and_on_disk(25, 200).await,
+            small.holding(100, 800).await,
+            small.holding(20, 150).await,
+        ];
         tiers
             .reserve_on(0, 200)
             .await
@@ -890,25 +886,12 @@ mod tests {
     /// evicts that device's.
     #[tokio::test]
     async fn a_message_in_the_host_tier_grows_by_evicting_what_the_disk_holds() {
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new());
-        let budget = MemoryBudget::new(vec![Some(1000)]);
-        let tiers = Tiers::new(
-            Arc::clone(&backend),
-            Arc::clone(&budget),
-            700,
-            Arc::default(),
-        );
-        let data = backend
-            .upload(0, crate::store::testing::batch(0..25))
-            .await
-            .expect("upload");
-        let reservation = budget.try_reserve(0, 200).expect("fits");
-        let on_disk = tiers.hold(Arc::clone(&data), reservation, 200);
-        assert!(tiers.spill(&on_disk.slot).await.expect("spill"));
-        on_disk.slot.held_on_disk(data);
+        let small = SmallDevice::with_host_tier(700);
+        let (tiers, budget) = (&small.tiers, &small.budget);
+        let on_disk = small.spilled_and_on_disk(25, 200).await;
         let _full = budget.try_reserve(0, 1000).expect("the whole device");
         let mut message = tiers.reserve_message(100).expect("in the host tier");
-        assert!(!message.is_of(&budget));
+        assert!(!message.is_of(budget));
         tiers
             .grow_message(&mut message, 450)
             .expect("room made by evicting");
