@@ -74,6 +74,14 @@ pub(crate) enum Job {
     Compacted { dataset: Weak<Dataset> },
 }
 
+impl Job {
+    /// Whether the job changes the disk, and so counts among the changes not on it yet
+    /// (`persistence.pending`): marking partitions held there does not.
+    fn changes_the_disk(&self) -> bool {
+        !matches!(self, Job::Compacted { .. })
+    }
+}
+
 /// The handle commits queue their jobs on.
 #[derive(Debug)]
 pub(crate) struct Durable {
@@ -129,16 +137,16 @@ impl Durable {
             Durability::Async => (None, None),
         };
         let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let job = make(sender);
+        let counted = u64::from(job.changes_the_disk());
         // Counted before it is sent: the writer may finish it (and count it off) before
         // `send` returns, and the gauge must never go below zero meanwhile.
-        Stats::add(&self.stats.pending_writes, 1);
-        let sent = jobs
-            .as_ref()
-            .is_some_and(|jobs| jobs.send(make(sender)).is_ok());
+        Stats::add(&self.stats.pending_writes, counted);
+        let sent = jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
         if !sent {
             self.stats
                 .pending_writes
-                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                .fetch_sub(counted, std::sync::atomic::Ordering::Relaxed);
             // Only after `close`, or when the runtime is going away.
             tracing::warn!("the persistence writer has stopped; a change was not written");
         }
@@ -239,6 +247,7 @@ impl Writer {
     }
 
     async fn job(&mut self, job: Job) {
+        let counted = u64::from(job.changes_the_disk());
         let (result, done) = match job {
             Job::Write {
                 dataset,
@@ -262,7 +271,7 @@ impl Writer {
         };
         self.stats
             .pending_writes
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            .fetch_sub(counted, std::sync::atomic::Ordering::Relaxed);
         if let Err(error) = &result {
             Stats::add(&self.stats.write_failures, 1);
             tracing::warn!(%error, "a change was not made durable");
