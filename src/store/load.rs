@@ -470,8 +470,11 @@ impl Loader {
         Ok(loaded)
     }
 
-    /// A dataset of the data directory as a partition of its `segments` (none if they hold
-    /// no rows), on disk and homed on `device`. Nothing is read.
+    /// A dataset of the data directory as partitions of its `segments` (none if they hold
+    /// no rows), on disk and homed on `device`. Nothing is read. Each partition is a run of
+    /// whole segments of at most a quarter of `device`'s budget where it has one (and at
+    /// least one segment): a dataset larger than the device loads, and is read, a partition at
+    /// a time, as it was before the restart.
     pub(crate) fn disk_partitions(
         self: &Arc<Self>,
         files: &Arc<SegmentFiles>,
@@ -479,24 +482,33 @@ impl Loader {
         segments: &[Segment],
         device: u32,
     ) -> Result<Vec<StoredPartition>, StoreError> {
-        let segments: Vec<PinnedSegment> = segments
-            .iter()
-            .filter(|segment| segment.rows > 0)
-            .map(|segment| files.pin(segment))
-            .collect();
-        if segments.is_empty() {
-            return Ok(Vec::new());
-        }
-        let disk = DiskPartition::new(Arc::clone(schema), segments, self)?;
         let tiers = &self.tiers;
-        let reservation = tiers.reserve_disk(disk.file_bytes);
-        let data_bytes = disk.data_bytes;
-        Ok(vec![tiers.hold_on_disk(
-            Arc::new(disk),
-            reservation,
-            device,
-            data_bytes,
-        )])
+        let most = tiers
+            .budget()
+            .limit(device)
+            .map_or(u64::MAX, |limit| (limit / 4).max(1));
+        let mut runs: Vec<Vec<PinnedSegment>> = Vec::new();
+        let mut run_bytes = 0u64;
+        for segment in segments.iter().filter(|segment| segment.rows > 0) {
+            match runs.last_mut() {
+                Some(run) if run_bytes.saturating_add(segment.bytes) <= most => {
+                    run_bytes = run_bytes.saturating_add(segment.bytes);
+                    run.push(files.pin(segment));
+                }
+                _ => {
+                    run_bytes = segment.bytes;
+                    runs.push(vec![files.pin(segment)]);
+                }
+            }
+        }
+        runs.into_iter()
+            .map(|run| {
+                let disk = DiskPartition::new(Arc::clone(schema), run, self)?;
+                let reservation = tiers.reserve_disk(disk.file_bytes);
+                let data_bytes = disk.data_bytes;
+                Ok(tiers.hold_on_disk(Arc::new(disk), reservation, device, data_bytes))
+            })
+            .collect()
     }
 
     /// `partition` on a device: restored from the host tier, or loaded from disk, onto the
@@ -723,6 +735,45 @@ mod tests {
             rows.iter().map(RecordBatch::num_rows).sum::<usize>(),
             5_000_000
         );
+        drop((rows, dataset));
+        store.close().await;
+    }
+
+    /// A dataset larger than its device's budget, built while the server ran (its partitions
+    /// went back to disk in turn): after a restart it is read a partition at a time too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dataset_larger_than_the_device_reads_after_a_restart() {
+        let dir = DataDir::new("larger");
+        let options = dir.options(Some(32 << 20), 0);
+        let store = open_host(&options).await;
+        const ROWS: i64 = 1_000_000;
+        for i in 0..6 {
+            let mode = if i == 0 {
+                PutMode::Create
+            } else {
+                PutMode::Append
+            };
+            put(&store, mode, vec![batch(i * ROWS..(i + 1) * ROWS)])
+                .await
+                .commit()
+                .await
+                .expect("8 MB more, older ones going back to disk");
+        }
+        let store = reopened(store, Arc::new(HostBackend::new()), &options).await;
+        let dataset = store.get("t").expect("t");
+        let rows: Vec<RecordBatch> = dataset
+            .read(0..6 * ROWS as u64, 4 << 20, 2)
+            .expect("a stream")
+            .try_collect()
+            .await
+            .expect("48 MB read through a device of 32");
+        let total: usize = rows.iter().map(RecordBatch::num_rows).sum();
+        assert_eq!(total, 6 * ROWS as usize);
+        let first = rows[0]
+            .column(0)
+            .as_any()
+            .downcast_ref::<arrow::array::Int64Array>();
+        assert_eq!(first.map(|c| c.value(0)), Some(0));
         drop((rows, dataset));
         store.close().await;
     }
