@@ -608,7 +608,14 @@ mod tests {
         let budget = store.tiers.budget();
         let wanted = budget.free(0) + dataset.tier_bytes().device;
         assert!(store.tiers.reserve_on(0, wanted).await.is_ok(), "room made");
-        assert_eq!(dataset.tier_bytes().device, 0, "every partition went back");
+        let placed = dataset.tier_bytes();
+        assert_eq!(placed.device, 0, "every partition went back");
+        assert!(
+            placed.disk <= dir.segment_bytes(),
+            "{} bytes on disk counted for {} of files",
+            placed.disk,
+            dir.segment_bytes()
+        );
         assert_eq!(read(&dataset).await, (0..12 * ROWS).collect::<Vec<_>>());
         drop(dataset);
         store.close().await;

@@ -105,7 +105,8 @@ impl DiskPartition {
 
     /// Only `window` of the segments' rows (numbered from the first segment's first row):
     /// a partition whose first and last segments begin and end inside its neighbours. Its
-    /// Arrow bytes are counted as its share of the segments'.
+    /// Arrow bytes, and the files' bytes it is charged on disk, are counted as its share of
+    /// the segments' (the neighbours hold the rest of them).
     pub(crate) fn within(mut self, window: Range<u64>) -> Result<Self, StoreError> {
         let total = self.starts.last().copied().unwrap_or(0);
         if window.start > window.end || window.end > total {
@@ -114,10 +115,12 @@ impl DiskPartition {
             )));
         }
         let rows = window.end - window.start;
-        self.data_bytes = u64::try_from(
-            u128::from(self.data_bytes) * u128::from(rows) / u128::from(total.max(1)),
-        )
-        .unwrap_or(u64::MAX);
+        let share = |bytes: u64| {
+            u64::try_from(u128::from(bytes) * u128::from(rows) / u128::from(total.max(1)))
+                .unwrap_or(u64::MAX)
+        };
+        self.data_bytes = share(self.data_bytes);
+        self.file_bytes = share(self.file_bytes);
         self.window = window;
         Ok(self)
     }

@@ -145,6 +145,18 @@ impl DataDir {
         Self(dir)
     }
 
+    /// Bytes of the segment files here.
+    pub(super) fn segment_bytes(&self) -> u64 {
+        std::fs::read_dir(self.0.join("segments"))
+            .map(|entries| {
+                entries
+                    .filter_map(|entry| entry.ok()?.metadata().ok())
+                    .map(|metadata| metadata.len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
     /// Options that persist here, with `memory_limit` for each device and
     /// `host_memory_limit` for the host tier (0: none, the host backend's default).
     pub(super) fn options(
