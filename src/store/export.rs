@@ -18,7 +18,7 @@ use super::lease::{Lease, LeaseTerms, Leases};
 use super::load::Loader;
 use super::memory::{ARRAY_OVERHEAD, charge};
 use super::relocate::Mover;
-use super::slot::{Resident, StoredPartition};
+use super::slot::{Resident, StoredPartition, Tier};
 use super::tier::Tiers;
 use crate::arrays::type_array_count;
 use crate::backend::{Backend, BackendError, ExportDevice, ExportedColumn};
@@ -374,11 +374,15 @@ fn check_partitions(dataset: &Dataset, one_partition: bool) -> Result<(), StoreE
         let spread = partitions
             .iter()
             .any(|p| p.device() != partitions[0].device());
+        let on_disk = partitions.iter().any(|p| p.tier() == Tier::Disk);
         return Err(StoreError::NotCompact {
             name: dataset.name().to_owned(),
             partitions: partitions.len(),
             reason: if spread {
                 "it is spread over several devices"
+            } else if on_disk {
+                "it was loaded from the data directory in parts of at most a quarter of its \
+                 device's budget each"
             } else {
                 "appended rows are merged only with partitions of comparable size, and only \
                  where memory is free for the merged copy (or a merged dictionary would \
@@ -394,7 +398,7 @@ mod tests {
     use super::*;
     use crate::backend::HostBackend;
     use crate::store::lease::Lease;
-    use crate::store::testing::{batch, put};
+    use crate::store::testing::{DataDir, batch, open_host, put, reopened};
     use crate::store::{PutMode, Store, StoreOptions};
 
     /// A store over the host backend holding a dataset `t`.
@@ -508,5 +512,39 @@ mod tests {
             matches!(refused, Err(StoreError::NotAnExportLease { .. })),
             "{refused:?}"
         );
+    }
+
+    /// A dataset loaded from the data directory in several parts cannot be described by a
+    /// version 1 document, and the refusal says why (and, as every such refusal, that
+    /// version 2 can).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_version_1_export_of_a_dataset_loaded_in_parts_says_so() {
+        let dir = DataDir::new("parts");
+        let options = dir.options(Some(16 << 20), 0);
+        let store = open_host(&options).await;
+        for i in 0..3 {
+            let mode = if i == 0 {
+                PutMode::Create
+            } else {
+                PutMode::Append
+            };
+            put(&store, mode, vec![batch(i * 600_000..(i + 1) * 600_000)])
+                .await
+                .commit()
+                .await
+                .expect("4.8 MB more");
+        }
+        let store = reopened(store, Arc::new(HostBackend::new()), &options).await;
+        assert!(store.get("t").expect("t").num_partitions() > 1, "in parts");
+        let mut request = ExportRequest::new("t", Duration::from_secs(60), "owner");
+        request.one_partition = true;
+        let refused = store.export(request).await.map(|_| ());
+        let Err(error @ StoreError::NotCompact { .. }) = refused else {
+            panic!("{refused:?}");
+        };
+        let message = error.to_string();
+        assert!(message.contains("data directory"), "{message}");
+        assert!(message.contains("version\": 2"), "{message}");
+        store.close().await;
     }
 }
