@@ -26,6 +26,7 @@ use nix::sys::memfd::{MFdFlags, memfd_create};
 
 use super::error::StoreError;
 use super::memory::Reservation;
+use super::tier::Tiers;
 
 /// The budget and quota grow by at least this much at a time: a charge per IPC message
 /// (some are a few bytes) would cost more than the copy.
@@ -191,6 +192,8 @@ struct ChargedFile {
     file: std::fs::File,
     written: u64,
     reservation: Reservation,
+    /// What grows `reservation`, making way where the data directory holds partitions.
+    tiers: Arc<Tiers>,
     quota: QuotaCharge,
     /// Why the last write was refused, for the caller (the IPC writer sees only an I/O error).
     refused: Option<StoreError>,
@@ -214,7 +217,7 @@ impl ChargedFile {
     /// Grows the quota and the budget by `bytes`, or neither.
     fn grow(&mut self, bytes: u64) -> Result<(), StoreError> {
         self.quota.try_grow(bytes)?;
-        if let Err(error) = self.reservation.try_grow(bytes) {
+        if let Err(error) = self.tiers.grow_host_copy(&mut self.reservation, bytes) {
             self.quota.shrink_by(bytes);
             return Err(error);
         }
@@ -264,9 +267,10 @@ impl std::fmt::Debug for SharedFileWriter {
 
 impl SharedFileWriter {
     /// A new memory file of rows of `schema`, written as `options` say, paid for by
-    /// `reservation` (grown on its budget) and `quota`.
+    /// `reservation` (grown on its budget by `tiers`) and `quota`.
     pub(crate) fn create(
         reservation: Reservation,
+        tiers: Arc<Tiers>,
         quota: QuotaCharge,
         schema: &Schema,
         options: IpcWriteOptions,
@@ -280,6 +284,7 @@ impl SharedFileWriter {
             file: std::fs::File::from(fd),
             written: 0,
             reservation,
+            tiers,
             quota,
             refused: None,
         };

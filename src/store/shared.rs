@@ -93,6 +93,7 @@ impl FileSetWriter {
         let reservation = self.tiers.reserve_host_copy(0)?;
         SharedFileWriter::create(
             reservation,
+            Arc::clone(&self.tiers),
             self.quota.another(),
             &self.schema,
             self.options.clone(),

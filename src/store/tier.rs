@@ -111,15 +111,40 @@ impl Tiers {
     }
 
     /// Reserves `bytes` of host memory the store hands to other processes (a shared-memory
-    /// read's file), grown with [`Reservation::try_grow`]. A backend of host memory pays from
+    /// read's file), grown with [`Tiers::grow_host_copy`]. A backend of host memory pays from
     /// its device with the most free memory (its devices are host memory); a backend of device
     /// memory from the host tier (`--host-memory-limit`), whose budget is the host memory the
-    /// server may hold beside its devices. Nothing spills to make room: the caller is told.
+    /// server may hold beside its devices. Nothing spills to make room (the caller is told),
+    /// but partitions the data directory holds make way, as for a put.
     pub(crate) fn reserve_host_copy(&self, bytes: u64) -> Result<Reservation, StoreError> {
         if self.backend.holds_host_memory() {
             self.budget.try_reserve(self.budget.freest_device(), bytes)
         } else {
             self.try_reserve_host(bytes)
+        }
+    }
+
+    /// Grows `copy` (from [`Tiers::reserve_host_copy`]) by `bytes`; where its budget has no
+    /// room, partitions the data directory holds go back there first (synchronously:
+    /// nothing is copied), on its device or in the host tier, whichever pays for it.
+    pub(crate) fn grow_host_copy(
+        &self,
+        copy: &mut Reservation,
+        bytes: u64,
+    ) -> Result<(), StoreError> {
+        match copy.try_grow(bytes) {
+            Err(error @ StoreError::MemoryExhausted { .. }) => {
+                let evicted = if copy.is_of(&self.budget) {
+                    self.evict_on(copy.device(), bytes)
+                } else {
+                    self.evict_from_host(bytes)
+                };
+                if evicted && copy.try_grow(bytes).is_ok() {
+                    return Ok(());
+                }
+                Err(error)
+            }
+            grown => grown,
         }
     }
 
@@ -897,5 +922,26 @@ mod tests {
             .expect("room made by evicting");
         assert_eq!(on_disk.tier(), Tier::Disk);
         assert_eq!(message.bytes(), 550);
+    }
+
+    /// A shared-memory read's file grows by evicting partitions the data directory holds,
+    /// as a put does: data on disk does not stand in the way of a copy handed out either.
+    #[tokio::test]
+    async fn a_host_copy_grows_by_evicting_what_the_disk_holds() {
+        let small = SmallDevice::new();
+        let on_disk = small.holding(25, 800).await;
+        let data = Arc::clone(&on_disk.slot.resident().data);
+        on_disk.slot.held_on_disk(data);
+        let tiers = &small.tiers;
+        let mut copy = tiers.reserve_host_copy(0).expect("nothing yet");
+        tiers
+            .grow_host_copy(&mut copy, 500)
+            .expect("room made by evicting");
+        assert_eq!(on_disk.tier(), Tier::Disk);
+        assert_eq!(copy.bytes(), 500);
+        assert!(
+            tiers.grow_host_copy(&mut copy, 600).is_err(),
+            "nothing more to evict"
+        );
     }
 }
