@@ -175,7 +175,9 @@ impl Tiers {
     /// [`Tiers::hold`]). The backend may upload on a task of its own (the cuda backend does),
     /// which goes on when the caller drops this future (a failed put or restore): so what
     /// pays for the upload (`reservation`, and `beside`, a charge to give back once the
-    /// upload is done) goes on a task with it, and the memory stays paid for until then.
+    /// upload is done) goes on a task with it, and the memory stays paid for until then. An
+    /// upload done at once (the host backend's) is held at once: a partition that requests
+    /// for room can spill, not a reservation nobody can move until its put looks again.
     pub(crate) fn upload(
         self: &Arc<Self>,
         batch: RecordBatch,
@@ -183,7 +185,14 @@ impl Tiers {
         beside: Option<Reservation>,
     ) -> BoxFuture<'static, Result<StoredPartition, StoreError>> {
         let data_bytes = crate::arrays::batch_bytes(&batch);
-        let uploading = self.backend.upload(reservation.device(), batch);
+        let mut uploading = self.backend.upload(reservation.device(), batch);
+        if let Some(data) = (&mut uploading).now_or_never() {
+            drop(beside);
+            let held = data
+                .map(|data| self.hold(data, reservation, data_bytes))
+                .map_err(StoreError::from);
+            return futures::future::ready(held).boxed();
+        }
         let task = tokio::spawn(async move {
             let data = uploading.await;
             drop(beside);
@@ -943,5 +952,21 @@ mod tests {
             tiers.grow_host_copy(&mut copy, 600).is_err(),
             "nothing more to evict"
         );
+    }
+
+    /// The host backend's uploads are done at once: held as partitions at once, they can be
+    /// spilled by the next request for room, where a reservation waiting on a task for its
+    /// put to look again could not (a put of three times a small device's budget failed).
+    #[tokio::test]
+    async fn an_upload_done_at_once_is_held_at_once() {
+        let small = SmallDevice::new();
+        let tiers = Arc::new(small.tiers);
+        let reservation = small.budget.try_reserve(0, 800).expect("fits");
+        let upload = tiers.upload(crate::store::testing::batch(0..100), reservation, None);
+        let held = upload
+            .now_or_never()
+            .expect("held at once")
+            .expect("uploaded");
+        assert_eq!(held.tier(), Tier::Device(0));
     }
 }
