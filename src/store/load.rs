@@ -130,7 +130,7 @@ impl DiskPartition {
         let mut row = self.starts[index];
         let mut kept = Vec::with_capacity(batches.len());
         for batch in batches {
-            let end = row + batch.num_rows() as u64;
+            let end = row.saturating_add(batch.num_rows() as u64);
             let (from, to) = (self.window.start.max(row), self.window.end.min(end));
             if from < to {
                 kept.push(if from == row && to == end {
@@ -203,7 +203,7 @@ impl DiskPartition {
                 read_segment(Arc::clone(&self.segments), index, Arc::clone(&self.schema)).await?;
             let mut row = start;
             for batch in batches {
-                let end = row + batch.num_rows() as u64;
+                let end = row.saturating_add(batch.num_rows() as u64);
                 let (from, to) = (rows.start.max(row), rows.end.min(end));
                 if from < to {
                     parts.push(batch.slice((from - row) as usize, (to - from) as usize));
