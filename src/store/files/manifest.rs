@@ -49,8 +49,11 @@ pub(crate) struct Segment {
 }
 
 /// The first line of `manifest.json`; the JSON manifest follows it. The checksum covers the
-/// body's bytes exactly, so a torn or altered manifest cannot parse as a smaller catalog.
+/// body's bytes exactly, so a torn or altered manifest cannot parse as a smaller catalog. No
+/// field it does not know: a bit flipped in a key (`sequence`, which older manifests lack)
+/// must not read as that field missing.
 #[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Header {
     format: u32,
     bytes: u64,
