@@ -134,12 +134,7 @@ impl Tiers {
     ) -> Result<(), StoreError> {
         match copy.try_grow(bytes) {
             Err(error @ StoreError::MemoryExhausted { .. }) => {
-                let evicted = if copy.is_of(&self.budget) {
-                    self.evict_on(copy.device(), bytes)
-                } else {
-                    self.evict_from_host(bytes)
-                };
-                if evicted && copy.try_grow(bytes).is_ok() {
+                if self.grow_by_evicting(copy, bytes) {
                     return Ok(());
                 }
                 Err(error)
@@ -379,14 +374,9 @@ impl Tiers {
                     *message = host;
                     return Ok(());
                 }
-                // Where it is paid for now (a device, or the host tier since an earlier
-                // part of it found no device with room).
-                let evicted = if message.is_of(&self.budget) {
-                    self.evict_on(message.device(), bytes)
-                } else {
-                    self.evict_from_host(bytes)
-                };
-                if evicted && message.try_grow(bytes).is_ok() {
+                // Where it is paid for now: a device, or the host tier since an earlier part
+                // of it found no device with room.
+                if self.grow_by_evicting(message, bytes) {
                     return Ok(());
                 }
                 Err(self.tiers_full(error))
@@ -609,6 +599,17 @@ impl Tiers {
             "partition dropped back to the data directory's files"
         );
         true
+    }
+
+    /// Grows `reservation` by `bytes` after putting partitions the data directory holds back
+    /// there, on the device or in the host tier, whichever pays for it; whether it grew.
+    fn grow_by_evicting(&self, reservation: &mut Reservation, bytes: u64) -> bool {
+        let evicted = if reservation.is_of(&self.budget) {
+            self.evict_on(reservation.device(), bytes)
+        } else {
+            self.evict_from_host(bytes)
+        };
+        evicted && reservation.try_grow(bytes).is_ok()
     }
 
     /// Puts least recently used partitions on `device` that the data directory holds back in
