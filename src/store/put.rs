@@ -438,19 +438,24 @@ mod tests {
         }
     }
 
-    /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts
-    /// them they may be in the host tier, which is not the backend's to compact (on the
-    /// cuda backend a soak saw INTERNAL "a partition from another backend").
-    #[tokio::test]
-    async fn partitions_spilled_before_their_compaction_are_left_as_they_are() {
-        let store = Store::new(
+    /// A store over the host backend with a device of 1 MiB and a host tier of 64 MiB.
+    fn small_device() -> Store {
+        Store::new(
             Arc::new(HostBackend::new()),
             StoreOptions {
                 memory_limit: Some(1 << 20),
                 host_memory_limit: Some(64 << 20),
                 ..StoreOptions::default()
             },
-        );
+        )
+    }
+
+    /// Other puts spill a put's uploaded partitions while it runs: by the time it compacts
+    /// them they may be in the host tier, which is not the backend's to compact (on the
+    /// cuda backend a soak saw INTERNAL "a partition from another backend").
+    #[tokio::test]
+    async fn partitions_spilled_before_their_compaction_are_left_as_they_are() {
+        let store = small_device();
         let pending = put(
             &store,
             PutMode::Create,
@@ -658,14 +663,7 @@ mod tests {
     /// part of the batch's, rather than being given back before the wait.
     #[tokio::test]
     async fn a_message_stays_paid_for_while_its_batch_waits_for_room() {
-        let store = Store::new(
-            Arc::new(HostBackend::new()),
-            StoreOptions {
-                memory_limit: Some(1 << 20),
-                host_memory_limit: Some(64 << 20),
-                ..StoreOptions::default()
-            },
-        );
+        let store = small_device();
         let used = |store: &Store| store.tiers.budget().used(0);
         put(&store, PutMode::Create, vec![batch(0..100_000)])
             .await
